@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Set up and run brownout from a fresh clone with nothing but Python 3.11+.
+
+    python3 dev.py lab     # the main job: the overload lab on the embedded demo system
+    python3 dev.py test    # the whole suite: ruff, mypy --strict, pytest
+
+Both create (or refresh, when pyproject.toml changed) a virtual environment in ./.venv and
+install brownout with every extra into it, so nothing needs installing by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+STAMP = VENV / ".brownout-stamp"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PY = BIN / "python"
+
+
+def _fingerprint() -> str:
+    return hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+
+
+def ensure_venv() -> None:
+    """Create ./.venv and install brownout[dev] into it unless it is already current."""
+    if sys.version_info < (3, 11):
+        sys.exit(f"brownout needs Python 3.11 or newer; this is {sys.version.split()[0]}")
+    wanted = _fingerprint()
+    if PY.exists() and STAMP.exists() and STAMP.read_text() == wanted:
+        return
+    if not PY.exists():
+        print("dev.py: creating .venv", flush=True)
+        venv.EnvBuilder(with_pip=True, clear=False).create(VENV)
+    print("dev.py: installing brownout[dev] into .venv (first run takes a minute)", flush=True)
+    pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    subprocess.run([*pip, "-e", f"{ROOT}[dev]"], check=True)
+    STAMP.write_text(wanted)
+
+
+def run(*args: str) -> int:
+    print("$", " ".join(args), flush=True)
+    return subprocess.run(list(args), cwd=ROOT).returncode
+
+
+def cmd_test(extra: list[str]) -> int:
+    ensure_redis()
+    steps = [
+        [str(BIN / "ruff"), "check", "src", "tests", "bench", "examples", "dev.py"],
+        [str(BIN / "ruff"), "format", "--check", "src", "tests", "bench", "examples", "dev.py"],
+        [str(BIN / "mypy"), "--strict", "src"],
+        [str(PY), "-m", "pytest", "-q", *extra],
+    ]
+    failed = [" ".join(s[:2]) for s in steps if run(*s) != 0]
+    if failed:
+        print("dev.py: FAILED:", ", ".join(failed), flush=True)
+        return 1
+    print("dev.py: all checks passed", flush=True)
+    return 0
+
+
+def ensure_redis() -> None:
+    """Start a throwaway Redis on 127.0.0.1:6379 when none answers and redis-server exists.
+
+    The quota tests need a real Redis; they skip loudly (with the reason) only when no
+    redis-server binary exists at all.
+    """
+    import shutil
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", 6379), timeout=0.5):
+            return
+    except OSError:
+        pass
+    server = shutil.which("redis-server")
+    if server is None:
+        print("dev.py: no redis-server on PATH; Redis tests will be skipped", flush=True)
+        return
+    subprocess.run(
+        [server, "--daemonize", "yes", "--port", "6379", "--save", "", "--appendonly", "no"],
+        check=False,
+    )
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in {"lab", "test", "setup", "brownout"}:
+        print(__doc__)
+        return 2
+    ensure_venv()
+    cmd, extra = sys.argv[1], sys.argv[2:]
+    if cmd == "setup":
+        return 0
+    if cmd == "test":
+        return cmd_test(extra)
+    if cmd == "lab":
+        return run(str(BIN / "brownout"), "lab", *extra)
+    return run(str(BIN / "brownout"), *extra)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""brownout: keep a service's goodput at capacity under overload.
+
+Serve what can be served within each caller's deadline, shed the rest early and cheaply,
+retry in one layer under a budget, degrade optional features in declared ways, and show all
+of it in metrics. The names below are the public API; everything else is an implementation
+detail that may change.
+"""
+
+from .clock import Clock, LoopClock, ManualClock, MonotonicClock
+from .context import (
+    RequestContext,
+    bind,
+    check_deadline,
+    current,
+    deadline,
+    remaining,
+    request,
+)
+from .deadline import Deadline, call_budget
+from .errors import (
+    BrownoutError,
+    DeadlineExceeded,
+    FailClosed,
+    HeaderError,
+    Reason,
+    Rejected,
+    UnknownOutcome,
+)
+from .events import Event, EventHub, Sink, hub
+from .priority import Priority
+from .propagation import BudgetSigner, InboundDeadlinePolicy, Trust
+from .stats import Stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BrownoutError",
+    "BudgetSigner",
+    "Clock",
+    "Deadline",
+    "DeadlineExceeded",
+    "Event",
+    "EventHub",
+    "FailClosed",
+    "HeaderError",
+    "InboundDeadlinePolicy",
+    "LoopClock",
+    "ManualClock",
+    "MonotonicClock",
+    "Priority",
+    "Reason",
+    "Rejected",
+    "RequestContext",
+    "Sink",
+    "Stats",
+    "Trust",
+    "UnknownOutcome",
+    "__version__",
+    "bind",
+    "call_budget",
+    "check_deadline",
+    "current",
+    "deadline",
+    "hub",
+    "remaining",
+    "request",
+]

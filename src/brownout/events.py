@@ -1,0 +1,256 @@
+"""Typed, immutable events: every decision brownout makes is one of these (O1).
+
+Primitives emit events to an `EventHub`; sinks (the in-memory `Stats`, Prometheus,
+OpenTelemetry, shed logs) subscribe to it. No primitive imports an exporter. When nothing is
+subscribed, primitives skip building the event at all (``hub.enabled`` is false), so the hot
+path pays one attribute check.
+
+Field conventions: ``at`` is the monotonic time of the decision (the loop's clock);
+``source`` names the component that decided (a bulkhead, dependency or edge name); durations
+are seconds; ``remaining`` is the time left on the request's deadline (``None``: no deadline).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from .errors import Reason
+from .priority import Priority
+
+__all__ = [
+    "AttemptRetried",
+    "BreakerStateChanged",
+    "DeadlineHeaderIgnored",
+    "DegradedModeChanged",
+    "Event",
+    "EventHub",
+    "LimitChanged",
+    "OutcomeUnknown",
+    "OverloadLevelChanged",
+    "QuotaBackendChanged",
+    "RequestAbandoned",
+    "RequestAdmitted",
+    "RequestCompleted",
+    "RequestEvent",
+    "RequestExpired",
+    "RequestFailed",
+    "RequestOffered",
+    "RequestQueued",
+    "RequestShed",
+    "RetryBudgetExhausted",
+    "Sink",
+    "hub",
+]
+
+_log = logging.getLogger("brownout.events")
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Base of every event: when it happened, and which component decided."""
+
+    at: float
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEvent(Event):
+    """An event about one unit of work: who asked, for what, and how much it matters."""
+
+    operation: str
+    priority: Priority
+    caller: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOffered(RequestEvent):
+    """Work arrived and asked to be admitted."""
+
+    remaining: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestQueued(RequestEvent):
+    """Work had to wait; ``depth`` is the queue length after it joined."""
+
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAdmitted(RequestEvent):
+    """Work got a permit; ``queue_wait`` is how long it waited for it (0 if it did not)."""
+
+    queue_wait: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestShed(RequestEvent):
+    """Work refused, with the reason.
+
+    ``false_positive`` is true when the refusal happened while capacity existed (in-flight
+    below the limit and nothing queued); S8 says this must stay at zero.
+    """
+
+    reason: Reason
+    remaining: float | None
+    queue_wait: float
+    false_positive: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RequestExpired(RequestEvent):
+    """Work whose deadline passed: dropped at the queue head (``stage="queue"``) or cancelled
+    while running (``stage="running"``). Never run late."""
+
+    stage: str
+    queue_wait: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCompleted(RequestEvent):
+    """Work finished. ``useful`` is true when it finished within its deadline (goodput)."""
+
+    latency: float
+    useful: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed(RequestEvent):
+    """Work admitted and run, but it failed; ``error`` is the exception type name."""
+
+    latency: float
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAbandoned(RequestEvent):
+    """The caller went away (client disconnect) before the answer; not a success."""
+
+    latency: float
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRetried(RequestEvent):
+    """An outbound call is being retried: ``attempt`` is the number of the next attempt."""
+
+    attempt: int
+    cause: str
+    backoff: float
+
+
+@dataclass(frozen=True, slots=True)
+class RetryBudgetExhausted(RequestEvent):
+    """A retry was wanted but the budget had no tokens; the original error was returned."""
+
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class OutcomeUnknown(RequestEvent):
+    """A mutation was sent but its result is unknown; reconcile by ``idempotency_key`` (D6)."""
+
+    idempotency_key: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerStateChanged(Event):
+    """A circuit breaker moved between ``closed``, ``open`` and ``half_open``."""
+
+    old: str
+    new: str
+
+
+@dataclass(frozen=True, slots=True)
+class LimitChanged(Event):
+    """A concurrency limit changed (adaptive limits)."""
+
+    old: int
+    new: int
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadLevelChanged(Event):
+    """The overload manager changed level; ``signals`` names what drove it."""
+
+    old: int
+    new: int
+    signals: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DegradedModeChanged(Event):
+    """A declared degraded mode was entered (``active``) or left; ``trigger`` says why."""
+
+    mode: str
+    active: bool
+    trigger: str
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaBackendChanged(Event):
+    """A shared quota store became unreachable (``fallback`` active) or came back."""
+
+    fallback: bool
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlineHeaderIgnored(Event):
+    """An inbound deadline/priority header was malformed, forged or untrusted and ignored."""
+
+    header: str
+    problem: str
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Receives events. Must be cheap and must not block: it runs on the request path."""
+
+    def emit(self, event: Event) -> None: ...
+
+
+class EventHub:
+    """Fans events out to subscribed sinks.
+
+    A sink that raises is logged (once per sink type) and never breaks the request that
+    triggered the event.
+    """
+
+    __slots__ = ("_complained", "_sinks")
+
+    def __init__(self) -> None:
+        self._sinks: tuple[Sink, ...] = ()
+        self._complained: set[type] = set()
+
+    @property
+    def enabled(self) -> bool:
+        """True when at least one sink listens; emitters skip building events otherwise."""
+        return bool(self._sinks)
+
+    def subscribe(self, sink: Sink) -> Sink:
+        """Add a sink (idempotent); returns it so it can be kept for `unsubscribe`."""
+        if sink not in self._sinks:
+            self._sinks = (*self._sinks, sink)
+        return sink
+
+    def unsubscribe(self, sink: Sink) -> None:
+        self._sinks = tuple(s for s in self._sinks if s is not sink)
+
+    @property
+    def sinks(self) -> tuple[Sink, ...]:
+        return self._sinks
+
+    def emit(self, event: Event) -> None:
+        for sink in self._sinks:
+            try:
+                sink.emit(event)
+            except Exception:  # a broken exporter must not break requests
+                if type(sink) not in self._complained:
+                    self._complained.add(type(sink))
+                    _log.exception("brownout sink %r raised; further errors suppressed", sink)
+
+
+hub = EventHub()
+"""The process-wide default hub; components emit here unless given their own."""

@@ -29,6 +29,7 @@ from .errors import (
 from .events import Event, EventHub, Sink, hub
 from .priority import Priority
 from .propagation import BudgetSigner, InboundDeadlinePolicy, Trust
+from .quota import InMemoryQuotaStore, Quota, QuotaDecision, RedisQuotaStore
 from .stats import Stats
 
 __version__ = "0.1.0"
@@ -43,12 +44,16 @@ __all__ = [
     "EventHub",
     "FailClosed",
     "HeaderError",
+    "InMemoryQuotaStore",
     "InboundDeadlinePolicy",
     "LoopClock",
     "ManualClock",
     "MonotonicClock",
     "Priority",
+    "Quota",
+    "QuotaDecision",
     "Reason",
+    "RedisQuotaStore",
     "Rejected",
     "RequestContext",
     "Sink",

@@ -1,0 +1,107 @@
+"""GCRA, the generic cell rate algorithm: a rate limit with a burst, in one number per key.
+
+A key's whole state is its *theoretical arrival time* (TAT): the instant at which the key's
+bucket would be full again if nothing more arrived. A request of ``cost`` units moves the
+TAT forward by ``cost / rate`` seconds; it is allowed when the new TAT is no further than
+``burst / rate`` seconds past now. That is exactly a token bucket of capacity ``burst``
+refilled at ``rate`` per second, but with a single float of state and no refill timer, which
+is why the same arithmetic fits in a Redis script (`brownout.quota.redis`).
+
+The functions here are pure: time is an argument, so the property tests run on virtual time
+and the Redis script can be checked against them decision by decision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["GcraOutcome", "GcraPolicy", "decide"]
+
+
+@dataclass(frozen=True, slots=True)
+class GcraPolicy:
+    """A rate limit: ``rate`` units per second on average, up to ``burst`` units at once.
+
+    Over any interval of ``t`` seconds a key is never allowed more than ``rate * t + burst``
+    units (the property the tests check).
+    """
+
+    rate: float
+    burst: int
+
+    def __post_init__(self) -> None:
+        if not (self.rate > 0 and math.isfinite(self.rate)):
+            raise ValueError(f"rate must be a positive finite number, got {self.rate!r}")
+        if self.burst < 1:
+            raise ValueError(f"burst must be >= 1, got {self.burst!r}")
+
+    @property
+    def interval(self) -> float:
+        """Seconds one unit of cost occupies (the emission interval, ``1 / rate``)."""
+        return 1.0 / self.rate
+
+    @property
+    def tolerance(self) -> float:
+        """How far past now a key's TAT may run (``burst / rate``): the burst, in seconds."""
+        return self.burst / self.rate
+
+    def scaled(self, share: int) -> GcraPolicy:
+        """This policy divided among ``share`` instances (the local fail-open fallback)."""
+        if share < 1:
+            raise ValueError("share must be >= 1")
+        return GcraPolicy(self.rate / share, max(1, self.burst // share))
+
+
+@dataclass(frozen=True, slots=True)
+class GcraOutcome:
+    """One decision of `decide`.
+
+    ``tat`` is the key's new state (unchanged when refused). ``retry_after`` is the seconds
+    until this same request would be allowed (0 when allowed). ``remaining`` is how many
+    more unit-cost requests would be allowed right now; ``reset`` is the seconds until the
+    key's bucket is full again (after which the key holds no state worth keeping).
+    """
+
+    allowed: bool
+    tat: float
+    retry_after: float
+    remaining: int
+    reset: float
+
+
+def decide(policy: GcraPolicy, tat: float | None, now: float, cost: int = 1) -> GcraOutcome:
+    """Decide one request of ``cost`` units for a key whose state is ``tat`` (None: new key).
+
+    Pure: no clock is read. A refused request does not change the state, so a caller that
+    keeps hammering while refused does not push its own recovery further away.
+    """
+    if cost < 1:
+        raise ValueError(f"cost must be >= 1, got {cost!r}")
+    if cost > policy.burst:
+        raise ValueError(f"cost {cost} exceeds burst {policy.burst}: it could never be allowed")
+    interval = 1.0 / policy.rate
+    tolerance = policy.burst * interval
+    base = now if tat is None or tat < now else tat
+    new_tat = base + cost * interval
+    allow_at = new_tat - tolerance
+    if now < allow_at:
+        return GcraOutcome(
+            allowed=False,
+            tat=base,
+            retry_after=allow_at - now,
+            remaining=_remaining(base, now, tolerance, interval),
+            reset=base - now,
+        )
+    return GcraOutcome(
+        allowed=True,
+        tat=new_tat,
+        retry_after=0.0,
+        remaining=_remaining(new_tat, now, tolerance, interval),
+        reset=new_tat - now,
+    )
+
+
+def _remaining(tat: float, now: float, tolerance: float, interval: float) -> int:
+    # A tiny epsilon keeps 19.999999 from reading as 19 after float round-off.
+    return max(0, int((now + tolerance - tat) / interval + 1e-9))

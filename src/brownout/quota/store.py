@@ -1,0 +1,40 @@
+"""What a quota store is: where GCRA state lives (this process, or a store shared by a fleet)."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from ..errors import BrownoutError
+from .gcra import GcraOutcome, GcraPolicy
+
+__all__ = ["QuotaStore", "QuotaStoreUnavailable"]
+
+
+@runtime_checkable
+class QuotaStore(Protocol):
+    """Decides one request for a key, atomically, wherever the state lives.
+
+    ``budget`` bounds the whole decision in seconds (at most the store's own timeout;
+    ``None``: that timeout);
+    a store that cannot answer in time, or at all, raises `QuotaStoreUnavailable`.
+    """
+
+    shared: bool
+    """True when several processes see the same state (so the limit is fleet-wide)."""
+
+    async def decide(
+        self, key: str, policy: GcraPolicy, cost: int = 1, budget: float | None = None
+    ) -> GcraOutcome: ...
+
+
+class QuotaStoreUnavailable(BrownoutError):
+    """A shared quota store did not answer: timed out, unreachable, or answered with an error.
+
+    ``timed_out`` tells a slow store from a broken one; `Quota` applies its failure policy
+    either way.
+    """
+
+    def __init__(self, detail: str, *, timed_out: bool = False) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.timed_out = timed_out

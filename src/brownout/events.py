@@ -26,6 +26,7 @@ __all__ = [
     "DegradedModeChanged",
     "Event",
     "EventHub",
+    "GuardFailedClosed",
     "LimitChanged",
     "OutcomeUnknown",
     "OverloadLevelChanged",
@@ -41,6 +42,7 @@ __all__ = [
     "RequestShed",
     "RetryBudgetExhausted",
     "Sink",
+    "StaleServed",
     "hub",
 ]
 
@@ -254,3 +256,24 @@ class EventHub:
 
 hub = EventHub()
 """The process-wide default hub; components emit here unless given their own."""
+
+
+# -- appended by the degradation area (issue 8) ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StaleServed(Event):
+    """A `StaleCache` served content older than its freshness bound (G1); ``age`` in seconds,
+    ``refreshing`` is true when a refresh is in flight. Keys are never labels (unbounded)."""
+
+    age: float
+    refreshing: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GuardFailedClosed(Event):
+    """A `FailClosedGuard` refused to answer because its authoritative source failed (G4);
+    ``what`` is the guarded data (e.g. ``authorization``), ``cause`` the failure's type name."""
+
+    what: str
+    cause: str

@@ -84,7 +84,9 @@ def decide(policy: GcraPolicy, tat: float | None, now: float, cost: int = 1) -> 
     tolerance = policy.burst * interval
     base = now if tat is None or tat < now else tat
     new_tat = base + cost * interval
-    allow_at = new_tat - tolerance
+    # Not ``new_tat - tolerance``: this order is exact for a fresh key (allow_at <= now), where
+    # the other rounds to a hair past now and would refuse a burst's first request.
+    allow_at = base + (cost - policy.burst) * interval
     if now < allow_at:
         return GcraOutcome(
             allowed=False,

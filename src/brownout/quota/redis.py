@@ -41,7 +41,7 @@ local tolerance = burst * interval
 local tat = tonumber(redis.call('GET', KEYS[1]) or '')
 if tat == nil or tat < now then tat = now end
 local new_tat = tat + cost * interval
-local allow_at = new_tat - tolerance
+local allow_at = tat + (cost - burst) * interval
 if now < allow_at then
   local remaining = math.floor((now + tolerance - tat) / interval + 1e-9)
   if remaining < 0 then remaining = 0 end

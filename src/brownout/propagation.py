@@ -125,7 +125,9 @@ def encode_budget_ms(seconds: float) -> str:
         raise HeaderError("cannot encode a NaN budget")
     if seconds <= 0:
         return "0"
-    return str(min(int(seconds * 1000), 999_999_999_999))
+    # Rounding to the microsecond first keeps a decoded value from re-encoding 1 ms short
+    # through float error; the millisecond itself is rounded down.
+    return str(min(math.floor(round(seconds * 1000, 3)), 999_999_999_999))
 
 
 def decode_budget_ms(value: str | bytes, header: str = BUDGET_HEADER) -> float:
@@ -173,8 +175,8 @@ class BudgetSigner:
                 raise ValueError(f"key id {kid!r} must be non-empty ASCII without '.'")
             if len(secret) < 16:
                 raise ValueError(f"the secret for key {kid!r} is shorter than 16 bytes")
-        self._keys = dict(keys)
-        self._signing_kid = next(iter(self._keys))
+        self._keys = {kid.encode("ascii"): secret for kid, secret in keys.items()}
+        self._signing_kid = next(iter(keys))
         self.skew_tolerance = skew_tolerance
         self._wall = wall_clock
 
@@ -187,7 +189,8 @@ class BudgetSigner:
         ms = encode_budget_ms(seconds)
         issued = int(self._wall() * 1000)
         message = f"v1.{self._signing_kid}.{ms}.{issued}".encode("ascii")
-        sig = base64.urlsafe_b64encode(self._mac(self._keys[self._signing_kid], message))
+        secret = self._keys[self._signing_kid.encode("ascii")]
+        sig = base64.urlsafe_b64encode(self._mac(secret, message))
         return f"{message.decode('ascii')}.{sig.rstrip(b'=').decode('ascii')}"
 
     def verify(self, value: str | bytes) -> float:
@@ -197,7 +200,7 @@ class BudgetSigner:
         if len(parts) != 5 or parts[0] != b"v1":
             raise HeaderError(f"malformed {SIGNED_BUDGET_HEADER}")
         _, kid, ms, issued, sig = parts
-        secret = self._keys.get(kid.decode("ascii"))
+        secret = self._keys.get(kid)
         if secret is None:
             raise HeaderError(f"unknown signing key id {kid[:20]!r}")
         expected = self._mac(secret, b".".join(parts[:4]))

@@ -1,0 +1,198 @@
+"""The request context and deadline scopes (D1, D5), on virtual time (looptime)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import threading
+
+import pytest
+
+import brownout
+from brownout import DeadlineExceeded, Priority, RequestContext
+
+
+def test_empty_context_outside_requests() -> None:
+    ctx = brownout.current()
+    assert ctx.deadline is None
+    assert brownout.remaining() is None
+    assert ctx.priority is Priority.CRITICAL
+
+
+def test_sync_scope_sets_and_restores() -> None:
+    with brownout.request(deadline=1.0, caller="alice", operation="checkout") as ctx:
+        assert brownout.current() is ctx
+        assert ctx.caller == "alice"
+        remaining = brownout.remaining()
+        assert remaining is not None and 0.9 < remaining <= 1.0
+    assert brownout.current().caller == "unknown"
+
+
+def test_nested_scopes_only_shorten() -> None:
+    with brownout.deadline(1.0):
+        outer = brownout.current().deadline
+        with brownout.deadline(60.0):
+            assert brownout.current().deadline is outer
+        with brownout.deadline(0.5):
+            inner = brownout.current().deadline
+            assert inner is not None and outer is not None and inner.at < outer.at
+    ctx = RequestContext(deadline=brownout.Deadline.after(1.0))
+    longer = ctx.replace(deadline=brownout.Deadline.after(10.0))
+    assert longer.deadline is ctx.deadline
+
+
+def test_context_is_immutable() -> None:
+    with pytest.raises(AttributeError):
+        brownout.current().caller = "x"  # type: ignore[misc]
+
+
+def test_check_deadline_for_sync_code() -> None:
+    clock = brownout.ManualClock()
+    with brownout.deadline(brownout.Deadline.after(1.0, clock=clock)):
+        brownout.check_deadline()
+        clock.advance(2.0)
+        with pytest.raises(DeadlineExceeded):
+            brownout.check_deadline()
+
+
+@pytest.mark.looptime
+async def test_async_scope_cancels_at_expiry_on_virtual_time() -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(DeadlineExceeded) as info:
+        async with brownout.deadline(1.2):
+            await asyncio.sleep(100)
+    assert isinstance(info.value, TimeoutError)
+    assert loop.time() - start == pytest.approx(1.2)
+
+
+@pytest.mark.looptime
+async def test_inner_longer_scope_is_still_bounded_by_outer() -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(DeadlineExceeded):
+        async with brownout.deadline(1.0), brownout.deadline(30.0):
+            assert brownout.remaining() == pytest.approx(1.0)
+            await asyncio.sleep(100)
+    assert loop.time() - start == pytest.approx(1.0)
+
+
+@pytest.mark.looptime
+async def test_work_that_finishes_in_time_is_untouched() -> None:
+    async with brownout.deadline(1.0):
+        await asyncio.sleep(0.9)
+    assert brownout.remaining() is None
+
+
+@pytest.mark.looptime
+async def test_taskgroup_children_are_cancelled_with_the_scope() -> None:
+    cancelled: list[str] = []
+
+    async def child(name: str) -> None:
+        try:
+            await asyncio.sleep(100)
+        except asyncio.CancelledError:
+            cancelled.append(name)
+            raise
+
+    with pytest.raises(DeadlineExceeded):
+        async with brownout.deadline(0.5), asyncio.TaskGroup() as tg:
+            tg.create_task(child("a"))
+            tg.create_task(child("b"))
+    assert sorted(cancelled) == ["a", "b"]
+
+
+@pytest.mark.looptime
+async def test_outer_cancellation_is_never_swallowed() -> None:
+    async def work() -> None:
+        async with brownout.deadline(10.0):
+            await asyncio.sleep(100)
+
+    task = asyncio.create_task(work())
+    await asyncio.sleep(1.0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.looptime
+async def test_outer_timeout_is_not_reported_as_our_deadline() -> None:
+    with pytest.raises(TimeoutError) as info:
+        async with asyncio.timeout(0.5):
+            async with brownout.deadline(10.0):
+                await asyncio.sleep(100)
+    assert not isinstance(info.value, DeadlineExceeded)
+
+
+@pytest.mark.looptime
+async def test_expired_deadline_refuses_to_start() -> None:
+    ran = False
+    with pytest.raises(DeadlineExceeded):
+        async with brownout.deadline(0.0):
+            ran = True
+    assert not ran
+
+
+@pytest.mark.looptime
+async def test_context_follows_tasks() -> None:
+    async with brownout.request(deadline=2.0, caller="bob", priority=Priority.SHEDDABLE):
+        seen = await asyncio.create_task(asyncio.sleep(0.1, result=brownout.current()))
+    assert seen.caller == "bob"
+    assert seen.priority is Priority.SHEDDABLE
+
+
+async def test_context_reaches_to_thread() -> None:
+    # asyncio.to_thread copies the context; remaining time keeps counting down there.
+    async with brownout.request(deadline=5.0, caller="carol"):
+        caller, left = await asyncio.to_thread(
+            lambda: (brownout.current().caller, brownout.remaining())
+        )
+    assert caller == "carol"
+    assert left is not None and 4.0 < left <= 5.0
+
+
+async def test_run_in_executor_needs_bind() -> None:
+    loop = asyncio.get_running_loop()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        async with brownout.request(deadline=5.0, caller="dave"):
+            unbound = await loop.run_in_executor(pool, lambda: brownout.current().caller)
+            bound = await loop.run_in_executor(
+                pool, brownout.bind(lambda: brownout.current().caller)
+            )
+    assert unbound == "unknown"  # executors do not copy contextvars by themselves
+    assert bound == "dave"
+
+
+def test_bind_for_raw_threads() -> None:
+    out: list[str] = []
+    with brownout.request(caller="erin"):
+        t = threading.Thread(target=brownout.bind(lambda: out.append(brownout.current().caller)))
+    t.start()
+    t.join()
+    assert out == ["erin"]
+    assert contextvars.copy_context() is not None
+
+
+@pytest.mark.looptime
+async def test_nan_and_foreign_clock_deadlines() -> None:
+    with pytest.raises(ValueError, match="NaN"):
+        async with brownout.deadline(float("nan")):
+            pass
+    # A deadline on another clock is translated onto the loop's timers by its remaining time.
+    manual = brownout.ManualClock(1000.0)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(DeadlineExceeded):
+        async with brownout.deadline(brownout.Deadline.after(2.0, clock=manual)):
+            await asyncio.sleep(100)
+    assert loop.time() - start == pytest.approx(2.0)
+
+
+@pytest.mark.looptime
+async def test_request_scope_sets_fields_and_enforces_deadline() -> None:
+    with pytest.raises(DeadlineExceeded):
+        async with brownout.request(deadline=0.5, caller="x", operation="op") as ctx:
+            assert ctx.caller == "x" and ctx.operation == "op"
+            await asyncio.sleep(1)
+    assert brownout.current().caller == "unknown"

@@ -1,0 +1,61 @@
+"""The event hub (O1): typed immutable events, cheap when unobserved, robust to broken sinks."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from brownout import Priority, Reason
+from brownout.events import Event, EventHub, RequestShed
+
+
+def shed() -> RequestShed:
+    return RequestShed(
+        1.0, "api", "checkout", Priority.CRITICAL, "alice", Reason.QUEUE_FULL, 0.2, 0.0
+    )
+
+
+def test_events_are_immutable() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        shed().reason = Reason.QUOTA  # type: ignore[misc]
+
+
+def test_hub_fans_out_and_reports_enabled() -> None:
+    hub = EventHub()
+    assert not hub.enabled
+    got: list[Event] = []
+
+    class Collect:
+        def emit(self, event: Event) -> None:
+            got.append(event)
+
+    sink = hub.subscribe(Collect())
+    hub.subscribe(sink)  # idempotent
+    assert hub.enabled
+    hub.emit(shed())
+    assert len(got) == 1
+    hub.unsubscribe(sink)
+    assert not hub.enabled
+
+
+def test_a_broken_sink_never_breaks_the_request(caplog: pytest.LogCaptureFixture) -> None:
+    hub = EventHub()
+    got: list[Event] = []
+
+    class Broken:
+        def emit(self, event: Event) -> None:
+            raise RuntimeError("exporter down")
+
+    class Collect:
+        def emit(self, event: Event) -> None:
+            got.append(event)
+
+    hub.subscribe(Broken())
+    hub.subscribe(Collect())
+    with caplog.at_level(logging.ERROR, logger="brownout.events"):
+        hub.emit(shed())
+        hub.emit(shed())
+    assert len(got) == 2
+    assert sum("raised" in r.message for r in caplog.records) == 1  # logged once, not per event

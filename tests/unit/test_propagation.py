@@ -1,0 +1,270 @@
+"""Propagation codecs and the inbound policy (D2, D3): exact to spec, never raising into apps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import brownout
+from brownout import BudgetSigner, HeaderError, InboundDeadlinePolicy, Priority, Stats, Trust
+from brownout.events import DeadlineHeaderIgnored, EventHub
+from brownout.propagation import (
+    BUDGET_HEADER,
+    ENVOY_TIMEOUT_HEADER,
+    SIGNED_BUDGET_HEADER,
+    decode_budget_ms,
+    decode_grpc_timeout,
+    encode_budget_ms,
+    encode_grpc_timeout,
+    outbound_headers,
+)
+
+# -- grpc-timeout ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        ("1H", 3600),
+        ("2M", 120),
+        ("3S", 3),
+        ("250m", 0.25),
+        ("7u", 7e-6),
+        ("99999999n", 0.099999999),
+    ],
+)
+def test_grpc_timeout_decodes_every_unit(value: str, seconds: float) -> None:
+    assert decode_grpc_timeout(value) == pytest.approx(seconds)
+    assert decode_grpc_timeout(value.encode()) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["", "1", "S", "123456789S", "-1S", "1.5S", "1s", "1 S", " 1S", "1S\n", "١S", "1h", "0x1S"],
+)
+def test_grpc_timeout_rejects_off_spec_values(bad: str) -> None:
+    with pytest.raises(HeaderError):
+        decode_grpc_timeout(bad)
+
+
+def test_grpc_timeout_encode_picks_the_finest_unit_that_fits() -> None:
+    assert encode_grpc_timeout(0.05) == "50000000n"
+    assert encode_grpc_timeout(1.2) == "1200000u"
+    assert encode_grpc_timeout(150.0) == "150000m"
+    assert encode_grpc_timeout(1e6) == "1000000S"
+    assert encode_grpc_timeout(0) == "0n"
+    assert encode_grpc_timeout(-3) == "0n"
+    assert encode_grpc_timeout(float("inf")) == "99999999H"
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.floats(min_value=1e-9, max_value=3.6e11, allow_nan=False))
+def test_grpc_timeout_round_trip_never_extends(seconds: float) -> None:
+    encoded = encode_grpc_timeout(seconds)
+    assert 2 <= len(encoded) <= 9
+    decoded = decode_grpc_timeout(encoded)
+    assert decoded <= seconds * (1 + 1e-12)
+    # The finest unit that fits keeps at least 10^5 steps (units are 1000x apart at most).
+    assert decoded >= seconds * (1 - 1e-5) - 1e-9
+
+
+# -- integer milliseconds ---------------------------------------------------------------------
+
+
+def test_budget_ms_codec() -> None:
+    assert encode_budget_ms(1.2345) == "1234"
+    assert encode_budget_ms(-1) == "0"
+    assert decode_budget_ms("1234") == pytest.approx(1.234)
+    assert decode_budget_ms(b" 50 ") == pytest.approx(0.05)
+    for bad in ["", "-5", "1.5", "1e3", "abc", "9" * 13, "١٢"]:
+        with pytest.raises(HeaderError):
+            decode_budget_ms(bad)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.integers(min_value=0, max_value=10**12 - 1))
+def test_budget_ms_round_trip(ms: int) -> None:
+    assert encode_budget_ms(decode_budget_ms(str(ms))) == str(ms)
+
+
+# -- signed budgets ---------------------------------------------------------------------------
+
+KEY = b"s3cret-key-of-at-least-16-bytes"
+
+
+def signer(now: list[float], **keys: bytes) -> BudgetSigner:
+    return BudgetSigner(keys or {"k1": KEY}, skew_tolerance=5.0, wall_clock=lambda: now[0])
+
+
+def test_signed_budget_round_trip_and_rotation() -> None:
+    now = [1_800_000_000.0]
+    old = signer(now, k1=KEY)
+    value = old.sign(1.5)
+    assert old.verify(value) == 1.5
+    rotated = signer(now, k2=b"another-secret-key-123", k1=KEY)  # new key first, old still verifies
+    assert rotated.verify(value) == 1.5
+    assert rotated.verify(rotated.sign(0.25)) == 0.25
+    retired = signer(now, k2=b"another-secret-key-123")
+    with pytest.raises(HeaderError, match="unknown signing key"):
+        retired.verify(value)
+
+
+def test_signed_budget_rejects_tampering_and_replay() -> None:
+    now = [1_800_000_000.0]
+    s = signer(now)
+    value = s.sign(1.5)
+    parts = value.split(".")
+    tampered = ".".join([*parts[:2], "60000", *parts[3:]])
+    with pytest.raises(HeaderError, match="bad signature"):
+        s.verify(tampered)
+    now[0] += 6.0  # beyond the skew tolerance: a replayed header is refused
+    with pytest.raises(HeaderError, match="replay"):
+        s.verify(value)
+
+
+def test_signer_refuses_weak_configuration() -> None:
+    with pytest.raises(ValueError):
+        BudgetSigner({})
+    with pytest.raises(ValueError):
+        BudgetSigner({"k": b"short"})
+    with pytest.raises(ValueError):
+        BudgetSigner({"a.b": KEY})
+
+
+# -- parsers raise only HeaderError on arbitrary input -----------------------------------------
+
+_SIGNER = BudgetSigner({"k1": KEY})
+PARSERS = [decode_grpc_timeout, decode_budget_ms, _SIGNER.verify]
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.one_of(st.binary(max_size=64), st.text(max_size=64)))
+def test_parsers_raise_only_header_error(value: bytes | str) -> None:
+    for parse in PARSERS:
+        try:
+            parse(value)
+        except HeaderError:
+            pass
+
+
+def _mutations(rng: random.Random, seeds: list[bytes], n: int) -> list[bytes]:
+    """Near-valid inputs: flip, insert, delete and splice bytes of valid values."""
+    out: list[bytes] = []
+    for _ in range(n):
+        b = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 3)):
+            op = rng.randrange(4)
+            pos = rng.randrange(len(b) + 1)
+            if op == 0 and b:
+                b[min(pos, len(b) - 1)] = rng.randrange(256)
+            elif op == 1:
+                b.insert(pos, rng.choice(b"0123456789HMSmun.-=_ \t\x00\xff"))
+            elif op == 2 and b:
+                del b[min(pos, len(b) - 1)]
+            else:
+                b += rng.choice(seeds)[: rng.randrange(8)]
+        out.append(bytes(b))
+    return out
+
+
+def test_parsers_on_100k_generated_inputs() -> None:
+    """10^5 generated inputs (random bytes and near-valid mutations) through every parser."""
+    rng = random.Random(20261130)
+    seeds = [b"250m", b"1H", b"99999999n", b"1500", _SIGNER.sign(1.5).encode()]
+    inputs = _mutations(rng, seeds, 70_000)
+    inputs += [rng.randbytes(rng.randrange(24)) for _ in range(30_000)]
+    accepted = 0
+    for value in inputs:
+        for parse in PARSERS:
+            try:
+                parse(value)
+                accepted += 1
+            except HeaderError:
+                pass
+    assert len(inputs) >= 100_000
+    assert accepted > 0  # the mutator keeps some inputs valid, so both paths are exercised
+
+
+# -- inbound policy ---------------------------------------------------------------------------
+
+
+def test_untrusted_sixty_seconds_is_clamped_to_the_route_maximum() -> None:
+    policy = InboundDeadlinePolicy(default=2.0, maximum=5.0)
+    budget = policy.resolve({BUDGET_HEADER: "60000"}.get, Trust.UNTRUSTED)
+    assert budget.seconds == 5.0
+    assert budget.clamped
+
+
+def test_untrusted_may_shorten_but_can_be_ignored_entirely() -> None:
+    headers = {BUDGET_HEADER: "300"}.get
+    assert InboundDeadlinePolicy().resolve(headers, Trust.UNTRUSTED).seconds == 0.3
+    strict = InboundDeadlinePolicy(default=2.0, honour_untrusted=False)
+    assert strict.resolve(headers, Trust.UNTRUSTED).seconds == 2.0
+    assert strict.resolve(headers, Trust.TRUSTED).seconds == 0.3
+
+
+def test_no_header_means_route_default() -> None:
+    budget = InboundDeadlinePolicy(default=1.5).resolve({}.get, Trust.TRUSTED)
+    assert budget == (1.5, "default", False)
+
+
+def test_envoy_header_when_configured_and_the_shorter_wins() -> None:
+    headers = {BUDGET_HEADER: "900", ENVOY_TIMEOUT_HEADER: "400"}.get
+    assert InboundDeadlinePolicy().resolve(headers, Trust.TRUSTED).seconds == 0.9
+    budget = InboundDeadlinePolicy(read_envoy=True).resolve(headers, Trust.TRUSTED)
+    assert budget.seconds == 0.4 and budget.origin == "envoy"
+
+
+def test_signed_source_needs_a_valid_signature() -> None:
+    s = BudgetSigner({"k1": KEY})
+    policy = InboundDeadlinePolicy(default=1.0, maximum=30.0, signer=s)
+    good = {SIGNED_BUDGET_HEADER: s.sign(7.0)}.get
+    assert policy.resolve(good, Trust.SIGNED) == (7.0, "signed", False)
+    plain = {BUDGET_HEADER: "7000"}.get  # an unsigned header from a signed-only source
+    assert policy.resolve(plain, Trust.SIGNED).seconds == 1.0
+
+
+def test_malformed_headers_are_ignored_and_reported_never_raised() -> None:
+    hub = EventHub()
+    seen: list[DeadlineHeaderIgnored] = []
+
+    class Collect:
+        def emit(self, event: brownout.Event) -> None:
+            assert isinstance(event, DeadlineHeaderIgnored)
+            seen.append(event)
+
+    hub.subscribe(Collect())
+    policy = InboundDeadlinePolicy(default=1.0, events=hub, signer=BudgetSigner({"k1": KEY}))
+    assert policy.resolve({BUDGET_HEADER: "soon"}.get, Trust.TRUSTED).seconds == 1.0
+    assert policy.resolve({SIGNED_BUDGET_HEADER: "v1.k1.x"}.get, Trust.SIGNED).seconds == 1.0
+    assert [e.header for e in seen] == [BUDGET_HEADER, SIGNED_BUDGET_HEADER]
+
+
+def test_policy_validates_its_bounds() -> None:
+    with pytest.raises(ValueError):
+        InboundDeadlinePolicy(default=10, maximum=5)
+    with pytest.raises(ValueError):
+        InboundDeadlinePolicy(default=0)
+
+
+# -- outbound ---------------------------------------------------------------------------------
+
+
+def test_outbound_headers_send_remaining_minus_reserve() -> None:
+    with brownout.request(
+        deadline=1.0, priority=Priority.SHEDDABLE, idempotency_key="k-1", attempt=2
+    ):
+        headers = outbound_headers(reserve=0.2)
+    assert 780 <= int(headers[BUDGET_HEADER]) <= 800
+    assert headers["brownout-priority"] == "sheddable"
+    assert headers["brownout-attempt"] == "2"
+    assert headers["idempotency-key"] == "k-1"
+    assert outbound_headers() == {}
+
+
+def test_stats_sink_counts_ignored_headers_without_crashing() -> None:
+    # A Stats sink must accept every event type, including ones it does not count.
+    Stats().emit(DeadlineHeaderIgnored(0.0, "inbound", BUDGET_HEADER, "bad"))

@@ -17,6 +17,7 @@ from .context import (
     request,
 )
 from .deadline import Deadline, call_budget
+from .degrade import DegradedMode, DegradedModes, FailClosedGuard, StaleCache
 from .errors import (
     BrownoutError,
     DeadlineExceeded,
@@ -40,9 +41,12 @@ __all__ = [
     "Clock",
     "Deadline",
     "DeadlineExceeded",
+    "DegradedMode",
+    "DegradedModes",
     "Event",
     "EventHub",
     "FailClosed",
+    "FailClosedGuard",
     "HeaderError",
     "InMemoryQuotaStore",
     "InboundDeadlinePolicy",
@@ -57,6 +61,7 @@ __all__ = [
     "Rejected",
     "RequestContext",
     "Sink",
+    "StaleCache",
     "Stats",
     "Trust",
     "UnknownOutcome",

@@ -1,0 +1,21 @@
+"""Context markers that let the degradation pieces check each other's rules.
+
+A fallback, a cache load and a fail-closed guard each mark the context they run in, so that
+a drill can tell "a fallback called the failed dependency" (G3), and a guard can refuse to be
+served through a cache (G4). The markers are contextvars: they follow ``await`` and tasks.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+__all__ = ["cache_loading", "guarding", "in_fallback"]
+
+in_fallback: ContextVar[str | None] = ContextVar("brownout_in_fallback", default=None)
+"""The name of the degraded mode whose fallback is running, or ``None``."""
+
+cache_loading: ContextVar[str | None] = ContextVar("brownout_cache_loading", default=None)
+"""The name of the `StaleCache` whose loader is running, or ``None``."""
+
+guarding: ContextVar[str | None] = ContextVar("brownout_guarding", default=None)
+"""What a `FailClosedGuard` is reading (e.g. ``"authorization"``), or ``None``."""

@@ -106,7 +106,7 @@ def test_never_admits_more_than_rate_times_t_plus_burst(
         total = 0
         for end, cost in admitted[i:]:
             total += cost
-            assert total <= rate * (end - start) + burst + 1e-6
+            assert total <= rate * (end - start) + burst + 1e-5
 
 
 @settings(max_examples=300, deadline=None)
@@ -134,7 +134,9 @@ def test_retry_after_is_exact_and_remaining_is_honest(
         assert out.retry_after > 0
         assert out.remaining < cost
         assert decide(policy, tat, now + out.retry_after * (1 + 1e-9) + 1e-9, cost).allowed
-        assert not decide(policy, tat, now + out.retry_after * 0.99, cost).allowed
+        early = 1e-4 / rate
+        if out.retry_after > early:
+            assert not decide(policy, tat, now + out.retry_after - early, cost).allowed
     probe = tat
     for _ in range(decide(policy, tat, now).remaining):
         unit = decide(policy, probe, now)

@@ -84,26 +84,32 @@ def decide(policy: GcraPolicy, tat: float | None, now: float, cost: int = 1) -> 
     tolerance = policy.burst * interval
     base = now if tat is None or tat < now else tat
     new_tat = base + cost * interval
-    # Not ``new_tat - tolerance``: this order is exact for a fresh key (allow_at <= now), where
-    # the other rounds to a hair past now and would refuse a burst's first request.
+    # Not ``new_tat - tolerance``: this order is exact for a fresh key (allow_at <= now).
     allow_at = base + (cost - policy.burst) * interval
-    if now < allow_at:
+    slack = _slack(interval, base)
+    if allow_at - now > slack:
         return GcraOutcome(
             allowed=False,
             tat=base,
             retry_after=allow_at - now,
-            remaining=_remaining(base, now, tolerance, interval),
+            remaining=_remaining(base, now, tolerance, interval, slack),
             reset=base - now,
         )
     return GcraOutcome(
         allowed=True,
         tat=new_tat,
         retry_after=0.0,
-        remaining=_remaining(new_tat, now, tolerance, interval),
+        remaining=_remaining(new_tat, now, tolerance, interval, slack),
         reset=new_tat - now,
     )
 
 
-def _remaining(tat: float, now: float, tolerance: float, interval: float) -> int:
-    # A tiny epsilon keeps 19.999999 from reading as 19 after float round-off.
-    return max(0, int((now + tolerance - tat) / interval + 1e-9))
+def _slack(interval: float, base: float) -> float:
+    # Float round-off: a request due within a millionth of an interval (or a few ulps of the
+    # clock's magnitude) is due now. The Redis script uses the same rule.
+    return interval * 1e-6 + abs(base) * 2e-15
+
+
+def _remaining(tat: float, now: float, tolerance: float, interval: float, slack: float) -> int:
+    # Half the slack: whenever this says n units fit, a request of n units is allowed.
+    return max(0, int((now + tolerance - tat + slack / 2) / interval))

@@ -42,8 +42,10 @@ local tat = tonumber(redis.call('GET', KEYS[1]) or '')
 if tat == nil or tat < now then tat = now end
 local new_tat = tat + cost * interval
 local allow_at = tat + (cost - burst) * interval
-if now < allow_at then
-  local remaining = math.floor((now + tolerance - tat) / interval + 1e-9)
+-- float round-off slack, the same rule as brownout.quota.gcra._slack
+local slack = interval * 1e-6 + math.abs(tat) * 2e-15
+if allow_at - now > slack then
+  local remaining = math.floor((now + tolerance - tat + slack / 2) / interval)
   if remaining < 0 then remaining = 0 end
   return {0, math.ceil(allow_at - now), remaining, math.ceil(tat - now),
           string.format('%.17g', tat)}
@@ -51,7 +53,7 @@ end
 local ttl_ms = math.ceil((new_tat - now) / 1000)
 if ttl_ms < 1 then ttl_ms = 1 end
 redis.call('SET', KEYS[1], string.format('%.17g', new_tat), 'PX', ttl_ms)
-local remaining = math.floor((now + tolerance - new_tat) / interval + 1e-9)
+local remaining = math.floor((now + tolerance - new_tat + slack / 2) / interval)
 if remaining < 0 then remaining = 0 end
 return {1, 0, remaining, math.ceil(new_tat - now), string.format('%.17g', new_tat)}
 """

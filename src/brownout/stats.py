@@ -1,25 +1,36 @@
-"""In-memory accounting of every decision: the `Stats` sink (O1, O2, O3).
+"""In-memory accounting of every decision: the `Stats` sink (O1, O2, O3, O5, S8).
 
 `Stats` counts offered, queued, admitted, shed (by reason), expired, completed within the
 deadline (goodput), completed late (wasted work), failed, abandoned, retried and
-budget-exhausted work, split by operation, priority and caller. Latency histograms hold
-*useful successes only*: refusals and failures never pollute success latency (O3).
+budget-exhausted work, split by source (the component that decided: one hop), operation,
+priority and caller. Latency histograms hold *useful successes only*: refusals and failures
+never pollute success latency (O3). Queue wait and remaining deadline on arrival are kept per
+source, i.e. per hop (O2).
 
-Label sets are bounded (`LabelCap`): after ``max_values`` distinct values of a label, new
-values are counted under ``"other"``, so 100,000 distinct callers cannot grow memory or the
-metric series count without bound.
+Everything is bounded. Label values go through caps (`LabelCap`: first come; `TopKLabels`: the
+most active values win their slot, the rest count as ``"other"``), and the number of counter
+series has a hard ceiling (``max_series``), so 100,000 distinct callers cannot grow memory or
+the metric series count without bound.
+
+Live state that no event carries (in-flight, queue depth, oldest queue age, retry-budget
+balance) is *pulled* at read time from registered `Observable` objects (`Stats.watch`,
+`Stats.watch_gauge`), so the hot path never pays for it.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import math
-from collections.abc import Callable, Iterable
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
+from .clock import Clock, default_clock
 from .events import (
     AttemptRetried,
     BreakerStateChanged,
+    DeadlineHeaderIgnored,
     DegradedModeChanged,
     Event,
     LimitChanged,
@@ -36,10 +47,25 @@ from .events import (
     RequestShed,
     RetryBudgetExhausted,
 )
+from .priority import Priority
 
-__all__ = ["COUNTER_KINDS", "LabelCap", "LatencyHistogram", "Stats"]
+__all__ = [
+    "BREAKER_STATES",
+    "COUNTER_KINDS",
+    "GAUGE_KINDS",
+    "OTHER",
+    "Gauge",
+    "LabelCap",
+    "LatencyHistogram",
+    "Observable",
+    "Stats",
+    "TopKLabels",
+]
+
+_log = logging.getLogger("brownout.stats")
 
 OTHER = "other"
+"""The label value that stands for every value beyond a cap."""
 
 COUNTER_KINDS = (
     "offered",
@@ -58,9 +84,46 @@ COUNTER_KINDS = (
 )
 """Every counter `Stats` keeps. ``completed`` is goodput (useful successes)."""
 
+GAUGE_KINDS = (
+    "in_flight",
+    "limit",
+    "queue_depth",
+    "queue_oldest_age",
+    "retry_budget_balance",
+    "breaker_state",
+    "overload_level",
+    "degraded_mode_active",
+    "degraded_mode_active_seconds",
+    "degraded_mode_max_seconds",
+    "quota_fallback_active",
+)
+"""Gauge names exporters know how to name and describe. Observables may report these (with a
+``source`` label, or ``mode`` for degraded modes); other names are exported generically."""
+
+BREAKER_STATES = ("closed", "open", "half_open")
+
+Gauge = tuple[str, Mapping[str, str], float]
+"""(name, labels, value): one reading of live state."""
+
+
+@runtime_checkable
+class Observable(Protocol):
+    """Something with live state worth exporting, read at scrape time (never on the hot path).
+
+    A `Bulkhead` would yield ``("in_flight", {"source": name}, n)``, ``("limit", ...)``,
+    ``("queue_depth", ...)`` and ``("queue_oldest_age", ...)``; a `RetryBudget`
+    ``("retry_budget_balance", {"source": name}, tokens)``.
+    """
+
+    def gauges(self) -> Iterable[Gauge]: ...
+
 
 class LabelCap:
-    """Maps label values to themselves until ``max_values`` are known, then to ``"other"``."""
+    """Maps label values to themselves until ``max_values`` are known, then to ``"other"``.
+
+    First come, first served: cheap, and right for labels whose values are declared in code
+    (operations, sources). For callers prefer `TopKLabels`.
+    """
 
     __slots__ = ("_known", "max_values")
 
@@ -81,6 +144,105 @@ class LabelCap:
 
     def __len__(self) -> int:
         return len(self._known)
+
+    def values(self) -> frozenset[str]:
+        return frozenset(self._known)
+
+
+class TopKLabels:
+    """Keeps a slot for each of the ``max_values`` most active label values; the rest are
+    ``"other"``.
+
+    A first-come cap lets whoever showed up first after a restart hold the slots forever, so a
+    new heavy caller stays invisible as ``"other"``. Here values beyond the cap are counted in
+    a Misra-Gries sketch (bounded, amortized O(1)); every ``epoch`` lookups, candidates that
+    clearly out-hit the weakest slot holders (by ``promote_ratio``) take their slots. The
+    evicted values are passed to ``on_evict`` so their history can be folded into ``"other"``
+    (sums over callers stay monotonic). Activity decays by half each epoch.
+    """
+
+    __slots__ = (
+        "_candidates",
+        "_hits",
+        "_max_candidates",
+        "_seen",
+        "epoch",
+        "evictions",
+        "max_values",
+        "on_evict",
+        "promote_ratio",
+    )
+
+    def __init__(
+        self,
+        max_values: int = 100,
+        *,
+        epoch: int | None = None,
+        promote_ratio: float = 2.0,
+        on_evict: Callable[[frozenset[str]], None] | None = None,
+    ) -> None:
+        if max_values < 1:
+            raise ValueError("max_values must be >= 1")
+        self.max_values = max_values
+        self.epoch = epoch if epoch is not None else max(10_000, 100 * max_values)
+        self.promote_ratio = promote_ratio
+        self.on_evict = on_evict
+        self.evictions = 0
+        self._hits: dict[str, int] = {}
+        self._candidates: dict[str, int] = {}
+        self._max_candidates = 4 * max_values
+        self._seen = 0
+
+    def __call__(self, value: str) -> str:
+        self._seen += 1
+        if self._seen >= self.epoch:
+            self._rebalance()
+        hits = self._hits
+        n = hits.get(value)
+        if n is not None:
+            hits[value] = n + 1
+            return value
+        if len(hits) < self.max_values:
+            hits[value] = 1
+            return value
+        cand = self._candidates
+        c = cand.get(value)
+        if c is not None:
+            cand[value] = c + 1
+        elif len(cand) < self._max_candidates:
+            cand[value] = 1
+        else:
+            # Misra-Gries: decrement everyone; one-shot values vanish, heavy ones survive.
+            self._candidates = {k: v - 1 for k, v in cand.items() if v > 1}
+        return OTHER
+
+    def _rebalance(self) -> None:
+        self._seen = 0
+        hits = self._hits
+        if self._candidates and len(hits) >= self.max_values:
+            challengers = sorted(self._candidates.items(), key=lambda kv: kv[1], reverse=True)
+            holders = sorted(hits.items(), key=lambda kv: kv[1])
+            budget = max(1, self.max_values // 10)  # bounded churn per epoch
+            evicted: set[str] = set()
+            for (value, count), (weak, weak_hits) in zip(challengers[:budget], holders):
+                if count <= self.promote_ratio * max(weak_hits, 1):
+                    break
+                del hits[weak]
+                hits[value] = count
+                evicted.add(weak)
+            if evicted:
+                self.evictions += len(evicted)
+                if self.on_evict is not None:
+                    self.on_evict(frozenset(evicted))
+        for k in hits:
+            hits[k] //= 2
+        self._candidates = {}
+
+    def __len__(self) -> int:
+        return len(self._hits)
+
+    def values(self) -> frozenset[str]:
+        return frozenset(self._hits)
 
 
 def _default_bounds() -> tuple[float, ...]:
@@ -132,7 +294,7 @@ class LatencyHistogram:
         """(upper bound, cumulative count) pairs, ending with +Inf: Prometheus' shape."""
         out: list[tuple[float, int]] = []
         acc = 0
-        for bound, n in zip((*self.bounds, math.inf), self.counts):
+        for bound, n in zip((*self.bounds, math.inf), list(self.counts)):
             acc += n
             out.append((bound, acc))
         return out
@@ -148,14 +310,33 @@ class LatencyHistogram:
 
 
 Key = tuple[str, str, str, str, str]
-"""(kind, operation, priority, caller, reason)."""
+"""(kind, operation, priority, caller, reason): the shape `Stats.series` returns."""
+
+Row = tuple[str, str, str, str, str, str]
+"""(kind, source, operation, priority, caller, reason): how `Stats.rows` is keyed."""
+
+_PRIORITY_LABELS = tuple(p.label for p in sorted(Priority))
+
+
+class _GaugeFn:
+    __slots__ = ("fn", "labels", "name")
+
+    def __init__(self, name: str, labels: Mapping[str, str], fn: Callable[[], float]) -> None:
+        self.name = name
+        self.labels = dict(labels)
+        self.fn = fn
+
+    def gauges(self) -> Iterable[Gauge]:
+        yield (self.name, self.labels, float(self.fn()))
 
 
 class Stats:
-    """An event sink that keeps counters, success-latency histograms and state gauges.
+    """An event sink that keeps counters, latency histograms and state gauges.
 
-    Subscribe it to a hub (``brownout.events.hub.subscribe(Stats())``) or pass it where a sink
-    is accepted. Reading is cheap; `snapshot` gives a JSON-able dict.
+    Subscribe it to a hub (``brownout.hub.subscribe(Stats())``). Recording costs a few dict
+    operations per event; reading (`count`, `snapshot`, `rows`, `gauges`, exporters) does the
+    aggregation. ``max_series`` bounds the number of counter rows: past it, new rows fold the
+    caller, then the operation, into ``"other"``.
     """
 
     def __init__(
@@ -164,22 +345,51 @@ class Stats:
         max_operations: int = 200,
         max_callers: int = 100,
         max_sources: int = 100,
+        max_reasons: int = 64,
+        max_series: int = 10_000,
+        caller_policy: str = "top",
+        clock: Clock | None = None,
     ) -> None:
+        if caller_policy not in ("top", "first"):
+            raise ValueError("caller_policy is 'top' (TopKLabels) or 'first' (LabelCap)")
         self.operations = LabelCap(max_operations)
-        self.callers = LabelCap(max_callers)
+        self.callers: LabelCap | TopKLabels = (
+            TopKLabels(max_callers, on_evict=self._fold_callers)
+            if caller_policy == "top"
+            else LabelCap(max_callers)
+        )
         self.sources = LabelCap(max_sources)
-        self.counters: dict[Key, int] = {}
+        self.reasons = LabelCap(max_reasons)
+        """Caps free-form reason labels: exception type names, retry causes, modes."""
+        self.max_series = max_series
+        self.rows: dict[Row, int] = {}
+        """Counter values by (kind, source, operation, priority, caller, reason)."""
         self.success_latency: dict[tuple[str, str], LatencyHistogram] = {}
         """Latency of useful successes by (operation, priority) (O3)."""
         self.queue_wait: dict[str, LatencyHistogram] = {}
-        """Time in queue of admitted work, by source."""
+        """Time in queue of admitted work, by source (O2)."""
         self.remaining_on_arrival: dict[str, LatencyHistogram] = {}
-        """Remaining deadline when work was offered, by source (O2)."""
+        """Remaining deadline when work was offered, by source, i.e. at each hop (O2)."""
         self.limits: dict[str, int] = {}
         self.breakers: dict[str, str] = {}
+        self.breaker_transitions: dict[tuple[str, str], int] = {}
+        """Count of transitions into each state, by (source, new state)."""
         self.overload_level = 0
+        """The most recently reported overload level (of any manager)."""
+        self.overload_levels: dict[str, int] = {}
+        """Overload level by manager (source)."""
         self.degraded_modes: dict[str, bool] = {}
+        self.degraded_since: dict[str, float] = {}
+        """When each active degraded mode was entered (event clock)."""
+        self.degraded_max: dict[str, float] = {}
+        """Declared maximum duration of each degraded mode (seconds), for alerting (G2)."""
+        self.degraded_activations: dict[str, int] = {}
         self.quota_fallback: dict[str, bool] = {}
+        self.headers_ignored: dict[tuple[str, str], int] = {}
+        """Inbound deadline/priority headers ignored, by (header, problem)."""
+        self._clock = clock if clock is not None else default_clock()
+        self._watched: list[Callable[[], Observable | None]] = []
+        self._complained: set[int] = set()
         self._dispatch: dict[type, Callable[[Any], None]] = {
             RequestOffered: self._offered,
             RequestQueued: self._queued,
@@ -197,6 +407,7 @@ class Stats:
             OverloadLevelChanged: self._overload,
             DegradedModeChanged: self._degraded,
             QuotaBackendChanged: self._quota_backend,
+            DeadlineHeaderIgnored: self._header_ignored,
         }
 
     # -- the sink ---------------------------------------------------------------------------
@@ -206,8 +417,36 @@ class Stats:
             handler(event)
 
     def _bump(self, kind: str, e: Any, reason: str = "") -> None:
-        key = (kind, self.operations(e.operation), e.priority.label, self.callers(e.caller), reason)
-        self.counters[key] = self.counters.get(key, 0) + 1
+        key = (
+            kind,
+            self.sources(e.source),
+            self.operations(e.operation),
+            _PRIORITY_LABELS[e.priority],
+            self.callers(e.caller),
+            reason,
+        )
+        rows = self.rows
+        n = rows.get(key)
+        if n is None:
+            if len(rows) >= self.max_series:
+                key = self._overflow(key)
+            n = rows.get(key, 0)
+        rows[key] = n + 1
+
+    def _overflow(self, key: Row) -> Row:
+        # Past the series ceiling, give up detail: first the caller, then the operation too.
+        kind, source, op, prio, _caller, reason = key
+        key = (kind, source, op, prio, OTHER, reason)
+        if key in self.rows:
+            return key
+        return (kind, source, OTHER, prio, OTHER, reason)
+
+    def _fold_callers(self, evicted: frozenset[str]) -> None:
+        rows = self.rows
+        for key in [k for k in rows if k[4] in evicted]:
+            n = rows.pop(key)
+            other = (*key[:4], OTHER, key[5])
+            rows[other] = rows.get(other, 0) + n
 
     def _hist(self, table: dict[Any, LatencyHistogram], key: Any) -> LatencyHistogram:
         h = table.get(key)
@@ -228,9 +467,12 @@ class Stats:
         self._hist(self.queue_wait, self.sources(e.source)).observe(e.queue_wait)
 
     def _shed(self, e: RequestShed) -> None:
-        self._bump("shed", e, e.reason.value)
-        if e.false_positive:
-            self._bump("shed_false_positive", e, e.reason.value)
+        reason = e.reason.value
+        self._bump("shed", e, reason)
+        # S8: refused while capacity existed (the bulkhead says so), or refused by an overload
+        # manager that itself reports being at its lowest level.
+        if e.false_positive or self.overload_levels.get(e.source) == 0:
+            self._bump("shed_false_positive", e, reason)
 
     def _expired(self, e: RequestExpired) -> None:
         self._bump("expired", e, e.stage)
@@ -238,19 +480,19 @@ class Stats:
     def _completed(self, e: RequestCompleted) -> None:
         if e.useful:
             self._bump("completed", e)
-            key = (self.operations(e.operation), e.priority.label)
+            key = (self.operations(e.operation), _PRIORITY_LABELS[e.priority])
             self._hist(self.success_latency, key).observe(e.latency)
         else:
             self._bump("completed_late", e)
 
     def _failed(self, e: RequestFailed) -> None:
-        self._bump("failed", e, e.error)
+        self._bump("failed", e, self.reasons(e.error))
 
     def _abandoned(self, e: RequestAbandoned) -> None:
         self._bump("abandoned", e)
 
     def _retried(self, e: AttemptRetried) -> None:
-        self._bump("retried", e, e.cause)
+        self._bump("retried", e, self.reasons(e.cause))
 
     def _budget_exhausted(self, e: RetryBudgetExhausted) -> None:
         self._bump("budget_exhausted", e)
@@ -262,18 +504,121 @@ class Stats:
         self.limits[self.sources(e.source)] = e.new
 
     def _breaker(self, e: BreakerStateChanged) -> None:
-        self.breakers[self.sources(e.source)] = e.new
+        source = self.sources(e.source)
+        self.breakers[source] = e.new
+        key = (source, e.new)
+        self.breaker_transitions[key] = self.breaker_transitions.get(key, 0) + 1
 
     def _overload(self, e: OverloadLevelChanged) -> None:
         self.overload_level = e.new
+        self.overload_levels[self.sources(e.source)] = e.new
 
     def _degraded(self, e: DegradedModeChanged) -> None:
-        self.degraded_modes[e.mode] = e.active
+        mode = self.reasons(e.mode)
+        was = self.degraded_modes.get(mode, False)
+        self.degraded_modes[mode] = e.active
+        if e.active and not was:
+            self.degraded_since[mode] = e.at
+            self.degraded_activations[mode] = self.degraded_activations.get(mode, 0) + 1
+        elif not e.active:
+            self.degraded_since.pop(mode, None)
 
     def _quota_backend(self, e: QuotaBackendChanged) -> None:
         self.quota_fallback[self.sources(e.source)] = e.fallback
 
+    def _header_ignored(self, e: DeadlineHeaderIgnored) -> None:
+        key = (self.reasons(e.header), self.reasons(e.problem))
+        self.headers_ignored[key] = self.headers_ignored.get(key, 0) + 1
+
+    # -- live state -------------------------------------------------------------------------
+    def watch(self, observable: Observable) -> Observable:
+        """Read ``observable.gauges()`` at every scrape; returns it (for `unwatch`).
+
+        Held by weak reference when the object allows it, so a discarded bulkhead does not
+        linger in the metrics.
+        """
+        try:
+            ref: Callable[[], Observable | None] = weakref.ref(observable)
+        except TypeError:
+
+            def ref() -> Observable:
+                return observable
+
+        self._watched.append(ref)
+        return observable
+
+    def watch_gauge(
+        self, name: str, labels: Mapping[str, str], fn: Callable[[], float]
+    ) -> Observable:
+        """Export ``fn()`` as gauge ``name`` with ``labels``, read at scrape time."""
+        return self.watch(_GaugeFn(name, labels, fn))
+
+    def unwatch(self, observable: Observable) -> None:
+        self._watched = [r for r in self._watched if r() is not observable and r() is not None]
+
+    def declare_degraded_mode(self, mode: str, max_duration: float) -> None:
+        """Record a degraded mode's declared maximum duration (G2), exported so an alert can
+        fire when the mode stays on longer."""
+        self.degraded_max[self.reasons(mode)] = float(max_duration)
+
+    def gauges(self) -> list[Gauge]:
+        """Every gauge reading: state learned from events plus every watched `Observable`.
+
+        An observable's reading replaces an event-derived one with the same name and labels.
+        """
+        out: dict[tuple[str, tuple[tuple[str, str], ...]], Gauge] = {}
+
+        def put(name: str, labels: Mapping[str, str], value: float) -> None:
+            out[(name, tuple(sorted(labels.items())))] = (name, labels, value)
+
+        for source, limit in list(self.limits.items()):
+            put("limit", {"source": source}, float(limit))
+        for source, state in list(self.breakers.items()):
+            for s in BREAKER_STATES:
+                put("breaker_state", {"source": source, "state": s}, 1.0 if s == state else 0.0)
+        for source, level in list(self.overload_levels.items()):
+            put("overload_level", {"source": source}, float(level))
+        now = self._clock.now()
+        for mode, active in list(self.degraded_modes.items()):
+            put("degraded_mode_active", {"mode": mode}, 1.0 if active else 0.0)
+            since = self.degraded_since.get(mode)
+            put(
+                "degraded_mode_active_seconds",
+                {"mode": mode},
+                max(0.0, now - since) if active and since is not None else 0.0,
+            )
+        for mode, limit_s in list(self.degraded_max.items()):
+            put("degraded_mode_max_seconds", {"mode": mode}, limit_s)
+        for source, fallback in list(self.quota_fallback.items()):
+            put("quota_fallback_active", {"source": source}, 1.0 if fallback else 0.0)
+
+        alive: list[Callable[[], Observable | None]] = []
+        for ref in self._watched:
+            obj = ref()
+            if obj is None:
+                continue
+            alive.append(ref)
+            try:
+                for name, labels, value in obj.gauges():
+                    put(name, labels, float(value))
+            except Exception:  # one broken observable must not break the scrape
+                if id(obj) not in self._complained:
+                    self._complained.add(id(obj))
+                    _log.exception("observable %r raised; skipped", obj)
+        self._watched = alive
+        return list(out.values())
+
     # -- reading ----------------------------------------------------------------------------
+    @property
+    def counters(self) -> dict[Key, int]:
+        """Counter values summed over sources, keyed (kind, operation, priority, caller,
+        reason). A fresh dict: read it, do not write to it."""
+        out: dict[Key, int] = {}
+        for (kind, _src, op, pr, ca, re), n in list(self.rows.items()):
+            key = (kind, op, pr, ca, re)
+            out[key] = out.get(key, 0) + n
+        return out
+
     def count(
         self,
         kind: str,
@@ -282,14 +627,16 @@ class Stats:
         priority: str | None = None,
         caller: str | None = None,
         reason: str | None = None,
+        source: str | None = None,
     ) -> int:
         """Sum of one counter over every label set matching the given labels."""
         if kind not in COUNTER_KINDS:
             raise ValueError(f"unknown counter {kind!r}; one of {COUNTER_KINDS}")
         total = 0
-        for (k, op, pr, ca, re), n in self.counters.items():
+        for (k, src, op, pr, ca, re), n in list(self.rows.items()):
             if (
                 k == kind
+                and (source is None or src == source)
                 and (operation is None or op == operation)
                 and (priority is None or pr == priority)
                 and (caller is None or ca == caller)
@@ -303,20 +650,29 @@ class Stats:
     ) -> LatencyHistogram:
         """Merged success-latency histogram for the matching operation/priority."""
         out = LatencyHistogram()
-        for (op, pr), h in self.success_latency.items():
+        for (op, pr), h in list(self.success_latency.items()):
             if (operation is None or op == operation) and (priority is None or pr == priority):
                 out.merge(h)
         return out
 
     def series(self) -> Iterable[tuple[Key, int]]:
-        """Every (labels, value) counter pair; exporters read this."""
+        """Every (labels, value) counter pair summed over sources (see `rows` for per-hop)."""
         return list(self.counters.items())
+
+    def series_count(self) -> int:
+        """How many counter and histogram series exist: what the label caps bound."""
+        return (
+            len(self.rows)
+            + len(self.success_latency)
+            + len(self.queue_wait)
+            + len(self.remaining_on_arrival)
+        )
 
     def snapshot(self) -> dict[str, Any]:
         """A JSON-able summary: totals per kind and reason, success latency, state gauges."""
         totals: dict[str, int] = dict.fromkeys(COUNTER_KINDS, 0)
         shed_by_reason: dict[str, int] = {}
-        for (kind, _op, _pr, _ca, reason), n in self.counters.items():
+        for (kind, _src, _op, _pr, _ca, reason), n in list(self.rows.items()):
             totals[kind] += n
             if kind == "shed":
                 shed_by_reason[reason] = shed_by_reason.get(reason, 0) + n
@@ -334,11 +690,15 @@ class Stats:
             "overload_level": self.overload_level,
             "degraded_modes": dict(self.degraded_modes),
             "quota_fallback": dict(self.quota_fallback),
+            "series": self.series_count(),
         }
 
     def reset(self) -> None:
         """Forget all counts and histograms (label caps keep what they learned)."""
-        self.counters.clear()
+        self.rows.clear()
         self.success_latency.clear()
         self.queue_wait.clear()
         self.remaining_on_arrival.clear()
+        self.breaker_transitions.clear()
+        self.degraded_activations.clear()
+        self.headers_ignored.clear()

@@ -1,0 +1,319 @@
+"""Stats: goodput accounting (O1), per-hop histograms (O2), success-only latency (O3),
+false-positive shedding (S8), bounded labels and series, and live gauges (O5)."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+
+import pytest
+
+from brownout import ManualClock, Priority, Reason
+from brownout.events import (
+    AttemptRetried,
+    BreakerStateChanged,
+    DeadlineHeaderIgnored,
+    DegradedModeChanged,
+    LimitChanged,
+    OverloadLevelChanged,
+    RequestAbandoned,
+    RequestAdmitted,
+    RequestCompleted,
+    RequestExpired,
+    RequestFailed,
+    RequestOffered,
+    RequestQueued,
+    RequestShed,
+    RetryBudgetExhausted,
+)
+from brownout.stats import (
+    COUNTER_KINDS,
+    OTHER,
+    LabelCap,
+    LatencyHistogram,
+    Stats,
+    TopKLabels,
+)
+
+CRIT = Priority.CRITICAL
+
+
+def req(cls, caller="alice", op="get", source="edge", priority=CRIT, **kw):
+    return cls(
+        at=kw.pop("at", 0.0), source=source, operation=op, priority=priority, caller=caller, **kw
+    )
+
+
+def test_every_kind_is_counted_separately_by_label():
+    s = Stats()
+    s.emit(req(RequestOffered, remaining=1.0))
+    s.emit(req(RequestOffered, remaining=0.5, caller="bob", priority=Priority.SHEDDABLE))
+    s.emit(req(RequestQueued, depth=1))
+    s.emit(req(RequestAdmitted, queue_wait=0.01))
+    s.emit(
+        req(
+            RequestShed,
+            caller="bob",
+            priority=Priority.SHEDDABLE,
+            reason=Reason.QUEUE_FULL,
+            remaining=0.5,
+            queue_wait=0.0,
+        )
+    )
+    s.emit(req(RequestExpired, stage="queue", queue_wait=0.2))
+    s.emit(req(RequestCompleted, latency=0.05, useful=True))
+    s.emit(req(RequestCompleted, latency=2.0, useful=False))
+    s.emit(req(RequestFailed, latency=0.1, error="ValueError"))
+    s.emit(req(RequestAbandoned, latency=0.3))
+    s.emit(req(AttemptRetried, source="db", attempt=2, cause="unavailable", backoff=0.1))
+    s.emit(req(RetryBudgetExhausted, source="db", attempt=3))
+
+    assert s.count("offered") == 2
+    assert s.count("offered", caller="bob", priority="sheddable") == 1
+    assert s.count("shed", reason="queue_full", caller="bob") == 1
+    assert s.count("shed_false_positive") == 0
+    assert s.count("expired", reason="queue") == 1
+    assert s.count("completed") == 1  # goodput
+    assert s.count("completed_late") == 1  # wasted work
+    assert s.count("failed", reason="ValueError") == 1
+    assert s.count("abandoned") == 1
+    assert s.count("retried", source="db", reason="unavailable") == 1
+    assert s.count("budget_exhausted") == 1
+    assert s.count("offered", source="db") == 0
+    with pytest.raises(ValueError, match="unknown counter"):
+        s.count("goodput")
+
+
+def test_success_latency_holds_useful_successes_only():  # O3
+    s = Stats()
+    s.emit(req(RequestCompleted, latency=0.010, useful=True))
+    s.emit(req(RequestCompleted, latency=9.0, useful=False))
+    s.emit(req(RequestFailed, latency=5.0, error="E"))
+    s.emit(req(RequestShed, reason=Reason.OVERLOADED, remaining=None, queue_wait=0.0))
+    lat = s.latency()
+    assert lat.count == 1
+    assert lat.max == pytest.approx(0.010)
+    assert s.latency(operation="get", priority="critical").count == 1
+    assert s.latency(operation="put").count == 0
+
+
+def test_queue_wait_and_remaining_deadline_are_kept_per_hop():  # O2
+    s = Stats()
+    s.emit(req(RequestOffered, source="edge", remaining=2.0))
+    s.emit(req(RequestOffered, source="db", remaining=0.4))
+    s.emit(req(RequestOffered, source="db", remaining=None))
+    s.emit(req(RequestAdmitted, source="db", queue_wait=0.03))
+    assert set(s.remaining_on_arrival) == {"edge", "db"}
+    assert s.remaining_on_arrival["db"].count == 1
+    assert s.remaining_on_arrival["db"].max == pytest.approx(0.4)
+    assert s.queue_wait["db"].count == 1
+    assert "edge" not in s.queue_wait
+
+
+def test_false_positive_from_bulkhead_flag_and_idle_overload_manager():  # S8
+    s = Stats()
+    s.emit(
+        req(
+            RequestShed,
+            source="api",
+            reason=Reason.OVERLOADED,
+            remaining=1.0,
+            queue_wait=0.0,
+            false_positive=True,
+        )
+    )
+    # An overload manager that reports level 0 and still sheds is shedding with capacity.
+    s.emit(OverloadLevelChanged(at=0.0, source="overload", old=1, new=0, signals=()))
+    s.emit(
+        req(RequestShed, source="overload", reason=Reason.OVERLOADED, remaining=1.0, queue_wait=0.0)
+    )
+    s.emit(OverloadLevelChanged(at=1.0, source="overload", old=0, new=2, signals=("lag",)))
+    s.emit(
+        req(RequestShed, source="overload", reason=Reason.OVERLOADED, remaining=1.0, queue_wait=0.0)
+    )
+    # A bulkhead at its limit sheds legitimately even while the manager is idle.
+    s.emit(req(RequestShed, source="api", reason=Reason.QUEUE_FULL, remaining=1.0, queue_wait=0.0))
+    assert s.count("shed") == 4
+    assert s.count("shed_false_positive") == 2
+    assert s.count("shed_false_positive", source="overload") == 1
+    assert s.overload_level == 2
+
+
+def test_label_cap_first_come():
+    cap = LabelCap(2)
+    assert [cap("a"), cap("b"), cap("c"), cap("a")] == ["a", "b", OTHER, "a"]
+    assert len(cap) == 2
+    with pytest.raises(ValueError):
+        LabelCap(0)
+
+
+def test_top_k_gives_a_heavy_newcomer_a_slot_and_folds_the_evicted():
+    evicted: list[frozenset[str]] = []
+    top = TopKLabels(3, epoch=100, on_evict=evicted.append)
+    for v in ("a", "b", "c"):
+        assert top(v) == v
+    # "heavy" arrives after the slots are taken: "other" at first...
+    assert top("heavy") == OTHER
+    for _ in range(300):
+        top("heavy")
+        top("a")
+    # ...then it out-hits the idle holders and takes a slot.
+    assert top("heavy") == "heavy"
+    assert "a" in top.values()
+    assert evicted and evicted[0] <= {"b", "c"}
+    assert len(top) == 3
+
+
+def test_top_k_ignores_a_flood_of_one_shot_values():
+    top = TopKLabels(10, epoch=1000)
+    for i in range(10):
+        top(f"steady{i}")
+    for i in range(50_000):
+        assert top(f"once{i}") == OTHER
+        top(f"steady{i % 10}")
+    assert top.values() == {f"steady{i}" for i in range(10)}
+    assert top.evictions == 0
+
+
+def test_evicted_callers_fold_into_other_and_totals_are_kept():
+    s = Stats(max_callers=2)
+    s.callers = TopKLabels(2, epoch=50, on_evict=s._fold_callers)
+    s.emit(req(RequestOffered, caller="early1", remaining=None))
+    s.emit(req(RequestOffered, caller="early2", remaining=None))
+    for _ in range(200):
+        s.emit(req(RequestOffered, caller="heavy", remaining=None))
+    assert s.count("offered") == 202
+    assert s.count("offered", caller="heavy") > 0
+    assert s.count("offered", caller="early1") + s.count("offered", caller="early2") < 2
+    assert s.count("offered", caller=OTHER) == 202 - s.count("offered", caller="heavy") - (
+        s.count("offered", caller="early1") + s.count("offered", caller="early2")
+    )
+
+
+def test_100k_distinct_callers_stay_under_the_cap():  # O1 bounded
+    s = Stats(max_callers=50)
+    for i in range(100_000):
+        s.emit(req(RequestOffered, caller=f"c{i}", remaining=1.0))
+        s.emit(
+            req(
+                RequestShed, caller=f"c{i}", reason=Reason.QUEUE_FULL, remaining=1.0, queue_wait=0.0
+            )
+        )
+    assert len(s.callers) <= 50
+    assert s.series_count() <= 2 * 51 + 1
+    assert s.count("offered") == 100_000
+    assert s.count("shed") == 100_000
+
+
+def test_max_series_folds_caller_then_operation():
+    s = Stats(max_series=10, max_callers=1000, max_operations=1000)
+    for i in range(1000):
+        s.emit(req(RequestOffered, caller=f"c{i}", op=f"op{i}", remaining=None))
+    assert len(s.rows) <= 12
+    assert s.count("offered") == 1000
+    assert s.count("offered", operation=OTHER, caller=OTHER) > 0
+
+
+def test_backwards_compatible_views():
+    s = Stats()
+    s.emit(req(RequestOffered, source="a", remaining=None))
+    s.emit(req(RequestOffered, source="b", remaining=None))
+    assert s.counters == {("offered", "get", "critical", "alice", ""): 2}
+    assert list(s.series()) == [(("offered", "get", "critical", "alice", ""), 2)]
+    snap = s.snapshot()
+    assert snap["totals"]["offered"] == 2
+    assert set(snap["totals"]) == set(COUNTER_KINDS)
+    s.reset()
+    assert s.count("offered") == 0
+
+
+class Pool:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.in_flight = 3
+
+    def gauges(self):
+        yield ("in_flight", {"source": self.name}, self.in_flight)
+        yield ("limit", {"source": self.name}, 10)
+
+
+def test_observables_are_read_at_scrape_time_and_override_events():  # O5
+    s = Stats()
+    s.emit(LimitChanged(at=0.0, source="api", old=5, new=8))
+    pool = Pool("api")
+    s.watch(pool)
+    balance = [4.0]
+    s.watch_gauge("retry_budget_balance", {"source": "db"}, lambda: balance[0])
+    readings = {(n, tuple(sorted(lab.items()))): v for n, lab, v in s.gauges()}
+    assert readings[("in_flight", (("source", "api"),))] == 3
+    assert readings[("limit", (("source", "api"),))] == 10  # live value beats the event's 8
+    assert readings[("retry_budget_balance", (("source", "db"),))] == 4.0
+    pool.in_flight = 7
+    balance[0] = 0.0
+    readings = {(n, tuple(sorted(lab.items()))): v for n, lab, v in s.gauges()}
+    assert readings[("in_flight", (("source", "api"),))] == 7
+    assert readings[("retry_budget_balance", (("source", "db"),))] == 0.0
+    s.unwatch(pool)
+    assert all(n != "in_flight" for n, _, _ in s.gauges())
+
+
+def test_discarded_observable_disappears_and_broken_one_is_skipped(caplog):
+    s = Stats()
+    s.watch(Pool("gone"))
+    gc.collect()
+    assert s.gauges() == []
+
+    class Broken:
+        def gauges(self):
+            raise RuntimeError("boom")
+
+    broken = Broken()
+    s.watch(broken)
+    s.watch(keep := Pool("kept"))
+    assert {n for n, _, _ in s.gauges()} == {"in_flight", "limit"}
+    assert "raised" in caplog.text
+    assert keep.name == "kept"
+
+
+def test_state_gauges_breakers_degraded_modes_and_header_problems():  # O2, G2
+    clock = ManualClock(100.0)
+    s = Stats(clock=clock)
+    s.declare_degraded_mode("stale_search", 60.0)
+    s.emit(
+        DegradedModeChanged(
+            at=100.0, source="degrade", mode="stale_search", active=True, trigger="db slow"
+        )
+    )
+    s.emit(BreakerStateChanged(at=100.0, source="db", old="closed", new="open"))
+    s.emit(
+        DeadlineHeaderIgnored(
+            at=100.0, source="edge", header="brownout-budget-ms", problem="malformed"
+        )
+    )
+    clock.advance(90.0)
+    g = {(n, tuple(sorted(lab.items()))): v for n, lab, v in s.gauges()}
+    assert g[("degraded_mode_active", (("mode", "stale_search"),))] == 1.0
+    assert g[("degraded_mode_active_seconds", (("mode", "stale_search"),))] == 90.0
+    assert g[("degraded_mode_max_seconds", (("mode", "stale_search"),))] == 60.0
+    assert g[("breaker_state", (("source", "db"), ("state", "open")))] == 1.0
+    assert g[("breaker_state", (("source", "db"), ("state", "closed")))] == 0.0
+    assert s.breaker_transitions == {("db", "open"): 1}
+    assert s.headers_ignored == {("brownout-budget-ms", "malformed"): 1}
+    s.emit(
+        DegradedModeChanged(
+            at=190.0, source="degrade", mode="stale_search", active=False, trigger="recovered"
+        )
+    )
+    g = {(n, tuple(sorted(lab.items()))): v for n, lab, v in s.gauges()}
+    assert g[("degraded_mode_active_seconds", (("mode", "stale_search"),))] == 0.0
+    assert s.degraded_activations == {"stale_search": 1}
+
+
+def test_histogram_quantiles_and_cumulative_shape():
+    h = LatencyHistogram()
+    for ms in range(1, 101):
+        h.observe(ms / 1000)
+    assert h.quantile(0.5) == pytest.approx(0.050, rel=0.2)
+    cum = h.cumulative()
+    assert cum[-1] == (float("inf"), 100)
+    assert all(a[1] <= b[1] for a, b in itertools.pairwise(cum))

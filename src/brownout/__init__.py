@@ -18,6 +18,7 @@ from .context import (
 )
 from .deadline import Deadline, call_budget
 from .degrade import DegradedMode, DegradedModes, FailClosedGuard, StaleCache
+from .dependency import Dependency
 from .errors import (
     BrownoutError,
     DeadlineExceeded,
@@ -31,6 +32,18 @@ from .events import Event, EventHub, Sink, hub
 from .priority import Priority
 from .propagation import BudgetSigner, InboundDeadlinePolicy, Trust
 from .quota import InMemoryQuotaStore, Quota, QuotaDecision, RedisQuotaStore
+from .retry import (
+    CircuitBreaker,
+    ClientThrottle,
+    DecorrelatedJitterBackoff,
+    ExponentialBackoff,
+    GrpcRetryThrottle,
+    ResponseError,
+    RetriesExhausted,
+    RetryBudget,
+    RetryPolicy,
+    TransientError,
+)
 from .stats import Stats
 
 __version__ = "0.1.0"
@@ -38,15 +51,21 @@ __version__ = "0.1.0"
 __all__ = [
     "BrownoutError",
     "BudgetSigner",
+    "CircuitBreaker",
+    "ClientThrottle",
     "Clock",
     "Deadline",
     "DeadlineExceeded",
+    "DecorrelatedJitterBackoff",
     "DegradedMode",
     "DegradedModes",
+    "Dependency",
     "Event",
     "EventHub",
+    "ExponentialBackoff",
     "FailClosed",
     "FailClosedGuard",
+    "GrpcRetryThrottle",
     "HeaderError",
     "InMemoryQuotaStore",
     "InboundDeadlinePolicy",
@@ -60,9 +79,14 @@ __all__ = [
     "RedisQuotaStore",
     "Rejected",
     "RequestContext",
+    "ResponseError",
+    "RetriesExhausted",
+    "RetryBudget",
+    "RetryPolicy",
     "Sink",
     "StaleCache",
     "Stats",
+    "TransientError",
     "Trust",
     "UnknownOutcome",
     "__version__",

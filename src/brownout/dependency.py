@@ -1,0 +1,246 @@
+"""`Dependency`: one object per downstream service composing every outbound guard.
+
+``await payments.call(charge, order_id, idempotent=True)`` runs each attempt as follows:
+
+1. per-attempt budget ``call_budget(timeout, reserve=, min_useful=)`` (D4): too little time
+   left refuses before anything is sent;
+2. ``max_active`` (when there is no bulkhead), circuit breaker, client-side throttle: cheap
+   local refusals;
+3. the attempt runs inside ``request(deadline=budget, attempt=n, idempotency_key=key)``, so
+   it is cancelled when its budget expires (D5) and adapters send the remaining budget,
+   attempt number and idempotency key; the bulkhead (if any) admits it inside that scope, so
+   queueing spends the attempt's own budget;
+4. the outcome feeds the breaker and the throttle; failures go to the `RetryPolicy`, which
+   retries under its budget, the deadline and ``max_concurrent_retries`` (A6).
+
+A mutation whose outcome is unknown raises `UnknownOutcome` and is written to the ``ledger``
+(D6) for a `Reconciler` to resolve later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol, TypeVar
+
+from .clock import Clock, default_clock
+from .context import DeadlineScope
+from .deadline import call_budget
+from .errors import Reason, Rejected, UnknownOutcome
+from .events import EventHub, RequestShed, hub
+from .retry.breaker import CircuitBreaker
+from .retry.idempotency import OutcomeLedger
+from .retry.policy import RetryPolicy, RetrySlots
+from .retry.throttle import ClientThrottle
+
+__all__ = ["AdmitsWork", "Dependency"]
+
+T = TypeVar("T")
+
+
+class AdmitsWork(Protocol):
+    """A bulkhead: ``async with bulkhead.admit():`` holds one permit (waiting if it must)."""
+
+    def admit(self) -> AbstractAsyncContextManager[Any]: ...
+
+
+class Dependency:
+    """Everything brownout applies to calls to one downstream service.
+
+    ``timeout`` is the normal per-attempt timeout (``None``: only the request's deadline);
+    ``reserve`` is kept back from the remaining deadline for the response path; a call with
+    less than ``min_useful`` left is refused before it is sent (D4). ``retry`` defaults to a
+    policy that never retries (``attempts=1``) but still keys mutations.
+    """
+
+    __slots__ = (
+        "_active",
+        "_clock",
+        "_events",
+        "breaker",
+        "bulkhead",
+        "ledger",
+        "max_active",
+        "min_useful",
+        "name",
+        "reserve",
+        "retry",
+        "retry_slots",
+        "throttle",
+        "timeout",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        timeout: float | None = None,
+        reserve: float = 0.0,
+        min_useful: float = 0.0,
+        retry: RetryPolicy | None = None,
+        breaker: CircuitBreaker | None = None,
+        throttle: ClientThrottle | None = None,
+        bulkhead: AdmitsWork | None = None,
+        max_active: int | None = None,
+        max_concurrent_retries: int | None = None,
+        ledger: OutcomeLedger | None = None,
+        clock: Clock | None = None,
+        events: EventHub = hub,
+    ) -> None:
+        self.name = name
+        self.timeout = timeout
+        self.reserve = reserve
+        self.min_useful = min_useful
+        self._clock = clock or default_clock()
+        self._events = events
+        self.retry = retry if retry is not None else RetryPolicy(1, name=name, events=events)
+        self.breaker = breaker
+        self.throttle = throttle
+        self.bulkhead = bulkhead
+        self.max_active = max_active
+        self.retry_slots = (
+            RetrySlots(max_concurrent_retries) if max_concurrent_retries is not None else None
+        )
+        self.ledger = ledger
+        self._active = 0
+
+    @property
+    def active(self) -> int:
+        """Attempts in flight right now (counted whether or not ``max_active`` is set)."""
+        return self._active
+
+    async def call(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        *args: Any,
+        idempotent: bool = False,
+        idempotency_key: str | None = None,
+        **kwargs: Any,
+    ) -> T:
+        """Await ``fn(*args, **kwargs)`` under this dependency's guards and retry policy.
+
+        A call is a mutation unless ``idempotent=True``: it gets an idempotency key (yours, or
+        a generated one) that is the same on every attempt. Raises `Rejected` for local
+        refusals, `RetriesExhausted` when retrying gave up (callers upstream must not retry),
+        `UnknownOutcome` for a mutation that was sent and never answered, or the original
+        error when it is not retryable.
+        """
+
+        async def attempt(number: int, key: str | None) -> T:
+            return await self._attempt(fn, args, kwargs, number, key)
+
+        try:
+            return await self.retry.execute(
+                attempt,
+                idempotent=idempotent,
+                idempotency_key=idempotency_key,
+                source=self.name,
+                reserve=self.reserve,
+                min_attempt_time=self.min_useful,
+                slots=self.retry_slots,
+            )
+        except UnknownOutcome as unknown:
+            if self.ledger is not None and unknown.idempotency_key is not None:
+                await self.ledger.record_unknown(
+                    unknown.idempotency_key, dependency=self.name, detail=repr(unknown.__cause__)
+                )
+            raise
+        except Rejected as refused:
+            breaker = self.breaker
+            if (
+                refused.reason is Reason.BREAKER_OPEN
+                and breaker is not None
+                and breaker.fallback is not None
+            ):
+                result: T = await breaker.fallback(refused)
+                return result
+            raise
+
+    async def _attempt(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        number: int,
+        key: str | None,
+    ) -> T:
+        budget: float | None
+        if self.timeout is None:
+            budget = None
+            if self.reserve or self.min_useful:
+                budget = call_budget(float("inf"), reserve=self.reserve, min_useful=self.min_useful)
+                if budget == float("inf"):
+                    budget = None
+        else:
+            budget = call_budget(self.timeout, reserve=self.reserve, min_useful=self.min_useful)
+        if self.max_active is not None and self._active >= self.max_active:
+            raise self._refuse(Reason.OVERLOADED, f"{self.name}: {self._active} calls in flight")
+        breaker = self.breaker
+        token = breaker.acquire() if breaker is not None else 0
+        throttle = self.throttle
+        if throttle is not None:
+            try:
+                throttle.check()
+            except Rejected:
+                if breaker is not None:
+                    breaker.release(token, failed=None)
+                raise
+        clock = self._clock
+        started = clock.now()
+        self._active += 1
+        try:
+            async with DeadlineScope(budget, {"attempt": number, "idempotency_key": key}):
+                if self.bulkhead is None:
+                    result = await fn(*args, **kwargs)
+                else:
+                    async with self.bulkhead.admit():
+                        result = await fn(*args, **kwargs)
+        except Exception as error:
+            if breaker is not None or throttle is not None:
+                failure = self.retry.classify(error)
+                # Accepted: the dependency answered something other than an overload refusal.
+                if (
+                    throttle is not None
+                    and failure.sent
+                    and not failure.transient
+                    and not failure.do_not_retry
+                ):
+                    throttle.record_accept()
+                if breaker is not None:
+                    breaker.release(
+                        token, failed=breaker.is_failure(error), duration=clock.now() - started
+                    )
+            raise
+        except BaseException:
+            if breaker is not None:
+                breaker.release(token, failed=None)
+            raise
+        finally:
+            self._active -= 1
+        if breaker is not None:
+            breaker.release(token, failed=False, duration=clock.now() - started)
+        if throttle is not None:
+            throttle.record_accept()
+        return result
+
+    def _refuse(self, reason: Reason, detail: str) -> Rejected:
+        if self._events.enabled:
+            from .context import current
+
+            ctx = current()
+            self._events.emit(
+                RequestShed(
+                    self._clock.now(),
+                    self.name,
+                    ctx.operation,
+                    ctx.priority,
+                    ctx.caller,
+                    reason,
+                    ctx.remaining(),
+                    0.0,
+                )
+            )
+        return Rejected(reason, detail)
+
+    def __repr__(self) -> str:
+        return f"Dependency({self.name!r}, timeout={self.timeout}, retry={self.retry!r})"

@@ -1,0 +1,816 @@
+"""The edge: where a request enters a service (D2, D3, D5, S2, S3, S4, S6, S7, O3, O4).
+
+`EdgePolicy` is the framework-free half of the inbound path; the adapters in
+`brownout.integrations` (ASGI, grpc.aio, aiohttp) translate a framework's request into it and
+its decisions back into the framework's responses. For one request the edge:
+
+1. starts the stopwatch when it first sees the request, and resolves the budget with the route's
+   `InboundDeadlinePolicy` (trusted / signed / untrusted sources, route default and maximum);
+2. classifies the request (priority, caller, operation). A priority header is honoured only from
+   a trusted source (S4); a user-chosen classifier, which runs after authentication, has the
+   last word. The operation is the route template, never the raw path (bounded labels);
+3. checks the optional quota hook (429 for ``Reason.QUOTA``; or, with
+   ``on_quota_exceeded="demote"``, lets the caller use *idle* capacity at ``SHEDDABLE``, S5);
+4. admits through the route's bulkhead (503 with the bulkhead's reason when refused);
+5. runs the handler inside ``brownout.request(...)`` so the deadline, priority, caller and
+   operation follow the work; at expiry the handler is cancelled (504 if no response started).
+
+Refusals are cheap: the RFC 9457 problem bodies are rendered once per reason, ``Retry-After``
+is sent only when there is an estimate and is jittered upwards so callers do not return
+together. `SlowedRejections` optionally holds refusals until about the median success latency
+(S6) with one loop timer for all of them.
+
+Events: a `Bulkhead` already reports offered / queued / admitted / shed, so the edge reports
+only what it alone knows: completion measured from its own stopwatch (``RequestCompleted``),
+failures, client abandonment, expiry while running, and refusals that never reached a bulkhead
+(quota). Health and readiness paths bypass admission and produce no events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import http
+import json
+import math
+import random
+import re
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from dataclasses import replace as dc_replace
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
+
+from .clock import now as _now
+from .context import request as request_scope
+from .deadline import Deadline
+from .errors import DeadlineExceeded, Reason, Rejected
+from .events import (
+    DeadlineHeaderIgnored,
+    EventHub,
+    RequestAbandoned,
+    RequestAdmitted,
+    RequestCompleted,
+    RequestExpired,
+    RequestFailed,
+    RequestOffered,
+    RequestShed,
+    hub,
+)
+from .priority import Priority, parse_priority
+from .propagation import PRIORITY_HEADER, HeaderGetter, InboundDeadlinePolicy, Trust
+
+__all__ = [
+    "ABANDONED",
+    "UNMATCHED",
+    "Abandoned",
+    "Admission",
+    "Classification",
+    "Classifier",
+    "DegradedModes",
+    "EdgePolicy",
+    "Flight",
+    "QuotaCheck",
+    "QuotaDecision",
+    "Refusal",
+    "ResolvedRoute",
+    "Route",
+    "SlowedRejections",
+    "TrustSource",
+    "compile_template",
+    "header_getter",
+    "problem_body",
+]
+
+T = TypeVar("T")
+
+UNMATCHED = "unmatched"
+"""The operation label of every request that matches no known route (bounded label sets)."""
+
+
+# -- the protocols the edge depends on -------------------------------------------------------
+
+
+@runtime_checkable
+class Admission(Protocol):
+    """What the edge needs from a bulkhead (`brownout.Bulkhead` satisfies it).
+
+    ``admit()`` with no arguments reads priority, caller, operation and deadline from the
+    request context, which the edge has already set. It refuses by raising `Rejected`.
+    ``try_admit()`` never waits: it returns a permit (anything with ``release()``) or the
+    `Rejected` it would have raised; the edge uses it to let over-quota callers use idle
+    capacity only (S5).
+    """
+
+    def admit(self) -> AbstractAsyncContextManager[Any]: ...
+
+    def try_admit(self) -> Any: ...
+
+
+@runtime_checkable
+class QuotaDecision(Protocol):
+    """The answer of a quota check; the RateLimit fields are optional (``None``)."""
+
+    @property
+    def allowed(self) -> bool: ...
+
+    @property
+    def retry_after(self) -> float | None: ...
+
+    @property
+    def limit(self) -> int | None: ...
+
+    @property
+    def remaining(self) -> int | None: ...
+
+    @property
+    def reset(self) -> float | None: ...
+
+
+QuotaCheck = Callable[["Classification"], Awaitable[QuotaDecision]]
+"""An async hook deciding whether a classified request is within its caller's quota."""
+
+
+@runtime_checkable
+class DegradedModes(Protocol):
+    """Anything that can name the degraded modes currently active (G2)."""
+
+    def active_names(self) -> tuple[str, ...]: ...
+
+
+class Classification(NamedTuple):
+    """Who is asking, for what, and how much it matters. A classifier returns a new one."""
+
+    priority: Priority
+    caller: str
+    operation: str
+    in_progress: bool = False
+
+
+class Classifier(Protocol):
+    """Maps a framework request (ASGI scope, aiohttp request, `GrpcCall`) and the edge's
+    default classification to the final one. It runs after authentication, so it may trust
+    what the authentication layer established (e.g. ``scope["user"]``)."""
+
+    def __call__(self, request: Any, default: Classification, /) -> Classification: ...
+
+
+TrustSource = Trust | Callable[[Any], Trust]
+"""A fixed trust level, or a function of the framework request that decides it."""
+
+
+# -- routes ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Per-route policy. ``None`` fields fall back to the `EdgePolicy`'s.
+
+    ``default`` and ``maximum`` override the inbound deadline policy's; ``priority`` is the
+    route's base priority (a classifier may still change it); ``bulkhead`` gives the route its
+    own concurrency budget (A1).
+    """
+
+    priority: Priority | None = None
+    default: float | None = None
+    maximum: float | None = None
+    bulkhead: Admission | None = None
+
+
+class ResolvedRoute(NamedTuple):
+    """A route with every fallback applied; computed once per route template."""
+
+    template: str
+    priority: Priority
+    deadline: InboundDeadlinePolicy
+    bulkhead: Admission | None
+
+
+_PARAM = re.compile(r"{([a-zA-Z_][a-zA-Z0-9_]*)(?::([a-zA-Z_]+))?}")
+
+
+def compile_template(template: str) -> re.Pattern[str]:
+    """A regex matching the paths of a Starlette/aiohttp style template (``/a/{id}``,
+    ``/files/{rest:path}``)."""
+    out: list[str] = []
+    pos = 0
+    for m in _PARAM.finditer(template):
+        out.append(re.escape(template[pos : m.start()]))
+        out.append(".*" if m.group(2) == "path" else "[^/]+")
+        pos = m.end()
+    out.append(re.escape(template[pos:]))
+    return re.compile("".join(out))
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+_DETAILS: dict[Reason, str] = {
+    Reason.QUEUE_FULL: "The service is at capacity and its wait queue is full.",
+    Reason.QUEUE_TIMEOUT: "The request waited too long for capacity.",
+    Reason.DEADLINE_TOO_SHORT: "Too little time was left for the request to be useful.",
+    Reason.DEADLINE_EXPIRED: "The request's deadline passed before it could be answered.",
+    Reason.OVERLOADED: "The service is overloaded and is shedding this priority.",
+    Reason.FAIR_SHARE: "This caller already holds its share of the service's capacity.",
+    Reason.QUOTA: "The caller exceeded its rate or quota.",
+    Reason.BREAKER_OPEN: "A dependency's circuit breaker is open.",
+    Reason.BUDGET_EXHAUSTED: "A dependency failed and the retry budget is exhausted.",
+    Reason.THROTTLED: "Calls to a dependency are being throttled.",
+    Reason.DEPENDENCY_UNAVAILABLE: "An authoritative dependency is unavailable.",
+    Reason.DO_NOT_RETRY: "A dependency refused and asked callers not to retry.",
+}
+
+_DEFAULT_DO_NOT_RETRY = frozenset({Reason.BUDGET_EXHAUSTED, Reason.DO_NOT_RETRY})
+
+
+class Refusal(NamedTuple):
+    """A refusal ready to be written by an adapter.
+
+    ``retry_after`` is the jittered estimate in seconds (``None``: do not send one);
+    ``do_not_retry`` asks callers not to retry (``brownout-retry: never`` /
+    ``grpc-retry-pushback-ms: -1``); ``body`` is the RFC 9457 problem document.
+    """
+
+    status: int
+    reason: Reason
+    body: bytes
+    retry_after: float | None
+    do_not_retry: bool
+    degraded: tuple[str, ...]
+    quota: QuotaDecision | None = None
+
+    def retry_after_header(self) -> str | None:
+        """``Retry-After`` in whole seconds (rounded up, at least 1), or ``None``."""
+        ra = self.retry_after
+        if ra is None:
+            return None
+        return str(max(1, math.ceil(ra)))
+
+
+def problem_body(
+    reason: Reason,
+    status: int,
+    *,
+    detail: str | None = None,
+    degraded: tuple[str, ...] = (),
+    do_not_retry: bool = False,
+) -> bytes:
+    """Render an RFC 9457 ``application/problem+json`` document naming the reason."""
+    doc: dict[str, Any] = {
+        "type": f"urn:brownout:reason:{reason.value}",
+        "title": http.HTTPStatus(status).phrase,
+        "status": status,
+        "detail": detail if detail is not None else _DETAILS.get(reason, reason.value),
+        "reason": reason.value,
+    }
+    if do_not_retry:
+        doc["retry"] = "never"
+    if degraded:
+        doc["degraded"] = list(degraded)
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+# -- slowed rejections (S6) ----------------------------------------------------------------------
+
+
+class SlowedRejections:
+    """Holds refusals until about the median success latency, cheaply (S6).
+
+    Where a fast refusal invites a faster retry, answering it no sooner than a success would
+    have been answered removes the incentive. Held refusals cost one future each; one loop
+    timer releases them all. At most ``max_held`` are held; beyond that, refusals are answered
+    at once (holding must never itself exhaust memory or file descriptors). The hold time is
+    ``fraction`` x the median of the last ``window`` success latencies, within
+    [``floor``, ``ceiling``] seconds; with no successes seen yet it is ``floor``.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_held: int = 1000,
+        fraction: float = 1.0,
+        floor: float = 0.0,
+        ceiling: float = 1.0,
+        window: int = 256,
+    ) -> None:
+        if max_held < 0 or window < 1 or not 0 <= floor <= ceiling:
+            raise ValueError("need max_held >= 0, window >= 1 and 0 <= floor <= ceiling")
+        self.max_held = max_held
+        self.fraction = fraction
+        self.floor = floor
+        self.ceiling = ceiling
+        self._window = window
+        self._samples: list[float] = []
+        self._next = 0
+        self._since_sort = 0
+        self._median = 0.0
+        self._held: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._seq = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+
+    # the median: a ring of recent samples, re-sorted every window/8 observations
+    def observe(self, latency: float) -> None:
+        """Record the latency of one useful success."""
+        samples = self._samples
+        if len(samples) < self._window:
+            samples.append(latency)
+        else:
+            samples[self._next] = latency
+            self._next = (self._next + 1) % self._window
+        self._since_sort += 1
+        if self._since_sort >= max(1, self._window // 8) or len(samples) < 8:
+            self._since_sort = 0
+            ordered = sorted(samples)
+            self._median = ordered[len(ordered) // 2]
+
+    @property
+    def median(self) -> float:
+        """The current median success latency estimate (0.0 before any success)."""
+        return self._median
+
+    def hold_time(self) -> float:
+        """How long the next refusal would be held."""
+        t = self._median * self.fraction
+        return self.floor if t < self.floor else self.ceiling if t > self.ceiling else t
+
+    @property
+    def held(self) -> int:
+        """How many refusals are being held now."""
+        return len(self._held)
+
+    def hold(self) -> asyncio.Future[None] | None:
+        """A future that resolves when this refusal may be answered, or ``None`` to answer
+        now (nothing to wait for, or ``max_held`` reached)."""
+        delay = self.hold_time()
+        if delay <= 0.0 or len(self._held) >= self.max_held:
+            return None
+        loop = asyncio.get_running_loop()
+        at = loop.time() + delay
+        fut: asyncio.Future[None] = loop.create_future()
+        self._seq += 1
+        heapq.heappush(self._held, (at, self._seq, fut))
+        if at < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = at
+            self._timer = loop.call_at(at, self._release)
+        return fut
+
+    def _release(self) -> None:
+        self._timer = None
+        self._timer_at = math.inf
+        held = self._held
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        while held and held[0][0] <= t:
+            fut = heapq.heappop(held)[2]
+            if not fut.done():
+                fut.set_result(None)
+        if held:
+            self._timer_at = held[0][0]
+            self._timer = loop.call_at(self._timer_at, self._release)
+
+
+# -- one request in flight ---------------------------------------------------------------------
+
+
+class Flight:
+    """What an adapter and the edge share about one request.
+
+    The adapter sets ``response_started`` (and ``status``) when the first byte of a response
+    leaves, and ``abandoned`` when it sees the client go away before cancelling the handler.
+    """
+
+    __slots__ = (
+        "abandoned",
+        "admitted",
+        "classification",
+        "deadline",
+        "quota",
+        "response_started",
+        "started",
+        "status",
+    )
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.deadline: Deadline | None = None
+        self.classification: Classification | None = None
+        self.quota: QuotaDecision | None = None
+        self.admitted = False
+        self.response_started = False
+        self.status = 0
+        self.abandoned = False
+
+
+class Abandoned:
+    """The type of `ABANDONED`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "ABANDONED"
+
+
+ABANDONED = Abandoned()
+"""What `EdgePolicy.serve` returns when the client went away and the handler was cancelled."""
+
+
+# -- the policy --------------------------------------------------------------------------------
+
+
+def _no_header(name: str) -> None:
+    return None
+
+
+@dataclass(eq=False)
+class EdgePolicy:
+    """Everything the edge decides for inbound requests, independent of any framework.
+
+    - ``bulkhead``: the default admission for every route (``None``: no admission control,
+      deadlines and classification only);
+    - ``deadline``: the inbound deadline policy; `Route` ``default``/``maximum`` override it;
+    - ``trust``: how far a request's headers are believed (a `Trust` or a function of the
+      framework request); only ``Trust.TRUSTED`` sources may claim a priority by header (S4),
+      capped at ``max_claimed_priority``;
+    - ``classifier``: the last word on priority, caller and operation (runs after auth);
+    - ``health_paths``: always answered, never admitted, never counted (S7);
+    - ``routes``: per-route policy keyed by route template (HTTP) or full method name (gRPC);
+    - ``quota`` and ``on_quota_exceeded``: the optional quota hook (429), or demotion to
+      ``SHEDDABLE`` when the bulkhead has idle capacity (S5);
+    - ``degraded``: active degraded modes are announced on every response (G2);
+    - ``slowed``: hold refusals until about the median success latency (S6);
+    - ``statuses``: reason -> HTTP status overrides (defaults: quota 429, deadline expiry
+      ``expired_status`` (504), anything else 503);
+    - ``do_not_retry``: reasons whose refusals carry ``brownout-retry: never`` (by default only
+      those that already went through a retry layer: budget exhausted, do-not-retry);
+    - ``retry_after_jitter``: Retry-After is stretched by a random factor in
+      ``[1, 1 + jitter]`` so refused callers do not come back together.
+    """
+
+    bulkhead: Admission | None = None
+    deadline: InboundDeadlinePolicy = field(default_factory=InboundDeadlinePolicy)
+    trust: TrustSource = Trust.UNTRUSTED
+    classifier: Classifier | None = None
+    health_paths: Collection[str] = ("/health", "/healthz", "/ready", "/readyz")
+    routes: Mapping[str, Route] = field(default_factory=dict)
+    default_priority: Priority = Priority.CRITICAL
+    max_claimed_priority: Priority = Priority.CRITICAL
+    quota: QuotaCheck | None = None
+    on_quota_exceeded: Literal["reject", "demote"] = "reject"
+    degraded: DegradedModes | None = None
+    slowed: SlowedRejections | None = None
+    expired_status: int = 504
+    statuses: Mapping[Reason, int] = field(default_factory=dict)
+    do_not_retry: Collection[Reason] = _DEFAULT_DO_NOT_RETRY
+    retry_after_jitter: float = 0.5
+    name: str = "edge"
+    events: EventHub = field(default=hub, repr=False)
+    rng: random.Random = field(default_factory=random.Random, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.on_quota_exceeded not in ("reject", "demote"):
+            raise ValueError('on_quota_exceeded must be "reject" or "demote"')
+        if self.retry_after_jitter < 0:
+            raise ValueError("retry_after_jitter must be >= 0")
+        self.health_paths = frozenset(self.health_paths)
+        self._trust_fn: Callable[[Any], Trust] | None = (
+            None if isinstance(self.trust, Trust) else self.trust
+        )
+        self._fixed_trust = self.trust if isinstance(self.trust, Trust) else Trust.UNTRUSTED
+        self._dnr = frozenset(self.do_not_retry)
+        self._resolved: dict[str, ResolvedRoute] = {}
+        self._patterns: list[tuple[re.Pattern[str], str]] = []
+        for template, route in self.routes.items():
+            self._resolved[template] = self._resolve(template, route)
+            self._patterns.append((compile_template(template), template))
+        self._unmatched = self._resolve(UNMATCHED, Route())
+        self._refusals: dict[Reason, Refusal] = {r: self._build_refusal(r) for r in Reason}
+
+    # -- configuration, resolved once -----------------------------------------------------
+    def _resolve(self, template: str, route: Route) -> ResolvedRoute:
+        d = self.deadline
+        if route.default is not None or route.maximum is not None:
+            maximum = route.maximum if route.maximum is not None else d.maximum
+            default = route.default if route.default is not None else min(d.default, maximum)
+            d = dc_replace(d, default=default, maximum=maximum)
+        return ResolvedRoute(
+            template,
+            route.priority if route.priority is not None else self.default_priority,
+            d,
+            route.bulkhead if route.bulkhead is not None else self.bulkhead,
+        )
+
+    def status_for(self, reason: Reason) -> int:
+        """The HTTP status for a refusal with ``reason``."""
+        s = self.statuses.get(reason)
+        if s is not None:
+            return s
+        if reason is Reason.QUOTA:
+            return 429
+        if reason is Reason.DEADLINE_EXPIRED:
+            return self.expired_status
+        return 503
+
+    def _build_refusal(self, reason: Reason) -> Refusal:
+        status = self.status_for(reason)
+        dnr = reason in self._dnr
+        body = problem_body(reason, status, do_not_retry=dnr)
+        return Refusal(status, reason, body, None, dnr, ())
+
+    # -- routes ---------------------------------------------------------------------------
+    def route(self, template: str | None) -> ResolvedRoute:
+        """The resolved policy for a route template (or the catch-all for ``None``/unknown)."""
+        if template is None:
+            return self._unmatched
+        r = self._resolved.get(template)
+        if r is None:
+            if len(self._resolved) >= 1024:  # templates come from the app; still, bound it
+                return self._unmatched
+            r = self._resolved[template] = ResolvedRoute(
+                template, self.default_priority, self.deadline, self.bulkhead
+            )
+        return r
+
+    def match(self, path: str) -> str | None:
+        """The template of this policy's own ``routes`` that matches ``path``, if any (for apps
+        whose framework cannot name the route)."""
+        for pattern, template in self._patterns:
+            if pattern.fullmatch(path) is not None:
+                return template
+        return None
+
+    def is_health(self, path: str) -> bool:
+        """True for health and readiness paths: answered always, never admitted."""
+        return path in self.health_paths
+
+    # -- refusals -------------------------------------------------------------------------
+    def refusal(
+        self,
+        reason: Reason,
+        retry_after: float | None = None,
+        *,
+        quota: QuotaDecision | None = None,
+    ) -> Refusal:
+        """The refusal for ``reason``: precomputed body, jittered Retry-After when known."""
+        base = self._refusals[reason]
+        degraded = self.degraded.active_names() if self.degraded is not None else ()
+        if retry_after is None and not degraded and quota is None:
+            return base
+        body = base.body
+        if degraded:
+            body = problem_body(
+                reason, base.status, degraded=degraded, do_not_retry=base.do_not_retry
+            )
+        if retry_after is not None and not base.do_not_retry:
+            retry_after = retry_after * (1.0 + self.retry_after_jitter * self.rng.random())
+        else:
+            retry_after = None
+        return base._replace(body=body, retry_after=retry_after, degraded=degraded, quota=quota)
+
+    def degraded_names(self) -> tuple[str, ...]:
+        """The active degraded modes (empty when none or not configured)."""
+        return self.degraded.active_names() if self.degraded is not None else ()
+
+    # -- the flow -------------------------------------------------------------------------
+    def trust_of(self, request: Any) -> Trust:
+        """How far this request's headers are believed."""
+        fn = self._trust_fn
+        return self._fixed_trust if fn is None else fn(request)
+
+    def classify(
+        self,
+        request: Any,
+        route: ResolvedRoute,
+        operation: str,
+        trust: Trust,
+        get: HeaderGetter,
+    ) -> Classification:
+        """The route's priority, a trusted priority claim (S4), then the user's classifier."""
+        priority = route.priority
+        claim = get(PRIORITY_HEADER)
+        if claim is not None:
+            if trust is Trust.TRUSTED:
+                p = parse_priority(claim)
+                if p is not None:
+                    priority = p if p <= self.max_claimed_priority else self.max_claimed_priority
+                elif self.events.enabled:
+                    self.events.emit(
+                        DeadlineHeaderIgnored(_now(), self.name, PRIORITY_HEADER, "malformed")
+                    )
+            elif self.events.enabled:
+                self.events.emit(
+                    DeadlineHeaderIgnored(_now(), self.name, PRIORITY_HEADER, "untrusted source")
+                )
+        cls = Classification(priority, "unknown", operation)
+        if self.classifier is not None:
+            cls = self.classifier(request, cls)
+        return cls
+
+    async def serve(
+        self,
+        request: Any,
+        call: Callable[[], Awaitable[T]],
+        flight: Flight,
+        *,
+        route: ResolvedRoute,
+        get: HeaderGetter = _no_header,
+        budget: float | None = None,
+        answers: tuple[type[BaseException], ...] = (),
+    ) -> T | Refusal | Abandoned:
+        """Classify, check quota, admit, and run ``call`` inside the request context.
+
+        Returns what ``call`` returned, a `Refusal` for the adapter to write, or `ABANDONED`.
+        ``budget`` (seconds) replaces the header-derived budget for protocols that carry
+        their own deadline (gRPC); it is still clamped to the route maximum. Exceptions of
+        the handler propagate, counted as failures, except ``answers``: exception types that
+        are the framework's way to answer (aiohttp's ``HTTPException``), counted by the
+        status the adapter put in ``flight.status``.
+        """
+        trust = self.trust_of(request)
+        policy = route.deadline
+        if budget is None:
+            seconds = policy.resolve(get, trust).seconds
+        else:
+            seconds = budget if budget < policy.maximum else policy.maximum
+        cls = self.classify(request, route, route.template, trust, get)
+        flight.classification = cls
+        bulkhead = route.bulkhead
+        demote = False
+        if self.quota is not None:
+            decision = await self.quota(cls)
+            flight.quota = decision
+            if not decision.allowed:
+                if self.on_quota_exceeded == "demote" and bulkhead is not None:
+                    demote = True
+                    cls = cls._replace(priority=Priority.SHEDDABLE)
+                    flight.classification = cls
+                else:
+                    return await self._refuse_quota(cls, decision)
+        deadline = Deadline(flight.started + seconds)
+        flight.deadline = deadline
+        events = self.events
+        try:
+            async with request_scope(
+                deadline=deadline,
+                priority=cls.priority,
+                caller=cls.caller,
+                operation=cls.operation,
+                in_progress=cls.in_progress,
+                started_at=flight.started,
+            ):
+                if bulkhead is None:
+                    if events.enabled:
+                        self._emit_unguarded_admission(cls, deadline)
+                    flight.admitted = True
+                    result = await call()
+                elif demote:
+                    permit = bulkhead.try_admit()
+                    if isinstance(permit, Rejected):
+                        assert flight.quota is not None
+                        return await self._refuse_quota(cls, flight.quota, counted=True)
+                    flight.admitted = True
+                    try:
+                        result = await call()
+                    finally:
+                        permit.release()
+                else:
+                    async with bulkhead.admit():
+                        flight.admitted = True
+                        result = await call()
+        except Rejected as e:
+            if not flight.admitted:
+                # The bulkhead already reported the shed.
+                return await self._held(self.refusal(e.reason, e.retry_after))
+            self._failed(flight, f"rejected_{e.reason.value}")
+            if flight.response_started:
+                raise
+            return self.refusal(e.reason, e.retry_after)
+        except DeadlineExceeded:
+            if flight.abandoned:
+                return self.record_abandoned(flight)
+            if flight.admitted and events.enabled:
+                events.emit(
+                    RequestExpired(
+                        _now(), self.name, cls.operation, cls.priority, cls.caller, "running", 0.0
+                    )
+                )
+            if flight.response_started:
+                raise
+            return self.refusal(Reason.DEADLINE_EXPIRED)
+        except asyncio.CancelledError:
+            if flight.abandoned:
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                return self.record_abandoned(flight)
+            raise
+        except Exception as e:
+            if flight.abandoned:
+                return self.record_abandoned(flight)
+            if answers and isinstance(e, answers):
+                self._finished(flight, cls, deadline)
+            else:
+                self._failed(flight, type(e).__name__)
+            raise
+        if flight.abandoned:
+            return self.record_abandoned(flight)
+        self._finished(flight, cls, deadline)
+        return result
+
+    def _finished(self, flight: Flight, cls: Classification, deadline: Deadline) -> None:
+        t = _now()
+        status = flight.status
+        if status >= 500:
+            self._failed(flight, f"status_{status}", t)
+            return
+        latency = t - flight.started
+        useful = t <= deadline.at
+        if useful and self.slowed is not None:
+            self.slowed.observe(latency)
+        if self.events.enabled:
+            self.events.emit(
+                RequestCompleted(
+                    t, self.name, cls.operation, cls.priority, cls.caller, latency, useful
+                )
+            )
+
+    # -- helpers of serve ------------------------------------------------------------------
+    async def _held(self, refusal: Refusal) -> Refusal:
+        slowed = self.slowed
+        if slowed is not None:
+            fut = slowed.hold()
+            if fut is not None:
+                await fut
+        return refusal
+
+    async def _refuse_quota(
+        self, cls: Classification, decision: QuotaDecision, *, counted: bool = False
+    ) -> Refusal:
+        events = self.events
+        if events.enabled:
+            t = _now()
+            if not counted:
+                events.emit(
+                    RequestOffered(t, self.name, cls.operation, cls.priority, cls.caller, None)
+                )
+            events.emit(
+                RequestShed(
+                    t, self.name, cls.operation, cls.priority, cls.caller, Reason.QUOTA, None, 0.0
+                )
+            )
+        return await self._held(self.refusal(Reason.QUOTA, decision.retry_after, quota=decision))
+
+    def _emit_unguarded_admission(self, cls: Classification, deadline: Deadline) -> None:
+        t = _now()
+        self.events.emit(
+            RequestOffered(
+                t, self.name, cls.operation, cls.priority, cls.caller, deadline.remaining()
+            )
+        )
+        self.events.emit(
+            RequestAdmitted(t, self.name, cls.operation, cls.priority, cls.caller, 0.0)
+        )
+
+    def _failed(self, flight: Flight, error: str, t: float | None = None) -> None:
+        if self.events.enabled and flight.classification is not None:
+            t = _now() if t is None else t
+            c = flight.classification
+            self.events.emit(
+                RequestFailed(
+                    t, self.name, c.operation, c.priority, c.caller, t - flight.started, error
+                )
+            )
+
+    def record_abandoned(self, flight: Flight) -> Abandoned:
+        """Count the request as abandoned by its client (not a success); for adapters that
+        learn of the disconnect only through a cancellation."""
+        if self.events.enabled and flight.classification is not None:
+            t = _now()
+            c = flight.classification
+            self.events.emit(
+                RequestAbandoned(
+                    t, self.name, c.operation, c.priority, c.caller, t - flight.started
+                )
+            )
+        return ABANDONED
+
+
+_ENCODED: dict[str, bytes] = {}
+
+
+def header_getter(pairs: Iterable[tuple[bytes, bytes]]) -> HeaderGetter:
+    """A header getter over ASGI-style ``(lower-case name, value)`` byte pairs."""
+
+    def get(name: str) -> bytes | None:
+        key = _ENCODED.get(name)
+        if key is None:
+            key = name.encode("latin-1")
+            if len(_ENCODED) < 64:
+                _ENCODED[name] = key
+        for k, v in pairs:
+            if k == key:
+                return v
+        return None
+
+    return get

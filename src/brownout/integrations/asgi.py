@@ -1,0 +1,338 @@
+"""ASGI middleware: brownout's edge for Starlette, FastAPI and any ASGI application.
+
+::
+
+    app.add_middleware(BrownoutMiddleware, policy=EdgePolicy(bulkhead=..., ...))
+
+What it does per HTTP request (see `brownout.edge` for the policy itself):
+
+- health and readiness paths are passed straight through (never admitted, never queued);
+- the operation label is the route *template* (``/reports/{id}``): the middleware walks the
+  Starlette/FastAPI router (found in ``scope["app"]``) with a bounded path cache, else the
+  policy's own ``routes``; anything else is ``"unmatched"``;
+- refusals are written as complete ``application/problem+json`` responses with
+  ``Content-Length``, so the connection stays open for the next request (unlike uvicorn's
+  ``--limit-concurrency``, which closes it);
+- responses, including streaming ones, pass through unbuffered; ``brownout-degraded`` is added
+  to the response head while a degraded mode is active;
+- at deadline expiry the handler is cancelled and, if no response started, a 504 problem is
+  written; if the response had started, the response is left incomplete so the client sees a
+  truncated answer rather than a falsely complete one;
+- a client disconnect cancels the handler: after ``disconnect_check_after`` seconds of handler
+  time (a cheap loop timer; fast requests never pay for it) the middleware listens for
+  ``http.disconnect`` once the request body has been consumed, and cancels the handler when it
+  arrives. The request is counted as abandoned, not as a success.
+
+Ordering: add authentication middleware *after* this one (Starlette runs the last added
+outermost), so that ``scope["user"]`` is set when the classifier runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from ..edge import (
+    ABANDONED,
+    EdgePolicy,
+    Flight,
+    Refusal,
+    header_getter,
+)
+from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
+
+__all__ = ["BrownoutMiddleware"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+try:  # Starlette is optional: without it, templates come from the policy's routes.
+    from starlette.routing import Mount as _Mount
+except ImportError:  # pragma: no cover - exercised only without starlette installed
+    _Mount = None  # type: ignore[assignment,misc]
+
+_PROBLEM = b"application/problem+json"
+_DEGRADED = b"brownout-degraded"
+_RETRY = RETRY_HEADER.encode()
+_NEVER = DO_NOT_RETRY_VALUE.encode()
+
+
+def _template_in(routes: Any, path: str, prefix: str, depth: int = 0) -> str | None:
+    """The template of the first Starlette route whose path matches (method ignored, as
+    Starlette's partial matches do)."""
+    for route in routes:
+        regex = getattr(route, "path_regex", None)
+        if regex is None:
+            continue
+        m = regex.match(path)
+        if m is None:
+            continue
+        if _Mount is not None and isinstance(route, _Mount):
+            inner = route.routes
+            if inner and depth < 8:
+                found = _template_in(inner, "/" + m.group("path"), prefix + route.path, depth + 1)
+                if found is not None:
+                    return found
+        fmt: str = route.path_format
+        return prefix + fmt
+    return None
+
+
+class _Receiver:
+    """Wraps ``receive`` so that the middleware can listen for ``http.disconnect`` while the
+    application may still call ``receive`` itself (messages are handed over, never lost)."""
+
+    __slots__ = (
+        "_buffer",
+        "_receive",
+        "_waiter",
+        "body_done",
+        "disconnected",
+        "reading",
+        "watching",
+    )
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._buffer: deque[Message] = deque()
+        self._waiter: asyncio.Future[Message] | None = None
+        self.body_done = False
+        self.disconnected = False
+        self.reading = False
+        self.watching = False
+
+    async def __call__(self) -> Message:
+        if self._buffer:
+            return self._buffer.popleft()
+        if self.watching:
+            fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+            self._waiter = fut
+            return await fut
+        self.reading = True
+        try:
+            msg = await self._receive()
+        finally:
+            self.reading = False
+        kind = msg["type"]
+        if kind == "http.request":
+            if not msg.get("more_body", False):
+                self.body_done = True
+        elif kind == "http.disconnect":
+            self.disconnected = True
+        return msg
+
+    def _deliver(self, msg: Message) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            self._waiter = None
+            waiter.set_result(msg)
+        else:
+            self._buffer.append(msg)
+
+    async def watch(self, on_disconnect: Callable[[], None]) -> None:
+        self.watching = True
+        try:
+            while True:
+                msg = await self._receive()
+                if msg["type"] == "http.disconnect":
+                    self.disconnected = True
+                    self._deliver(msg)
+                    on_disconnect()
+                    return
+                if not msg.get("more_body", False):
+                    self.body_done = True
+                self._deliver(msg)
+        finally:
+            self.watching = False
+
+
+def _declares_no_body(scope: Scope) -> bool:
+    for k, v in scope.get("headers", ()):
+        if k == b"content-length":
+            return bool(v.strip() == b"0")
+        if k == b"transfer-encoding":
+            return False
+    return True
+
+
+class _Watch:
+    """Per-request disconnect watching: a timer first, a listening task only if needed."""
+
+    __slots__ = ("flight", "period", "receiver", "scope", "task", "timer", "watcher")
+
+    def __init__(
+        self, scope: Scope, receiver: _Receiver, flight: Flight, task: asyncio.Task[Any] | None
+    ) -> None:
+        self.scope = scope
+        self.receiver = receiver
+        self.flight = flight
+        self.task = task
+        self.timer: asyncio.TimerHandle | None = None
+        self.watcher: asyncio.Task[None] | None = None
+        self.period = 0.05
+
+    def arm(self, loop: asyncio.AbstractEventLoop, delay: float) -> None:
+        self.period = delay
+        self.timer = loop.call_later(delay, self._fire)
+
+    def _fire(self) -> None:
+        self.timer = None
+        r = self.receiver
+        if r.disconnected:
+            self._disconnected()
+            return
+        if not r.reading and (r.body_done or _declares_no_body(self.scope)):
+            self.watcher = asyncio.get_running_loop().create_task(r.watch(self._disconnected))
+        else:  # the application is still reading the body: it will see a disconnect itself
+            self.timer = asyncio.get_running_loop().call_later(self.period, self._fire)
+
+    def _disconnected(self) -> None:
+        flight = self.flight
+        if flight.abandoned:
+            return
+        flight.abandoned = True
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        w = self.watcher
+        if w is not None:
+            self.watcher = None
+            if not w.done():
+                w.cancel()
+
+
+class BrownoutMiddleware:
+    """ASGI middleware applying an `EdgePolicy` to every HTTP request (D2, D3, D5, S2-S7).
+
+    ``disconnect_check_after``: handler time after which the middleware starts listening for
+    the client going away (``None`` disables disconnect cancellation).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        policy: EdgePolicy,
+        *,
+        disconnect_check_after: float | None = 0.05,
+        path_cache_size: int = 1024,
+    ) -> None:
+        self.app = app
+        self.policy = policy
+        self.disconnect_check_after = disconnect_check_after
+        self._paths: dict[str, str | None] = {}
+        self._path_cache_size = path_cache_size
+
+    def _template(self, scope: Scope, path: str) -> str | None:
+        cache = self._paths
+        try:
+            return cache[path]
+        except KeyError:
+            pass
+        template: str | None = None
+        app = scope.get("app")
+        router = getattr(app, "router", None)
+        routes = getattr(router, "routes", None) if router is not None else None
+        if routes is not None:
+            template = _template_in(routes, path, "")
+        if template is None:
+            template = self.policy.match(path)
+        if len(cache) >= self._path_cache_size:
+            cache.clear()  # crude but bounded; ids in paths would otherwise grow it forever
+        cache[path] = template
+        return template
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        policy = self.policy
+        path: str = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        if policy.is_health(path):
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        flight = Flight(loop.time())
+        route = policy.route(self._template(scope, path))
+        degraded = policy.degraded_names() if policy.degraded is not None else ()
+
+        async def tracked_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                flight.response_started = True
+                flight.status = message["status"]
+                if degraded:
+                    headers = list(message.get("headers", ()))
+                    headers.append((_DEGRADED, ", ".join(degraded).encode()))
+                    message["headers"] = headers
+            await send(message)
+
+        check_after = self.disconnect_check_after
+        watch: _Watch | None = None
+        if check_after is not None:
+            receiver = _Receiver(receive)
+            watch = _Watch(scope, receiver, flight, asyncio.current_task())
+            watch.arm(loop, check_after)
+            app_receive: Receive = receiver
+        else:
+            app_receive = receive
+        app = self.app
+
+        def call() -> Awaitable[None]:
+            return app(scope, app_receive, tracked_send)
+
+        try:
+            outcome = await policy.serve(
+                scope, call, flight, route=route, get=header_getter(scope["headers"])
+            )
+        finally:
+            if watch is not None:
+                watch.close()
+        if outcome is ABANDONED or outcome is None:
+            return
+        if isinstance(outcome, Refusal):
+            await _write_refusal(outcome, send)
+
+
+async def _write_refusal(refusal: Refusal, send: Send) -> None:
+    body = refusal.body
+    headers = [
+        (b"content-type", _PROBLEM),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    ra = refusal.retry_after_header()
+    if ra is not None:
+        headers.append((b"retry-after", ra.encode()))
+    if refusal.do_not_retry:
+        headers.append((_RETRY, _NEVER))
+    if refusal.degraded:
+        headers.append((_DEGRADED, ", ".join(refusal.degraded).encode()))
+    quota = refusal.quota
+    if quota is not None:
+        headers.extend(_ratelimit_headers(quota))
+    await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _ratelimit_headers(quota: Any) -> list[tuple[bytes, bytes]]:
+    out: list[tuple[bytes, bytes]] = []
+    limit = getattr(quota, "limit", None)
+    remaining = getattr(quota, "remaining", None)
+    reset = getattr(quota, "reset", None)
+    if limit is not None:
+        out.append((b"ratelimit-limit", str(int(limit)).encode()))
+    if remaining is not None:
+        out.append((b"ratelimit-remaining", str(max(0, int(remaining))).encode()))
+    if reset is not None:
+        out.append((b"ratelimit-reset", str(max(0, int(-(-reset // 1)))).encode()))
+    return out

@@ -1,0 +1,232 @@
+"""grpc.aio server interceptor: brownout's edge for gRPC services.
+
+::
+
+    server = grpc.aio.server(interceptors=[BrownoutServerInterceptor(policy)])
+
+Per RPC (unary and streaming, in both directions):
+
+- the deadline is the call's own (``context.time_remaining()``, from ``grpc-timeout``, D3),
+  clamped to the route maximum; without one, the policy's budget metadata / default applies;
+- the operation is the full method name (``/pkg.Service/Method``): bounded by the services
+  registered; `EdgePolicy.routes` is keyed by it;
+- ``brownout-priority`` metadata is honoured only from a trusted source (S4);
+- refusals end the call with ``UNAVAILABLE`` (capacity) or ``RESOURCE_EXHAUSTED`` (quota),
+  trailing metadata ``grpc-retry-pushback-ms`` (jittered estimate; ``-1``: do not retry) and
+  ``brownout-reason``; expiry ends it with ``DEADLINE_EXCEEDED``;
+- a client cancellation cancels the handler and is counted as abandoned;
+- health-checking methods pass straight through.
+
+Streaming responses are relayed with ``context.write`` from inside the request scope, so the
+permit is held and the deadline enforced for the whole stream; handlers written either as async
+generators or with ``context.write`` both work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from typing import Any, NamedTuple
+
+import grpc
+import grpc.aio
+
+from ..edge import ABANDONED, EdgePolicy, Flight, Refusal, ResolvedRoute
+from ..errors import Reason
+from ..propagation import GRPC_PUSHBACK_KEY, HeaderGetter
+
+__all__ = ["BrownoutServerInterceptor", "GrpcCall", "status_code_for"]
+
+HEALTH_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
+
+
+class GrpcCall(NamedTuple):
+    """What a gRPC classifier and trust function receive: the method, its invocation
+    metadata and the servicer context (``peer()``, ``auth_context()``)."""
+
+    method: str
+    metadata: Sequence[tuple[str, str | bytes]]
+    context: grpc.aio.ServicerContext[Any, Any]
+
+
+def status_code_for(reason: Reason) -> grpc.StatusCode:
+    """RESOURCE_EXHAUSTED for quota, DEADLINE_EXCEEDED for expiry, UNAVAILABLE otherwise."""
+    if reason is Reason.QUOTA:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if reason is Reason.DEADLINE_EXPIRED:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.UNAVAILABLE
+
+
+def _metadata_getter(metadata: Sequence[Any]) -> HeaderGetter:
+    def get(name: str) -> str | bytes | None:
+        for item in metadata:
+            if item[0] == name:
+                value: str | bytes = item[1]
+                return value
+        return None
+
+    return get
+
+
+def _trailers(refusal: Refusal) -> tuple[tuple[str, str], ...]:
+    out = [("brownout-reason", refusal.reason.value)]
+    if refusal.do_not_retry:
+        out.append((GRPC_PUSHBACK_KEY, "-1"))
+    elif refusal.retry_after is not None:
+        out.append((GRPC_PUSHBACK_KEY, str(int(refusal.retry_after * 1000))))
+    if refusal.degraded:
+        out.append(("brownout-degraded", ", ".join(refusal.degraded)))
+    return tuple(out)
+
+
+_DETAILS = {
+    Reason.QUOTA: "quota exceeded",
+    Reason.DEADLINE_EXPIRED: "deadline expired",
+}
+
+Behavior = Callable[[Any, Any], Any] | None
+
+
+class BrownoutServerInterceptor(grpc.aio.ServerInterceptor):
+    """Applies an `EdgePolicy` to every RPC of a ``grpc.aio`` server."""
+
+    def __init__(
+        self, policy: EdgePolicy, *, health_methods: Collection[str] = HEALTH_METHODS
+    ) -> None:
+        self.policy = policy
+        self.health_methods = frozenset(health_methods)
+        self._wrapped: dict[
+            str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]
+        ] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method: str = handler_call_details.method
+        if method in self.health_methods:
+            return handler
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(method, handler)
+        if len(self._wrapped) < 4096:
+            self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(
+        self, method: str, handler: grpc.RpcMethodHandler[Any, Any]
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        route = self.policy.route(method)
+        des = handler.request_deserializer
+        ser = handler.response_serializer
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                self._streaming(method, route, handler.stream_stream),
+                request_deserializer=des,
+                response_serializer=ser,
+            )
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(
+                self._unary(method, route, handler.stream_unary),
+                request_deserializer=des,
+                response_serializer=ser,
+            )
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                self._streaming(method, route, handler.unary_stream),
+                request_deserializer=des,
+                response_serializer=ser,
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            self._unary(method, route, handler.unary_unary),
+            request_deserializer=des,
+            response_serializer=ser,
+        )
+
+    def _unary(
+        self, method: str, route: ResolvedRoute, behavior: Behavior
+    ) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]:
+        policy = self.policy
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            async def call() -> Any:
+                assert behavior is not None
+                result = behavior(request, context)
+                if inspect.isawaitable(result):
+                    result = await result
+                return result
+
+            return await _run(policy, method, route, context, call)
+
+        return unary
+
+    def _streaming(
+        self, method: str, route: ResolvedRoute, behavior: Behavior
+    ) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[None]]:
+        policy = self.policy
+
+        async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            async def call() -> None:
+                assert behavior is not None
+                result = behavior(request, context)
+                if inspect.isawaitable(result):  # the handler writes with context.write
+                    await result
+                    return
+                if hasattr(result, "__aiter__"):
+                    agen: AsyncIterator[Any] = result
+                    async for message in agen:
+                        await context.write(message)
+                    return
+                for message in result:  # a plain generator
+                    await context.write(message)
+
+            await _run(policy, method, route, context, call)
+
+        return streaming
+
+
+async def _run(
+    policy: EdgePolicy,
+    method: str,
+    route: ResolvedRoute,
+    context: grpc.aio.ServicerContext[Any, Any],
+    call: Callable[[], Awaitable[Any]],
+) -> Any:
+    flight = Flight(asyncio.get_running_loop().time())
+    metadata: Any = context.invocation_metadata() or ()
+    remaining = context.time_remaining()
+    budget = None if remaining is None else max(remaining, 0.0)
+    try:
+        outcome = await policy.serve(
+            GrpcCall(method, metadata, context),
+            call,
+            flight,
+            route=route,
+            get=_metadata_getter(metadata),
+            budget=budget,
+        )
+    except asyncio.CancelledError:
+        if context.cancelled() or context.done():
+            policy.record_abandoned(flight)
+        raise
+    if isinstance(outcome, Refusal):
+        degraded = outcome.degraded
+        details = _DETAILS.get(outcome.reason, outcome.reason.value)
+        if degraded:
+            details = f"{details} (degraded: {', '.join(degraded)})"
+        await context.abort(status_code_for(outcome.reason), details, _trailers(outcome))
+    if outcome is ABANDONED:
+        raise asyncio.CancelledError
+    degraded_now = policy.degraded_names() if policy.degraded is not None else ()
+    if degraded_now:
+        context.set_trailing_metadata((("brownout-degraded", ", ".join(degraded_now)),))
+    return outcome

@@ -1,0 +1,324 @@
+"""Declared degraded modes (G1, G2, A7): triggers, hysteresis, dwell, max duration, events,
+fallbacks and caller-visible metadata, on virtual time (ManualClock, looptime)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from brownout import DegradedMode, DegradedModes, ManualClock
+from brownout.events import DegradedModeChanged, Event, EventHub
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+
+    def changes(self) -> list[tuple[str, bool, str]]:
+        return [
+            (e.mode, e.active, e.trigger) for e in self.events if isinstance(e, DegradedModeChanged)
+        ]
+
+
+class FakeManager:
+    """Anything with ``.level`` and ``.subscribe(cb)``: the overload manager's shape."""
+
+    def __init__(self) -> None:
+        self.level = 0
+        self.callbacks: list[Any] = []
+
+    def subscribe(self, callback: Any) -> None:
+        self.callbacks.append(callback)
+
+    def move(self, level: int) -> None:
+        old, self.level = self.level, level
+        for cb in self.callbacks:
+            cb(old, level)  # the callback's arguments are not relied upon
+
+
+def make(
+    *modes: DegradedMode, clock: ManualClock | None = None
+) -> tuple[DegradedModes, ManualClock, Recorder]:
+    clock = clock or ManualClock()
+    hub = EventHub()
+    rec = Recorder()
+    hub.subscribe(rec)
+    return DegradedModes(modes, clock=clock, events=hub), clock, rec
+
+
+RECS = DegradedMode(
+    "recommendations",
+    "hide personalised recommendations",
+    enter_at_level=1,
+    min_dwell=30.0,
+    max_duration=600.0,
+)
+SEARCH = DegradedMode(
+    "search-small-corpus", "search the hot shard only", enter_at_level=2, max_staleness=60.0
+)
+
+
+def test_declarations_are_validated() -> None:
+    with pytest.raises(ValueError, match="header-safe"):
+        DegradedMode("two words", "x")
+    with pytest.raises(ValueError, match="description"):
+        DegradedMode("a", " ")
+    with pytest.raises(ValueError, match="hysteresis"):
+        DegradedMode("a", "x", enter_at_level=2, leave_at_level=2)
+    with pytest.raises(ValueError, match="max_duration"):
+        DegradedMode("a", "x", min_dwell=10, max_duration=5)
+    with pytest.raises(ValueError, match="twice"):
+        DegradedModes([RECS, RECS])
+    assert RECS.leave_at_level == 0  # default hysteresis: one level below
+    modes, _, _ = make(RECS)
+    with pytest.raises(KeyError, match="not declared"):
+        modes.active("nope")
+
+
+def test_follow_levels_enter_fast_leave_after_dwell() -> None:
+    """G2: the overload level (the metric that starts and ends the mode) drives it."""
+    modes, clock, rec = make(RECS, SEARCH)
+    manager = FakeManager()
+    modes.follow(manager)
+    assert modes.active_names() == ()
+
+    manager.move(1)
+    assert modes.active("recommendations")
+    assert not modes.active("search-small-corpus")
+    manager.move(2)
+    assert modes.active_names() == ("recommendations", "search-small-corpus")
+    assert modes.header_value() == "recommendations, search-small-corpus"
+    assert modes.problem_fields() == {"degraded": ["recommendations", "search-small-corpus"]}
+
+    clock.advance(5)
+    manager.move(0)
+    # search has no dwell: leaves at once; recommendations must dwell 30 s.
+    assert modes.active_names() == ("recommendations",)
+    clock.advance(24.9)
+    assert modes.active("recommendations")
+    clock.advance(0.1)  # 30 s since it entered
+    assert not modes.active("recommendations")
+    assert modes.active_names() == ()
+    assert rec.changes() == [
+        ("recommendations", True, "level 1"),
+        ("search-small-corpus", True, "level 2"),
+        ("search-small-corpus", False, "level 0"),
+        ("recommendations", False, "level 0"),
+    ]
+
+
+def test_hysteresis_band_does_not_flap() -> None:
+    mode = DegradedMode("m", "x", enter_at_level=3, leave_at_level=1)
+    modes, _, rec = make(mode)
+    for level in (3, 2, 3, 2, 2, 3):  # oscillating inside the band keeps it on
+        modes.set_level(level)
+        assert modes.active("m")
+    modes.set_level(1)
+    assert not modes.active("m")
+    modes.set_level(2)  # below the entry level: stays off
+    assert not modes.active("m")
+    assert [c[1] for c in rec.changes()] == [True, False]
+
+
+def test_dwell_stops_flapping_on_a_noisy_level() -> None:
+    mode = DegradedMode("m", "x", enter_at_level=1, min_dwell=10.0)
+    modes, clock, rec = make(mode)
+    for _ in range(50):  # the level flips every second for 50 s
+        modes.set_level(1)
+        clock.advance(0.5)
+        modes.set_level(0)
+        clock.advance(0.5)
+        modes.active("m")
+    # The level changed 100 times; the mode changes at most once per dwell period, and
+    # every stay lasts at least the dwell.
+    changes = [e for e in rec.events if isinstance(e, DegradedModeChanged)]
+    assert 2 <= len(changes) <= 2 * 50 // 10
+    for entered, left in zip(changes[::2], changes[1::2]):
+        assert entered.active and not left.active
+        assert left.at - entered.at >= 10.0
+
+
+def test_demand_returning_within_dwell_keeps_the_mode() -> None:
+    modes, clock, rec = make(RECS)
+    modes.set_level(1)
+    clock.advance(10)
+    modes.set_level(0)
+    clock.advance(10)
+    modes.set_level(1)  # back before the dwell ended
+    clock.advance(100)
+    assert modes.active("recommendations")
+    assert len(rec.changes()) == 1
+
+
+def test_max_duration_ends_the_mode_and_latches_until_clear() -> None:
+    modes, clock, rec = make(RECS)
+    modes.set_level(2)
+    clock.advance(599)
+    assert modes.active("recommendations")
+    clock.advance(1)
+    assert not modes.active("recommendations")
+    assert rec.changes()[-1] == ("recommendations", False, "max_duration")
+    modes.set_level(2)  # still overloaded: does not re-enter until the trigger clears
+    clock.advance(50)
+    assert not modes.active("recommendations")
+    modes.set_level(0)
+    modes.set_level(1)
+    assert modes.active("recommendations")
+
+
+def test_signal_predicate_with_its_own_hysteresis() -> None:
+    """A7: local pressure (here a fake memory reading) enters and leaves a mode."""
+    memory = {"used": 0.5}
+    mode = DegradedMode(
+        "no-thumbnails",
+        "serve pages without generated thumbnails",
+        enter_when=lambda: memory["used"] > 0.9,
+        leave_when=lambda: memory["used"] < 0.7,
+        poll_interval=1.0,
+    )
+    modes, clock, rec = make(mode)
+    assert not modes.active("no-thumbnails")
+    memory["used"] = 0.95
+    assert not modes.active("no-thumbnails")  # not polled again yet
+    clock.advance(1)
+    assert modes.active("no-thumbnails")
+    memory["used"] = 0.8  # inside the band
+    clock.advance(5)
+    assert modes.active("no-thumbnails")
+    memory["used"] = 0.6
+    clock.advance(1)
+    assert not modes.active("no-thumbnails")
+    assert rec.changes() == [
+        ("no-thumbnails", True, "signal"),
+        ("no-thumbnails", False, "signal"),
+    ]
+
+
+def test_broken_predicate_keeps_last_answer() -> None:
+    def boom() -> bool:
+        raise RuntimeError("sensor down")
+
+    modes, clock, _ = make(DegradedMode("m", "x", enter_when=boom))
+    clock.advance(5)
+    assert not modes.active("m")
+
+
+def test_force_overrides_triggers_and_dwell() -> None:
+    modes, clock, rec = make(RECS)
+    modes.force("recommendations", on=True)
+    assert modes.active("recommendations")
+    assert modes.forced("recommendations") is True
+    modes.set_level(0)
+    clock.advance(100)
+    assert modes.active("recommendations")
+    modes.release("recommendations")  # no trigger asks for it: leaves now, dwell or not
+    assert not modes.active("recommendations")
+    modes.set_level(3)
+    modes.force("recommendations", on=False, trigger="operator")
+    assert not modes.active("recommendations")
+    modes.force("recommendations", None)
+    assert modes.active("recommendations")  # the level still asks for it
+    assert [c[2] for c in rec.changes()] == ["manual", "manual", "level 3", "operator", "level 3"]
+
+
+def test_forced_on_ends_at_max_duration() -> None:
+    """A forgotten drill cannot degrade the service forever."""
+    modes, clock, rec = make(RECS)
+    modes.force("recommendations", on=True, trigger="drill")
+    clock.advance(600)
+    assert not modes.active("recommendations")
+    assert modes.forced("recommendations") is None
+    assert rec.changes()[-1] == ("recommendations", False, "force_expired")
+    modes.force("recommendations", on=True, duration=5)
+    clock.advance(5)
+    assert not modes.active("recommendations")
+
+
+def test_unobserved_hub_builds_no_events() -> None:
+    hub = EventHub()
+    modes = DegradedModes([RECS], clock=ManualClock(), events=hub)
+    modes.set_level(1)  # no sink: nothing to assert but that it works and stays cheap
+    assert modes.active("recommendations")
+
+
+def test_follow_replaces_previous_source() -> None:
+    modes, _, _ = make(RECS)
+    a, b = FakeManager(), FakeManager()
+    modes.follow(a)
+    modes.follow(b)
+    a.move(3)
+    assert not modes.active("recommendations")
+    b.move(1)
+    assert modes.active("recommendations")
+    modes.unfollow()
+    b.move(0)
+    assert modes.active("recommendations")  # dwell still holds it
+    assert modes.snapshot()["recommendations"]["active"] is True
+
+
+async def test_fallback_swaps_async_and_sync() -> None:
+    modes, _, _ = make(RECS)
+
+    @modes.fallback("recommendations", lambda user: [])
+    async def recommendations(user: str) -> list[str]:
+        return [f"for {user}"]
+
+    async def slow_fallback(user: str) -> list[str]:
+        return ["popular"]
+
+    @modes.fallback("recommendations", slow_fallback)
+    async def recommendations2(user: str) -> list[str]:
+        return [f"for {user}"]
+
+    @modes.fallback("recommendations", lambda: "static")
+    def banner() -> str:
+        return "personal"
+
+    assert await recommendations("ann") == ["for ann"]
+    assert banner() == "personal"
+    modes.force("recommendations", on=True)
+    assert await recommendations("ann") == []
+    assert await recommendations2("ann") == ["popular"]
+    assert banner() == "static"
+    assert modes.fallbacks_served("recommendations") == 3
+    with pytest.raises(KeyError):
+        modes.fallback("undeclared", lambda: None)
+
+
+@pytest.mark.looptime
+async def test_loop_timer_reports_leaving_on_time_without_requests() -> None:
+    """With the loop's clock, the end of the dwell is reported even if nobody asks."""
+    hub = EventHub()
+    rec = Recorder()
+    hub.subscribe(rec)
+    modes = DegradedModes([RECS], events=hub)  # default clock: the loop's (virtual) time
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    modes.set_level(1)
+    modes.set_level(0)
+    await asyncio.sleep(31)
+    changes = [e for e in rec.events if isinstance(e, DegradedModeChanged)]
+    assert [(e.active, e.trigger) for e in changes] == [(True, "level 1"), (False, "level 0")]
+    assert changes[1].at - t0 == pytest.approx(30.0)
+
+
+@pytest.mark.looptime
+async def test_run_polls_predicates() -> None:
+    flag = {"on": False}
+    modes = DegradedModes(
+        [DegradedMode("m", "x", enter_when=lambda: flag["on"], poll_interval=0.5)],
+        events=EventHub(),
+    )
+    task = asyncio.create_task(modes.run(interval=0.5))
+    await asyncio.sleep(1)
+    flag["on"] = True
+    await asyncio.sleep(1)
+    assert modes.snapshot()["m"]["active"]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -1,0 +1,243 @@
+"""StaleCache (G1, G4): stale-while-revalidate with a hard maximum staleness, single flight,
+LRU bound, age reporting, and loader failures, on virtual time (looptime)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import brownout
+from brownout import FailClosed, Priority, StaleCache
+from brownout.degrade import STALE_AGE_HEADER, stale_headers
+from brownout.events import Event, EventHub, StaleServed
+
+pytestmark = pytest.mark.looptime
+
+
+class Source:
+    """A loader whose answers, latency and failures the test controls."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.calls = 0
+        self.delay = delay
+        self.fail: BaseException | None = None
+        self.seen_priority: list[Priority] = []
+
+    async def __call__(self) -> str:
+        self.calls += 1
+        self.seen_priority.append(brownout.current().priority)
+        n = self.calls
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.fail is not None:
+            raise self.fail
+        return f"v{n}"
+
+
+def cache(**kw: float) -> StaleCache[str, str]:
+    args: dict[str, float] = {"max_entries": 100, "fresh_for": 5.0, "max_staleness": 60.0}
+    args.update(kw)
+    return StaleCache(
+        max_entries=int(args["max_entries"]),
+        fresh_for=args["fresh_for"],
+        max_staleness=args["max_staleness"],
+        failure_backoff=args.get("failure_backoff", 1.0),
+    )
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_fresh_then_stale_while_revalidating() -> None:
+    c = cache()
+    src = Source(delay=1.0)
+    value, age = await c.get("home", src)
+    assert (value, age) == ("v1", pytest.approx(1.0))  # age counts from when the load began
+    await asyncio.sleep(2)
+    assert await c.get("home", src) == ("v1", pytest.approx(3.0))
+    assert src.calls == 1
+    await asyncio.sleep(3)  # 6 s old: stale
+    value, age = await c.get("home", src)
+    assert (value, age) == ("v1", pytest.approx(6.0))  # served at once, not after the refresh
+    await settle()
+    assert src.calls == 2
+    await asyncio.sleep(1.5)  # the refresh (1 s) landed
+    value, age = await c.get("home", src)
+    assert value == "v2"
+    assert age == pytest.approx(1.5)
+
+
+async def test_background_refresh_is_low_priority_and_detached() -> None:
+    c = cache()
+    src = Source()
+    async with brownout.request(priority=Priority.CRITICAL_PLUS, deadline=0.5):
+        await c.get("k", src)
+    await asyncio.sleep(10)
+    async with brownout.request(priority=Priority.CRITICAL_PLUS, deadline=0.5):
+        await c.get("k", src)
+    await settle()
+    # The foreground load runs in the caller's context; the refresh is background work (S3).
+    assert src.seen_priority == [Priority.CRITICAL_PLUS, Priority.SHEDDABLE]
+
+
+async def test_single_flight_on_miss_and_on_refresh() -> None:
+    c = cache()
+    src = Source(delay=1.0)
+    results = await asyncio.gather(*(c.get("k", src) for _ in range(50)))
+    assert {r.value for r in results} == {"v1"}
+    assert src.calls == 1
+    await asyncio.sleep(10)
+    stale = await asyncio.gather(*(c.get("k", src) for _ in range(50)))
+    assert {r.value for r in stale} == {"v1"}
+    assert src.calls == 2  # one refresh for 50 stale hits
+    # Different keys load independently.
+    await asyncio.gather(c.get("a", src), c.get("b", src))
+    assert src.calls == 4
+
+
+async def test_refresh_failure_serves_stale_until_max_then_propagates() -> None:
+    c = cache(failure_backoff=2.0)
+    src = Source()
+    await c.get("k", src)
+    src.fail = ConnectionError("origin down")
+    await asyncio.sleep(10)
+    assert (await c.get("k", src)).value == "v1"
+    await settle()  # the refresh failed in the background
+    assert src.calls == 2
+    assert (await c.get("k", src)).value == "v1"  # still stale, within the backoff
+    assert src.calls == 2
+    await asyncio.sleep(2)
+    assert (await c.get("k", src)).value == "v1"
+    await settle()
+    assert src.calls == 3  # retried after the backoff, failed again
+    await asyncio.sleep(60 - 12 - 0.001)
+    value, age = await c.get("k", src)
+    assert value == "v1"
+    assert age <= 60.0
+    await asyncio.sleep(0.01)  # now older than max_staleness: never served
+    with pytest.raises(ConnectionError, match="origin down"):
+        await c.get("k", src)
+    src.fail = None
+    value, age = await c.get("k", src)
+    assert value.startswith("v")
+    assert age == 0.0
+
+
+async def test_miss_failure_propagates_and_caches_nothing() -> None:
+    c = cache()
+    src = Source()
+    src.fail = TimeoutError()
+    results = await asyncio.gather(*(c.get("k", src) for _ in range(3)), return_exceptions=True)
+    assert all(isinstance(r, TimeoutError) for r in results)
+    assert src.calls == 1
+    assert "k" not in c
+
+
+async def test_lru_bound() -> None:
+    c = cache(max_entries=3)
+    src = Source()
+    for key in "abc":
+        await c.get(key, src)
+    await c.get("a", src)  # a is now the most recently used
+    await c.get("d", src)
+    assert len(c) == 3
+    assert "b" not in c
+    assert all(k in c for k in "acd")
+
+
+async def test_per_call_bounds_for_degraded_modes() -> None:
+    """A degraded mode may accept older content and skip refreshes entirely (G1)."""
+    c = cache()
+    src = Source()
+    await c.get("k", src)
+    await asyncio.sleep(30)
+    value, age = await c.get("k", src, fresh_for=300.0, max_staleness=300.0)
+    assert (value, age) == ("v1", pytest.approx(30.0))
+    assert src.calls == 1  # treated as fresh: no refresh load on the struggling origin
+    assert c.peek("k") is not None
+    assert c.peek("k", max_staleness=10.0) is None
+
+
+async def test_last_waiter_leaving_cancels_the_load() -> None:
+    """D5: a load nobody waits for any more stops and frees what it holds."""
+    c = cache()
+    cancelled = asyncio.Event()
+
+    async def slow() -> str:
+        try:
+            await asyncio.sleep(100)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "late"
+
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(1):
+            await c.get("k", slow)
+    await settle()
+    assert cancelled.is_set()
+    src = Source()
+    assert (await c.get("k", src)).value == "v1"  # a new caller starts a new load
+
+
+async def test_one_waiter_leaving_does_not_cancel_others() -> None:
+    c = cache()
+    src = Source(delay=2.0)
+    impatient = asyncio.create_task(c.get("k", src))
+    patient = asyncio.create_task(c.get("k", src))
+    await asyncio.sleep(1)
+    impatient.cancel()
+    assert (await patient).value == "v1"
+    assert src.calls == 1
+
+
+async def test_load_timeout_bounds_loads() -> None:
+    c: StaleCache[str, str] = StaleCache(
+        max_entries=10, fresh_for=1, max_staleness=10, load_timeout=0.5
+    )
+    with pytest.raises(TimeoutError):
+        await c.get("k", Source(delay=5))
+
+
+async def test_fail_closed_loader_is_never_answered_from_memory() -> None:
+    """G4: if authoritative data was (wrongly) put behind a cache, failing closed evicts it."""
+    c = cache()
+    src = Source()
+    await c.get("k", src)
+    src.fail = FailClosed("authorization")
+    await asyncio.sleep(10)
+    await c.get("k", src)  # stale hit starts a refresh, which fails closed
+    await settle()
+    assert "k" not in c
+    with pytest.raises(FailClosed):
+        await c.get("k", src)
+
+
+async def test_stale_events_and_headers() -> None:
+    events: list[Event] = []
+    hub = EventHub()
+    hub.subscribe(type("S", (), {"emit": staticmethod(events.append)})())
+    c: StaleCache[str, str] = StaleCache(
+        max_entries=10, fresh_for=1, max_staleness=10, name="home", events=hub
+    )
+    src = Source()
+    await c.get("k", src)
+    await asyncio.sleep(2)
+    await c.get("k", src)
+    stale = [e for e in events if isinstance(e, StaleServed)]
+    assert len(stale) == 1
+    assert stale[0].source == "home"
+    assert stale[0].age == pytest.approx(2.0)
+    assert stale[0].refreshing
+    assert stale_headers(12.3456) == {"age": "12", STALE_AGE_HEADER: "12.346"}
+    assert stale_headers(-1) == {"age": "0", STALE_AGE_HEADER: "0.000"}
+
+
+def test_bounds_are_validated() -> None:
+    with pytest.raises(ValueError):
+        StaleCache(max_entries=0, fresh_for=1, max_staleness=2)
+    with pytest.raises(ValueError):
+        StaleCache(max_entries=1, fresh_for=3, max_staleness=2)

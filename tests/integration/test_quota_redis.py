@@ -1,0 +1,420 @@
+"""The Redis quota store against a real redis-server (F1, S2).
+
+- the Lua script decides exactly like the pure GCRA, one EVALSHA per decision, keys expire;
+- instances with different clocks share one quota (time is the server's);
+- several PROCESSES sharing one quota admit within 5% of the configured rate over 10 s;
+- a slow Redis (a socket that never answers) and a killed Redis fall back within the
+  timeout (fail-open: local share; fail-closed: 503 reason) without hanging or hammering;
+  a restarted Redis is picked up again automatically.
+
+The shared server is 127.0.0.1:6379 (started here if down). Tests that kill or slow a server
+use their own throwaway redis-server on a free port; every test uses a unique key prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+import brownout
+from brownout import EventHub, ManualClock, Quota, Reason, RedisQuotaStore
+from brownout.events import Event, QuotaBackendChanged
+from brownout.quota import GcraPolicy, decide
+
+redis_asyncio = pytest.importorskip("redis.asyncio")
+
+pytestmark = pytest.mark.integration
+
+REDIS_SERVER = shutil.which("redis-server")
+if REDIS_SERVER is None:
+    pytest.skip(
+        "SKIPPED LOUDLY: no redis-server binary on PATH; the Redis quota store is untested here",
+        allow_module_level=True,
+    )
+
+SHARED_PORT = 6379
+NO_PERSISTENCE = ("--save", "", "--appendonly", "no")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _wait_until_answers(port: int, seconds: float = 5.0) -> None:
+    stop = time.monotonic() + seconds
+    while not _answers(port):
+        if time.monotonic() > stop:
+            raise RuntimeError(f"redis-server on port {port} did not come up")
+        time.sleep(0.02)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_redis() -> None:
+    """The shared Redis on 6379: started (daemonized, no persistence) when it is down."""
+    if not _answers(SHARED_PORT):
+        subprocess.run(
+            [REDIS_SERVER, "--daemonize", "yes", "--port", str(SHARED_PORT), *NO_PERSISTENCE],
+            check=True,
+        )
+        _wait_until_answers(SHARED_PORT)
+
+
+class ThrowawayRedis:
+    """A private redis-server that a test may kill and restart on the same port."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        assert REDIS_SERVER is not None
+        self.proc = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", *NO_PERSISTENCE],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        _wait_until_answers(self.port)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(5)
+            self.proc = None
+
+
+@pytest.fixture
+def throwaway() -> Iterator[ThrowawayRedis]:
+    server = ThrowawayRedis()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"bq-test:{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[object]:
+    c = redis_asyncio.Redis(host="127.0.0.1", port=SHARED_PORT)
+    try:
+        yield c
+    finally:
+        await c.aclose()
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+
+
+# -- the script ------------------------------------------------------------------------------
+async def test_script_decides_exactly_like_the_pure_gcra(client: object, prefix: str) -> None:
+    store = RedisQuotaStore(client, prefix=prefix, timeout=1.0)  # type: ignore[arg-type]
+    policy = GcraPolicy(rate=7.0, burst=4)
+    import random
+
+    rng = random.Random(42)
+    now = 1_700_000_000.0  # an epoch-sized time, as the server's TIME would be
+    tat: float | None = None
+    for _ in range(300):
+        now += rng.choice([0.0, 0.0, 0.01, 0.05, 0.1, 0.3, 1.0])
+        cost = rng.choice([1, 1, 1, 2, 4])
+        expected = decide(policy, tat, now, cost)
+        got = await store.decide_at("k", policy, cost, now)
+        assert got.allowed == expected.allowed
+        assert got.remaining == expected.remaining
+        assert got.retry_after == pytest.approx(expected.retry_after, abs=3e-6)
+        assert got.reset == pytest.approx(expected.reset, abs=3e-6)
+        if expected.allowed:
+            tat = expected.tat
+
+
+async def test_one_evalsha_per_decision_and_eval_only_when_the_script_is_unknown(
+    throwaway: ThrowawayRedis, prefix: str
+) -> None:
+    c = redis_asyncio.Redis(host="127.0.0.1", port=throwaway.port)
+    try:
+        store = RedisQuotaStore(c, prefix=prefix, timeout=1.0)
+        quota = Quota(rate=1000.0, burst=50, store=store, events=EventHub())
+        await c.config_resetstat()
+        for i in range(40):
+            assert (await quota.check(f"caller-{i % 4}")).backend == "shared"
+        stats = await c.info("commandstats")
+        calls = {k: v["calls"] for k, v in stats.items()}
+        # First call: EVALSHA misses (NOSCRIPT), EVAL loads it; then one EVALSHA each.
+        assert calls.get("cmdstat_evalsha") == 40
+        assert calls.get("cmdstat_eval") == 1
+        assert store.script_loads == 1
+        await c.script_flush()
+        assert (await quota.check("caller-0")).allowed
+        assert store.script_loads == 2
+    finally:
+        await c.aclose()
+
+
+async def test_keys_expire_by_themselves_when_their_bucket_is_full(
+    client: object, prefix: str
+) -> None:
+    store = RedisQuotaStore(client, prefix=prefix, timeout=1.0)  # type: ignore[arg-type]
+    quota = Quota(rate=100.0, burst=10, store=store, events=EventHub())
+    for _ in range(10):
+        assert (await quota.check("caller-42")).allowed
+    refused = await quota.check("caller-42")
+    assert not refused.allowed
+    assert refused.reason is Reason.QUOTA
+    assert 0 < refused.retry_after <= 0.011
+    ttl = await client.pttl(f"{prefix}caller-42")  # type: ignore[attr-defined]
+    assert 0 < ttl <= 101  # ten units at 100/s: the key matters for at most 100 ms
+    await asyncio.sleep(0.25)
+    assert await client.exists(f"{prefix}caller-42") == 0  # type: ignore[attr-defined]
+
+
+async def test_instances_with_different_clocks_share_one_quota(client: object, prefix: str) -> None:
+    """Time is the Redis server's: local clocks (here wildly apart) do not matter."""
+    a = Quota(
+        5.0,
+        5,
+        store=RedisQuotaStore(client, prefix=prefix),  # type: ignore[arg-type]
+        clock=ManualClock(0.0),
+        events=EventHub(),
+    )
+    b = Quota(
+        5.0,
+        5,
+        store=RedisQuotaStore(client, prefix=prefix),  # type: ignore[arg-type]
+        clock=ManualClock(1e9),
+        events=EventHub(),
+    )
+    results = [await (a if i % 2 else b).check("tenant") for i in range(8)]
+    assert [r.allowed for r in results] == [True] * 5 + [False] * 3
+    assert results[-1].remaining == 0
+
+
+# -- the fleet -------------------------------------------------------------------------------
+WORKER = r"""
+import asyncio, sys, time
+import redis.asyncio as redis
+from brownout import Quota, RedisQuotaStore, EventHub
+
+async def main(port, prefix, rate, burst, offered, seconds):
+    client = redis.Redis(host="127.0.0.1", port=port)
+    quota = Quota(rate, burst, store=RedisQuotaStore(client, prefix=prefix, timeout=0.5),
+                  events=EventHub())
+    await client.rpush(prefix + "ready", 1)
+    await client.blpop([prefix + "go"], timeout=30)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    admitted = sent = failed = 0
+    interval = 1.0 / offered
+    next_at = start
+    while loop.time() - start < seconds:
+        d = await quota.check("shared-caller")
+        sent += 1
+        admitted += d.allowed
+        failed += d.backend != "shared"
+        next_at += interval
+        delay = next_at - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+    await client.aclose()
+    print(admitted, sent, failed)
+
+asyncio.run(main(int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4]),
+                 float(sys.argv[5]), float(sys.argv[6])))
+"""
+
+
+async def test_several_processes_share_one_quota_within_5_percent(
+    client: object, prefix: str
+) -> None:
+    """Four processes, each offering 2x the whole quota, admit rate x 10 s + burst (+-5%)."""
+    rate, burst, seconds, processes = 100.0, 10, 10.0, 4
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            WORKER,
+            str(SHARED_PORT),
+            prefix,
+            str(rate),
+            str(burst),
+            str(rate * 2),
+            str(seconds),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        for _ in range(processes)
+    ]
+    try:
+        async with asyncio.timeout(30):
+            while await client.llen(prefix + "ready") < processes:  # type: ignore[attr-defined]
+                await asyncio.sleep(0.05)
+        await client.rpush(prefix + "go", *[1] * processes)  # type: ignore[attr-defined]
+        outputs = await asyncio.wait_for(
+            asyncio.gather(*(p.communicate() for p in procs)), timeout=seconds + 20
+        )
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+    admitted = sent = failed = 0
+    for out, err in outputs:
+        assert out, err.decode()
+        a, s, f = map(int, out.split())
+        admitted, sent, failed = admitted + a, sent + s, failed + f
+    expected = rate * seconds + burst
+    print(f"\nfleet: {processes} processes sent {sent}, admitted {admitted} (expected {expected})")
+    assert failed == 0
+    assert sent >= 2 * expected  # the quota was really under pressure
+    assert abs(admitted - expected) <= 0.05 * rate * seconds
+
+
+# -- failures --------------------------------------------------------------------------------
+async def test_a_redis_that_never_answers_falls_back_within_the_timeout(prefix: str) -> None:
+    """A slow store: a socket that accepts and never replies. Nothing hangs."""
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # never answer
+        writer.close()
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    c = redis_asyncio.Redis(host="127.0.0.1", port=port)
+    sink = ListSink()
+    events = EventHub()
+    events.subscribe(sink)
+    try:
+        quota = Quota(
+            100.0,
+            20,
+            store=RedisQuotaStore(c, prefix=prefix, timeout=0.05),
+            expected_instances=4,
+            events=events,
+        )
+        loop = asyncio.get_running_loop()
+        with brownout.deadline(0.01):  # the request's deadline is shorter than the timeout
+            t0 = loop.time()
+            d = await quota.check("a")
+            assert loop.time() - t0 < 0.01 + 0.1
+        assert d.backend == "fallback"
+        assert not quota.fallback_active  # its own deadline ran out, not the store's fault
+        t0 = loop.time()
+        d = await quota.check("a")
+        assert loop.time() - t0 < 0.05 + 0.2
+        assert d.allowed and d.backend == "fallback"
+        assert d.policy == GcraPolicy(25.0, 5)
+        assert quota.fallback_active
+        (event,) = sink.events
+        assert isinstance(event, QuotaBackendChanged) and event.fallback
+        assert "did not answer within 50 ms" in event.detail
+    finally:
+        await c.aclose()
+        server.close()
+
+
+async def test_redis_killed_mid_test_then_restarted(throwaway: ThrowawayRedis, prefix: str) -> None:
+    """Killed: fail-open to rate / expected_instances within the timeout, with an event, and
+    the dead Redis is probed only after a backoff. Restarted on the same port: shared again."""
+    c = redis_asyncio.Redis(host="127.0.0.1", port=throwaway.port)
+    sink = ListSink()
+    events = EventHub()
+    events.subscribe(sink)
+    store = RedisQuotaStore(c, prefix=prefix, timeout=0.05)
+    quota = Quota(
+        100.0,
+        20,
+        store=store,
+        expected_instances=4,
+        probe_backoff=0.1,
+        max_probe_backoff=0.4,
+        events=events,
+    )
+    loop = asyncio.get_running_loop()
+    try:
+        assert (await quota.check("k")).backend == "shared"
+        throwaway.kill()
+        t0 = loop.time()
+        d = await quota.check("k")
+        assert loop.time() - t0 < 0.05 + 0.2  # within the timeout (+ a noisy machine's margin)
+        assert d.backend == "fallback" and d.allowed
+        assert quota.fallback_active
+        calls_before = store.calls
+        decisions = []
+        t0 = loop.time()
+        while loop.time() - t0 < 1.0:
+            decisions.append(await quota.check("k"))
+            await asyncio.sleep(0.001)
+        assert all(d.backend == "fallback" for d in decisions)
+        assert len(decisions) > 200
+        assert store.calls - calls_before <= 8  # probes after a doubling backoff, not 200+
+        allowed = sum(d.allowed for d in decisions)
+        assert allowed <= 25 * 1.0 + 5 + 2  # the local share: rate/4 plus burst/4
+
+        throwaway.start()  # same port
+        async with asyncio.timeout(5):
+            while quota.fallback_active:
+                await quota.check("k")
+                await asyncio.sleep(0.01)
+        assert (await quota.check("other")).backend == "shared"
+        assert store.script_loads >= 2  # the fresh server did not know the script
+        kinds = [(type(e), getattr(e, "fallback", None)) for e in sink.events]
+        assert kinds == [(QuotaBackendChanged, True), (QuotaBackendChanged, False)]
+    finally:
+        await c.aclose()
+
+
+async def test_fail_closed_refuses_with_a_503_reason_while_redis_is_down(prefix: str) -> None:
+    port = _free_port()  # nothing listens there: connection refused
+    c = redis_asyncio.Redis(host="127.0.0.1", port=port)
+    try:
+        quota = Quota(
+            100.0,
+            20,
+            store=RedisQuotaStore(c, prefix=prefix, timeout=0.05),
+            on_store_failure="closed",
+            events=EventHub(),
+        )
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        d = await quota.check("a")
+        assert loop.time() - t0 < 0.05 + 0.2
+        assert not d.allowed
+        assert d.reason is Reason.DEPENDENCY_UNAVAILABLE
+        assert d.retry_after > 0
+        with pytest.raises(brownout.Rejected) as caught:
+            await quota.acquire("a")
+        assert caught.value.reason is Reason.DEPENDENCY_UNAVAILABLE
+    finally:
+        await c.aclose()

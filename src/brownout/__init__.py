@@ -6,6 +6,19 @@ of it in metrics. The names below are the public API; everything else is an impl
 detail that may change.
 """
 
+from .admission import (
+    AdaptiveLifoQueue,
+    AIMDLimit,
+    Bulkhead,
+    CoDelQueue,
+    FifoQueue,
+    FixedLimit,
+    Gradient2Limit,
+    LatencyEstimator,
+    LifoQueue,
+    Permit,
+    VegasLimit,
+)
 from .clock import Clock, LoopClock, ManualClock, MonotonicClock
 from .context import (
     RequestContext,
@@ -49,11 +62,15 @@ from .stats import Stats
 __version__ = "0.1.0"
 
 __all__ = [
+    "AIMDLimit",
+    "AdaptiveLifoQueue",
     "BrownoutError",
     "BudgetSigner",
+    "Bulkhead",
     "CircuitBreaker",
     "ClientThrottle",
     "Clock",
+    "CoDelQueue",
     "Deadline",
     "DeadlineExceeded",
     "DecorrelatedJitterBackoff",
@@ -65,13 +82,19 @@ __all__ = [
     "ExponentialBackoff",
     "FailClosed",
     "FailClosedGuard",
+    "FifoQueue",
+    "FixedLimit",
+    "Gradient2Limit",
     "GrpcRetryThrottle",
     "HeaderError",
     "InMemoryQuotaStore",
     "InboundDeadlinePolicy",
+    "LatencyEstimator",
+    "LifoQueue",
     "LoopClock",
     "ManualClock",
     "MonotonicClock",
+    "Permit",
     "Priority",
     "Quota",
     "QuotaDecision",
@@ -89,6 +112,7 @@ __all__ = [
     "TransientError",
     "Trust",
     "UnknownOutcome",
+    "VegasLimit",
     "__version__",
     "bind",
     "call_budget",

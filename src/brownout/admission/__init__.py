@@ -1,0 +1,23 @@
+"""Admission: limits, bounded wait queues, the `Bulkhead` and latency estimates (A1-A5, D7)."""
+
+from .bulkhead import Bulkhead, Permit
+from .estimator import LatencyEstimator
+from .limits import AIMDLimit, FixedLimit, Gradient2Limit, Limit, VegasLimit
+from .queues import AdaptiveLifoQueue, CoDelQueue, FifoQueue, LifoQueue, QueueItem, WaitQueue
+
+__all__ = [
+    "AIMDLimit",
+    "AdaptiveLifoQueue",
+    "Bulkhead",
+    "CoDelQueue",
+    "FifoQueue",
+    "FixedLimit",
+    "Gradient2Limit",
+    "LatencyEstimator",
+    "LifoQueue",
+    "Limit",
+    "Permit",
+    "QueueItem",
+    "VegasLimit",
+    "WaitQueue",
+]

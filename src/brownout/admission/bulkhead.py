@@ -1,0 +1,607 @@
+"""`Bulkhead`: a concurrency budget for one dependency or class of work (A1, A2, S1).
+
+A bulkhead enforces a `Limit` (how many may run), with a bounded `WaitQueue` (who may wait,
+how long, in which order), priorities (S3), per-caller fairness (S5) and deadline checks (D7).
+It decides before the expensive resource is taken (A2) and refuses with a reason
+(`brownout.Rejected`). Every decision is an event on the hub (O1).
+
+Outcomes feed the limit (Netflix's Limit / Limiter / Listener split): in ``async with
+bulkhead.admit():``
+
+- normal exit: success, the rtt is a sample for the limit and the latency estimator;
+- `TimeoutError` (including `brownout.DeadlineExceeded`) or `asyncio.CancelledError`:
+  *dropped*, the limit backs off and the rtt is not used (a timeout is a drop);
+- `brownout.Rejected` raised inside (a downstream refusal): *ignored*, the sample says nothing
+  about this bulkhead's capacity;
+- any other exception: a success *for the limit* (the work used the slot for a real rtt), but
+  the event is `RequestFailed`, not `RequestCompleted`.
+
+Single event-loop thread, no locks: every state change happens synchronously between awaits.
+The uncontended path is O(1): one permit object, a few comparisons, no clock read unless an
+adaptive limit, an estimator, a deadline or an event sink needs one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import ParamSpec, Protocol, TypeVar
+
+from ..clock import Clock, default_clock
+from ..context import _current
+from ..deadline import Deadline
+from ..errors import Reason, Rejected
+from ..events import (
+    EventHub,
+    LimitChanged,
+    RequestAbandoned,
+    RequestAdmitted,
+    RequestCompleted,
+    RequestExpired,
+    RequestFailed,
+    RequestOffered,
+    RequestQueued,
+    RequestShed,
+)
+from ..events import hub as default_hub
+from ..priority import Priority
+from .estimator import LatencyEstimator
+from .limits import Limit
+from .queues import CRITICAL_PLUS_RANK, FifoQueue, QueueItem, WaitQueue
+
+__all__ = ["Bulkhead", "OverloadState", "Permit"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_INF = math.inf
+_NEW, _QUEUED, _ADMITTED, _DONE = 0, 1, 2, 3
+_SUCCESS, _FAILED, _DROPPED, _IGNORED = 0, 1, 2, 3
+_CRITICAL_PLUS = Priority.CRITICAL_PLUS
+_CAPACITY_REASONS = frozenset(
+    {Reason.QUEUE_FULL, Reason.QUEUE_TIMEOUT, Reason.OVERLOADED, Reason.FAIR_SHARE}
+)
+
+
+class OverloadState(Protocol):
+    """What a bulkhead reads from an overload manager: shed priorities below ``shed_below``."""
+
+    @property
+    def shed_below(self) -> int: ...
+
+
+class Permit(QueueItem):
+    """The right to run one unit of work in a bulkhead, and its outcome report.
+
+    Settle it exactly once with `success`, `dropped` or `ignore` (later calls are no-ops); it
+    releases the slot and feeds the limit. Also the async context manager returned by
+    `Bulkhead.admit`, which settles it from the way the block exits.
+    """
+
+    __slots__ = (
+        "_bulkhead",
+        "_future",
+        "_state",
+        "_timer",
+        "admitted_at",
+        "in_flight_at_admit",
+        "queue_wait",
+    )
+
+    _future: asyncio.Future[None]
+    _timer: asyncio.TimerHandle
+    in_flight_at_admit: int
+    """How many permits were held right after this one was granted (itself included)."""
+
+    def __init__(
+        self,
+        bulkhead: Bulkhead,
+        priority: Priority,
+        caller: str,
+        operation: str,
+        deadline_at: float,
+        in_progress: bool,
+    ) -> None:
+        self._bulkhead = bulkhead
+        self.priority = priority
+        self.caller = caller
+        self.operation = operation
+        self.deadline_at = deadline_at
+        self.in_progress = in_progress
+        self.queued = False
+        self._state = _NEW
+        self.queue_wait = 0.0
+        self.admitted_at = 0.0
+
+    # -- outcome reports -------------------------------------------------------------------
+    def success(self) -> None:
+        """The work completed: release the slot; its rtt is a sample for the limit."""
+        self._bulkhead._release(self, _SUCCESS, None)
+
+    def dropped(self) -> None:
+        """The work was dropped, timed out or cancelled: release; the limit backs off."""
+        self._bulkhead._release(self, _DROPPED, None)
+
+    def ignore(self) -> None:
+        """Release without teaching the limit anything (the work never really ran)."""
+        self._bulkhead._release(self, _IGNORED, None)
+
+    def failed(self, error: str = "error") -> None:
+        """The work ran and failed: release; a success for the limit, `RequestFailed` event."""
+        self._bulkhead._release(self, _FAILED, error)
+
+    @property
+    def settled(self) -> bool:
+        """True once the permit was released (or refused)."""
+        return self._state == _DONE
+
+    # -- async context manager -------------------------------------------------------------
+    async def __aenter__(self) -> Permit:
+        b = self._bulkhead
+        if not b._admit_now(self):
+            await b._wait(self)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._state != _ADMITTED:
+            return
+        if exc_type is None:
+            self._bulkhead._release(self, _SUCCESS, None)
+        elif issubclass(exc_type, (TimeoutError, asyncio.CancelledError)):
+            self._bulkhead._release(self, _DROPPED, exc_type.__name__)
+        elif issubclass(exc_type, Rejected):
+            self._bulkhead._release(self, _IGNORED, exc_type.__name__)
+        else:
+            self._bulkhead._release(self, _FAILED, exc_type.__name__)
+
+    def __repr__(self) -> str:
+        state = ("new", "queued", "admitted", "done")[self._state]
+        return f"<Permit {self._bulkhead.name} {self.priority.label} {state}>"
+
+
+class Bulkhead:
+    """A concurrency budget for one dependency or class of work.
+
+    ``limit``: a `Limit` (e.g. ``FixedLimit(8)``, an adaptive one); ``queue``: a `WaitQueue`
+    (default ``FifoQueue(max_size=limit, max_wait=1.0)``); ``reserve``: extra slots above the
+    limit only CRITICAL_PLUS work (health checks, control traffic) may use, so it is admitted
+    while lower work saturates the bulkhead; ``estimator``: a `LatencyEstimator` for
+    deadline-aware refusals (a private one is made when not given; pass ``None``-able
+    ``deadline_aware=False`` to disable); ``overload``: an `OverloadManager` (anything with
+    ``shed_below``) whose level sheds low priorities.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        limit: Limit,
+        queue: WaitQueue | None = None,
+        *,
+        reserve: int = 1,
+        clock: Clock | None = None,
+        events: EventHub | None = None,
+        estimator: LatencyEstimator | None = None,
+        overload: OverloadState | None = None,
+        deadline_aware: bool = True,
+    ) -> None:
+        if reserve < 0:
+            raise ValueError("reserve must be >= 0")
+        self.name = name
+        self._limit = limit
+        self._limit_value = max(1, int(limit.limit))
+        self._adaptive = bool(limit.adaptive)
+        self._queue = (
+            queue if queue is not None else FifoQueue(max_size=self._limit_value, max_wait=1.0)
+        )
+        self._reserve = reserve
+        self._clock = clock if clock is not None else default_clock()
+        self._events = events if events is not None else default_hub
+        if estimator is None and deadline_aware:
+            estimator = LatencyEstimator()
+        self._estimator = estimator
+        self._overload = overload
+        self._timed = self._adaptive or estimator is not None
+        self._in_flight = 0
+
+    # -- public state ----------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        """Permits currently held."""
+        return self._in_flight
+
+    @property
+    def limit(self) -> int:
+        """The current concurrency limit."""
+        return self._limit_value
+
+    @property
+    def limit_algorithm(self) -> Limit:
+        return self._limit
+
+    @property
+    def queue(self) -> WaitQueue:
+        return self._queue
+
+    @property
+    def queue_depth(self) -> int:
+        """Work waiting for a permit now."""
+        return self._queue.size
+
+    @property
+    def estimator(self) -> LatencyEstimator | None:
+        return self._estimator
+
+    @property
+    def overload(self) -> OverloadState | None:
+        return self._overload
+
+    @overload.setter
+    def overload(self, value: OverloadState | None) -> None:
+        self._overload = value
+
+    def oldest_queue_age(self) -> float:
+        """Seconds the oldest waiter has waited (0.0 when none) (O2, O5)."""
+        return self._queue.oldest_age(self._clock.now())
+
+    def utilization(self) -> float:
+        """In-flight over limit (may exceed 1.0 with the CRITICAL_PLUS reserve)."""
+        return self._in_flight / self._limit_value
+
+    # -- admission -------------------------------------------------------------------------
+    def admit(
+        self,
+        *,
+        priority: Priority | None = None,
+        caller: str | None = None,
+        operation: str | None = None,
+        deadline: Deadline | None = None,
+        in_progress: bool | None = None,
+    ) -> Permit:
+        """``async with bulkhead.admit(): ...`` runs the block under a permit.
+
+        Fields not given come from the request context (`brownout.current()`). Waits in the
+        queue when the bulkhead is full; raises `brownout.Rejected` when refused.
+        """
+        ctx = _current.get()
+        if deadline is None:
+            deadline = ctx.deadline
+        return Permit(
+            self,
+            ctx.priority if priority is None else priority,
+            ctx.caller if caller is None else caller,
+            ctx.operation if operation is None else operation,
+            _INF if deadline is None else self._deadline_at(deadline),
+            ctx.in_progress if in_progress is None else in_progress,
+        )
+
+    def try_admit(
+        self,
+        *,
+        priority: Priority | None = None,
+        caller: str | None = None,
+        operation: str | None = None,
+        deadline: Deadline | None = None,
+        in_progress: bool | None = None,
+    ) -> Permit:
+        """A permit now, or `brownout.Rejected` (never waits). Settle the permit yourself."""
+        permit = self.admit(
+            priority=priority,
+            caller=caller,
+            operation=operation,
+            deadline=deadline,
+            in_progress=in_progress,
+        )
+        if self._admit_now(permit):
+            return permit
+        raise self._refuse(permit, Reason.OVERLOADED, "at the concurrency limit", 0.0)
+
+    def __call__(self, fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+        """Decorate an async function: each call runs under a permit of this bulkhead."""
+
+        @functools.wraps(fn)
+        async def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
+            async with self.admit():
+                return await fn(*args, **kwargs)
+
+        return guarded
+
+    def _deadline_at(self, deadline: Deadline) -> float:
+        if deadline.clock is self._clock:
+            return deadline.at
+        return self._clock.now() + (deadline.at - deadline.clock.now())
+
+    def _admit_now(self, p: Permit) -> bool:
+        """Entry checks and the fast path. True: admitted; False: should wait; or raises."""
+        events = self._events
+        d_at = p.deadline_at
+        if events.enabled:
+            now = self._clock.now()
+            events.emit(
+                RequestOffered(
+                    now,
+                    self.name,
+                    p.operation,
+                    p.priority,
+                    p.caller,
+                    None if d_at == _INF else max(0.0, d_at - now),
+                )
+            )
+        ov = self._overload
+        if ov is not None and p.priority < ov.shed_below:
+            raise self._refuse(p, Reason.OVERLOADED, "shedding this priority under overload", 0.0)
+        if d_at != _INF:
+            left = d_at - self._clock.now()
+            if left <= 0.0:
+                raise self._refuse(p, Reason.DEADLINE_EXPIRED, "the deadline already passed", 0.0)
+            est = self._estimator
+            if est is not None:
+                need = est.estimate(p.operation)
+                if need is not None and left < need:
+                    raise self._refuse(
+                        p,
+                        Reason.DEADLINE_TOO_SHORT,
+                        f"{left * 1000:.0f} ms left, the work needs {need * 1000:.0f} ms",
+                        0.0,
+                    )
+        n = self._in_flight
+        if n < self._limit_value and self._queue.size == 0:
+            self._grant(p, n)
+            return True
+        if p.priority is _CRITICAL_PLUS and n < self._limit_value + self._reserve:
+            self._grant(p, n)
+            return True
+        return False
+
+    def _grant(self, p: Permit, n: int) -> None:
+        n += 1
+        self._in_flight = n
+        p.in_flight_at_admit = n
+        p._state = _ADMITTED
+        events = self._events
+        if self._timed or events.enabled:
+            p.admitted_at = self._clock.now()
+            if events.enabled:
+                events.emit(
+                    RequestAdmitted(
+                        p.admitted_at, self.name, p.operation, p.priority, p.caller, p.queue_wait
+                    )
+                )
+
+    async def _wait(self, p: Permit) -> None:
+        q = self._queue
+        now = self._clock.now()
+        est = self._estimator
+        d_at = p.deadline_at
+        if d_at != _INF and est is not None:
+            service = est.estimate(p.operation)
+            if service is not None:
+                wait = (q.size + 1) * service / self._limit_value
+                if d_at - now < wait + service:
+                    raise self._refuse(
+                        p,
+                        Reason.DEADLINE_TOO_SHORT,
+                        f"{(d_at - now) * 1000:.0f} ms left, expected wait {wait * 1000:.0f} ms"
+                        f" + service {service * 1000:.0f} ms",
+                        0.0,
+                    )
+        reason, victim = q.push(p, now)
+        if reason is not None:
+            raise self._refuse(
+                p,
+                reason,
+                "the wait queue is full"
+                if reason is Reason.QUEUE_FULL
+                else "this caller holds its share of the queue",
+                0.0,
+            )
+        if victim is not None:
+            self._settle_refused(victim, Reason.QUEUE_FULL, now)  # type: ignore[arg-type]
+        p._state = _QUEUED
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        p._future = fut
+        expire_at = now + q.wait_bound(now)
+        if d_at < expire_at:
+            expire_at = d_at
+        p._timer = loop.call_later(max(0.0, expire_at - now), self._expire, p)
+        events = self._events
+        if events.enabled:
+            events.emit(RequestQueued(now, self.name, p.operation, p.priority, p.caller, q.size))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if p._state == _QUEUED:
+                p._timer.cancel()
+                p._state = _DONE
+                later = self._clock.now()
+                q.remove(p, later)
+                if events.enabled:
+                    events.emit(
+                        RequestAbandoned(
+                            later, self.name, p.operation, p.priority, p.caller, later - now
+                        )
+                    )
+            elif p._state == _ADMITTED:  # granted, but cancelled before it could run
+                self._release(p, _IGNORED, None)
+            raise
+
+    def _expire(self, p: Permit) -> None:
+        """Timer: the waiter reached its age bound or deadline while still queued."""
+        if p._state != _QUEUED:
+            return
+        now = self._clock.now()
+        reason = Reason.DEADLINE_EXPIRED if now >= p.deadline_at else Reason.QUEUE_TIMEOUT
+        self._queue.remove(p, now, reason)
+        self._settle_refused(p, reason, now, timer_fired=True)
+
+    def _settle_refused(
+        self, p: Permit, reason: Reason, now: float, *, timer_fired: bool = False
+    ) -> None:
+        p._state = _DONE
+        if not timer_fired:
+            p._timer.cancel()
+        waited = now - p.enqueued_at
+        p.queue_wait = waited
+        fut = p._future
+        if fut.done():
+            return
+        if reason is Reason.DEADLINE_EXPIRED:
+            events = self._events
+            if events.enabled:
+                events.emit(
+                    RequestExpired(
+                        now, self.name, p.operation, p.priority, p.caller, "queue", waited
+                    )
+                )
+            fut.set_exception(
+                Rejected(reason, f"the deadline passed after {waited * 1000:.0f} ms in queue")
+            )
+            return
+        detail = {
+            Reason.QUEUE_TIMEOUT: "waited the longest the queue allows",
+            Reason.QUEUE_FULL: "evicted by higher-priority work",
+            Reason.OVERLOADED: "shedding this priority under overload",
+            Reason.DEADLINE_TOO_SHORT: "too little time left to run after queueing",
+        }.get(reason, reason.value)
+        fut.set_exception(self._refuse(p, reason, detail, waited))
+
+    def _drain(self) -> None:
+        """Hand freed slots to waiters, best class first, dropping dead work at the head."""
+        q = self._queue
+        now = self._clock.now()
+        est = self._estimator
+        ov = self._overload
+        while q.size:
+            n = self._in_flight
+            if n >= self._limit_value and not (
+                n < self._limit_value + self._reserve and q.peek_rank() >= CRITICAL_PLUS_RANK
+            ):
+                return
+            item, reason = q.pop(now)
+            p: Permit = item  # type: ignore[assignment]
+            if p._state != _QUEUED:  # pragma: no cover - defensive
+                continue
+            if p._future.done():  # its task was cancelled; the waiter cleans up nothing more
+                p._state = _DONE
+                p._timer.cancel()
+                continue
+            if reason is None:
+                # D7: check again after taking work off the queue.
+                if ov is not None and p.priority < ov.shed_below:
+                    reason = Reason.OVERLOADED
+                elif est is not None and p.deadline_at != _INF:
+                    need = est.estimate(p.operation)
+                    if need is not None and p.deadline_at - now < need:
+                        reason = Reason.DEADLINE_TOO_SHORT
+            if reason is not None:
+                self._settle_refused(p, reason, now)
+                continue
+            p._timer.cancel()
+            p.queue_wait = now - p.enqueued_at
+            self._grant(p, n)
+            p._future.set_result(None)
+
+    # -- release ---------------------------------------------------------------------------
+    def _release(self, p: Permit, outcome: int, error: str | None) -> None:
+        if p._state != _ADMITTED:
+            return
+        p._state = _DONE
+        self._in_flight -= 1
+        events = self._events
+        if self._timed or events.enabled:
+            now = self._clock.now()
+            rtt = now - p.admitted_at
+            if self._adaptive and outcome != _IGNORED:
+                new = self._limit.on_sample(
+                    p.admitted_at, rtt, p.in_flight_at_admit, outcome == _DROPPED
+                )
+                if new != self._limit_value:
+                    self._set_limit(new, now)
+            est = self._estimator
+            if est is not None and outcome == _SUCCESS:
+                est.observe(p.operation, rtt)
+            if events.enabled:
+                self._emit_outcome(p, outcome, error, now, rtt)
+        if self._queue.size:
+            self._drain()
+
+    def _emit_outcome(
+        self, p: Permit, outcome: int, error: str | None, now: float, rtt: float
+    ) -> None:
+        events = self._events
+        latency = rtt + p.queue_wait
+        if outcome == _SUCCESS:
+            events.emit(
+                RequestCompleted(
+                    now, self.name, p.operation, p.priority, p.caller, latency, now <= p.deadline_at
+                )
+            )
+        elif outcome == _DROPPED and now >= p.deadline_at:
+            events.emit(
+                RequestExpired(
+                    now, self.name, p.operation, p.priority, p.caller, "running", p.queue_wait
+                )
+            )
+        elif outcome == _DROPPED and error == "CancelledError":
+            events.emit(
+                RequestAbandoned(now, self.name, p.operation, p.priority, p.caller, latency)
+            )
+        elif outcome != _IGNORED or error is not None:
+            events.emit(
+                RequestFailed(
+                    now, self.name, p.operation, p.priority, p.caller, latency, error or "dropped"
+                )
+            )
+
+    def _set_limit(self, new: int, now: float) -> None:
+        new = max(1, int(new))
+        old = self._limit_value
+        if new == old:
+            return
+        self._limit_value = new
+        if self._events.enabled:
+            self._events.emit(LimitChanged(now, self.name, old, new))
+
+    def _refuse(self, p: Permit, reason: Reason, detail: str, waited: float) -> Rejected:
+        """Build the refusal (and its event); the caller raises or delivers it."""
+        p._state = _DONE
+        retry_after: float | None = None
+        est = self._estimator
+        if est is not None and reason in _CAPACITY_REASONS:
+            service = est.estimate(p.operation)
+            if service is not None:
+                retry_after = (self._queue.size + 1) * service / self._limit_value
+        events = self._events
+        if events.enabled:
+            now = self._clock.now()
+            d_at = p.deadline_at
+            events.emit(
+                RequestShed(
+                    now,
+                    self.name,
+                    p.operation,
+                    p.priority,
+                    p.caller,
+                    reason,
+                    None if d_at == _INF else max(0.0, d_at - now),
+                    waited,
+                    reason in _CAPACITY_REASONS
+                    and self._in_flight < self._limit_value
+                    and self._queue.size == 0,
+                )
+            )
+        return Rejected(reason, detail, retry_after=retry_after)
+
+    def __repr__(self) -> str:
+        return (
+            f"Bulkhead({self.name!r}, in_flight={self._in_flight}, limit={self._limit_value}, "
+            f"queued={self._queue.size})"
+        )

@@ -1,0 +1,382 @@
+"""Concurrency limit algorithms: how many requests may run at once (A5).
+
+A limit is *pure and clock-free*: it is fed one sample per finished request,
+``on_sample(start_time, rtt, in_flight, dropped)``, and answers the new limit. Enforcement lives
+in `brownout.Bulkhead`; the per-request bookkeeping in its `Permit`. This is the split of
+Netflix's concurrency-limits (Limit vs Limiter vs Listener), so the same algorithm runs on the
+event loop, in the simulator and in unit tests without any timer.
+
+Safeguards every adaptive limit here shares (learned the hard way by published implementations):
+
+- a *dropped* sample (rejected downstream, timed out, cancelled) never feeds the rtt estimates:
+  its rtt is meaningless (often ~0 for a fast rejection); it only tells the limit to back off;
+- a timeout counts as a drop (the `Bulkhead` reports `TimeoutError`/`DeadlineExceeded`/
+  cancellation as dropped);
+- the limit never *grows* while the work is app-limited: ``in_flight < limit / 2`` means the
+  limit was not what held throughput back, so the sample says nothing about a higher limit;
+- the no-load rtt is *re-probed* periodically, with jitter, by pinning the limit low for a few
+  samples (Envoy's adaptive-concurrency ``minRTT`` window): without it a slowdown is mistaken
+  for queueing forever, or a constant rtt lets the limit ratchet up without bound.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Protocol, runtime_checkable
+
+__all__ = [
+    "AIMDLimit",
+    "FixedLimit",
+    "Gradient2Limit",
+    "Limit",
+    "VegasLimit",
+]
+
+
+@runtime_checkable
+class Limit(Protocol):
+    """A concurrency limit algorithm."""
+
+    @property
+    def limit(self) -> int:
+        """The current limit (at least 1)."""
+        ...
+
+    @property
+    def adaptive(self) -> bool:
+        """False when samples can never change the limit (the bulkhead then skips timing)."""
+        ...
+
+    def on_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
+        """Learn from one finished request; return the new limit.
+
+        ``start_time`` is when the request was admitted (monotonic seconds), ``rtt`` how long
+        it ran, ``in_flight`` how many requests were running when it was admitted (itself
+        included), ``dropped`` whether it was dropped, timed out or cancelled.
+        """
+        ...
+
+
+class FixedLimit:
+    """A constant limit: the safe first contract, chosen by load test (A5)."""
+
+    __slots__ = ("_limit",)
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError("a limit must be at least 1")
+        self._limit = int(limit)
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @property
+    def adaptive(self) -> bool:
+        return False
+
+    def on_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
+        return self._limit
+
+    def __repr__(self) -> str:
+        return f"FixedLimit({self._limit})"
+
+
+def _clamp(value: float, low: float, high: float) -> float:
+    return low if value < low else high if value > high else value
+
+
+class AIMDLimit:
+    """Additive increase, multiplicative decrease (TCP Reno's congestion window).
+
+    - drop (or ``rtt > timeout`` when a timeout is set): ``limit *= backoff`` (default 0.9),
+      at most once per round trip: drops of requests admitted before the last decrease are
+      ignored, as TCP reacts once per window;
+    - success while not app-limited (``in_flight >= limit / 2``): ``limit += increase / limit``,
+      i.e. about ``increase`` (default 1) per round trip's worth of samples;
+    - bounds ``min_limit`` (default 1) .. ``max_limit`` (default 1000), initial 20.
+
+    AIMD sees only drops, never latency: use it in front of something that refuses when full
+    (a downstream with its own limit, a bounded pool), not one that just gets slower.
+    """
+
+    __slots__ = (
+        "_decreased_at",
+        "_value",
+        "backoff",
+        "increase",
+        "max_limit",
+        "min_limit",
+        "timeout",
+    )
+
+    def __init__(
+        self,
+        initial: int = 20,
+        *,
+        min_limit: int = 1,
+        max_limit: int = 1000,
+        backoff: float = 0.9,
+        increase: float = 1.0,
+        timeout: float | None = None,
+    ) -> None:
+        if not 1 <= min_limit <= initial <= max_limit:
+            raise ValueError("need 1 <= min_limit <= initial <= max_limit")
+        if not 0 < backoff < 1:
+            raise ValueError("backoff must be in (0, 1)")
+        self.min_limit = min_limit
+        self.max_limit = max_limit
+        self.backoff = backoff
+        self.increase = increase
+        self.timeout = timeout
+        self._value = float(initial)
+        self._decreased_at = -math.inf
+
+    @property
+    def limit(self) -> int:
+        return int(self._value)
+
+    @property
+    def adaptive(self) -> bool:
+        return True
+
+    def on_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
+        if dropped or (self.timeout is not None and rtt > self.timeout):
+            if start_time >= self._decreased_at:
+                self._value = max(self.min_limit, self._value * self.backoff)
+                self._decreased_at = start_time + rtt
+        elif in_flight * 2 >= self._value:
+            self._value = min(self.max_limit, self._value + self.increase / self._value)
+        return int(self._value)
+
+    def __repr__(self) -> str:
+        return f"AIMDLimit(limit={self.limit})"
+
+
+class _ProbingLimit:
+    """Shared machinery of the latency-based limits: smoothed rtt, no-load rtt, re-probing.
+
+    ``short_rtt`` is an EWMA of successful samples' rtt over ``short_window`` samples.
+    ``no_load_rtt`` (the baseline) is the mean rtt measured while the limit was pinned to
+    ``probe_ratio * limit`` for ``probe_samples`` samples; between probes it only follows the
+    smoothed rtt *down* (``min``), so a faster service is noticed at once and a slower one at
+    the next probe. Probes start every ``probe_interval`` seconds (of sample start times)
+    times a uniform jitter of ``1 +/- probe_jitter``, so a fleet does not probe in step.
+    """
+
+    def __init__(
+        self,
+        initial: int,
+        min_limit: int,
+        max_limit: int,
+        short_window: int,
+        probe_interval: float,
+        probe_jitter: float,
+        probe_samples: int,
+        probe_ratio: float,
+        drop_backoff: float,
+        rng: random.Random | None,
+    ) -> None:
+        if not 1 <= min_limit <= initial <= max_limit:
+            raise ValueError("need 1 <= min_limit <= initial <= max_limit")
+        if not 0 < probe_ratio < 1:
+            raise ValueError("probe_ratio must be in (0, 1)")
+        self.min_limit = min_limit
+        self.max_limit = max_limit
+        self.probe_interval = probe_interval
+        self.probe_jitter = probe_jitter
+        self.probe_samples = probe_samples
+        self.probe_ratio = probe_ratio
+        self.drop_backoff = drop_backoff
+        self._alpha = 2.0 / (short_window + 1)
+        self._rng = rng if rng is not None else random.Random()
+        self._value = float(initial)
+        self.short_rtt: float | None = None
+        self.no_load_rtt: float | None = None
+        self._next_probe: float | None = None
+        self._probe_limit = 0
+        self._probe_sum = 0.0
+        self._probe_count = 0
+        self._decreased_at = -math.inf
+
+    @property
+    def probing(self) -> bool:
+        """True while the limit is pinned low to re-measure the no-load rtt."""
+        return self._probe_limit > 0
+
+    @property
+    def limit(self) -> int:
+        return self._probe_limit or int(self._value)
+
+    @property
+    def estimate(self) -> int:
+        """The limit the algorithm would use outside a probe."""
+        return int(self._value)
+
+    @property
+    def adaptive(self) -> bool:
+        return True
+
+    def _schedule_probe(self, now: float) -> None:
+        jitter = 1.0 + self.probe_jitter * (2.0 * self._rng.random() - 1.0)
+        self._next_probe = now + self.probe_interval * jitter
+
+    def on_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
+        if self._next_probe is None:
+            self._schedule_probe(start_time)
+        if self._probe_limit:
+            if not dropped and in_flight <= self._probe_limit:
+                self._probe_sum += rtt
+                self._probe_count += 1
+                if self._probe_count >= self.probe_samples:
+                    self.no_load_rtt = self._probe_sum / self._probe_count
+                    self.short_rtt = self.no_load_rtt
+                    self._probe_limit = 0
+                    self._schedule_probe(start_time + rtt)
+            return self.limit
+        if start_time >= self._next_probe:  # type: ignore[operator]
+            self._probe_limit = max(self.min_limit, int(self._value * self.probe_ratio))
+            self._probe_sum = 0.0
+            self._probe_count = 0
+            return self._probe_limit
+        if dropped:  # never feeds rtt; back off at most once per round trip
+            if start_time >= self._decreased_at:
+                self._value = max(self.min_limit, self._value * self.drop_backoff)
+                self._decreased_at = start_time + rtt
+            return int(self._value)
+        short = self.short_rtt
+        short = rtt if short is None else short + self._alpha * (rtt - short)
+        self.short_rtt = short
+        base = self.no_load_rtt
+        if base is None or short < base:
+            base = self.no_load_rtt = short
+        if in_flight * 2 < self._value:  # app-limited: this sample cannot justify growth
+            return int(self._value)
+        new = self._update(self._value, short, base)
+        self._value = _clamp(new, self.min_limit, self.max_limit)
+        return int(self._value)
+
+    def _update(self, limit: float, short_rtt: float, no_load_rtt: float) -> float:
+        raise NotImplementedError
+
+
+class Gradient2Limit(_ProbingLimit):
+    """Gradient limit (after Netflix's Gradient2): track the ratio of no-load to current rtt.
+
+    ``gradient = clamp(tolerance * no_load_rtt / short_rtt, 0.5, 1.0)``;
+    ``new = limit * gradient + queue_size``;
+    ``limit = (1 - smoothing) * limit + smoothing * new``.
+
+    At equilibrium the limit is the concurrency at which latency starts to rise (the knee)
+    plus ``queue_size`` requests of standing queue. The gradient never cuts more than half at
+    once (outliers), and never exceeds 1 (a faster rtt than baseline is not a reason to grow
+    faster). Defaults: initial 20, bounds 1..1000, ``tolerance`` 1.0, ``queue_size`` 4,
+    ``smoothing`` 0.2, ``short_window`` 10 samples, probe every 30 s +/- 15% for 20 samples
+    at half the limit, drop backoff 0.9.
+
+    Unlike Netflix's version the baseline is the *probed* no-load rtt, not a 600-sample
+    average of the rtt itself: an average drifts up with sustained queueing and lets the limit
+    ratchet; the probe re-anchors it.
+    """
+
+    def __init__(
+        self,
+        initial: int = 20,
+        *,
+        min_limit: int = 1,
+        max_limit: int = 1000,
+        tolerance: float = 1.0,
+        queue_size: float = 4.0,
+        smoothing: float = 0.2,
+        short_window: int = 10,
+        probe_interval: float = 30.0,
+        probe_jitter: float = 0.15,
+        probe_samples: int = 20,
+        probe_ratio: float = 0.5,
+        drop_backoff: float = 0.9,
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__(
+            initial,
+            min_limit,
+            max_limit,
+            short_window,
+            probe_interval,
+            probe_jitter,
+            probe_samples,
+            probe_ratio,
+            drop_backoff,
+            rng,
+        )
+        if tolerance < 1.0:
+            raise ValueError("tolerance must be >= 1.0")
+        self.tolerance = tolerance
+        self.queue_size = queue_size
+        self.smoothing = smoothing
+
+    def _update(self, limit: float, short_rtt: float, no_load_rtt: float) -> float:
+        gradient = _clamp(self.tolerance * no_load_rtt / short_rtt, 0.5, 1.0)
+        new = limit * gradient + self.queue_size
+        return (1.0 - self.smoothing) * limit + self.smoothing * new
+
+    def __repr__(self) -> str:
+        return f"Gradient2Limit(limit={self.limit})"
+
+
+class VegasLimit(_ProbingLimit):
+    """TCP Vegas-style limit: estimate the queue and keep it between alpha and beta.
+
+    ``queue = limit * (1 - no_load_rtt / short_rtt)`` requests are waiting somewhere; with
+    ``t = log10(limit)``: queue <= t: grow by ``3 t`` (nothing is queued, probe upward fast);
+    queue < ``alpha = 3 t``: grow by ``t``; queue > ``beta = 6 t``: shrink by ``t``; else
+    hold. ``limit = (1 - smoothing) * limit + smoothing * new``. Defaults: initial 20, bounds
+    1..1000, smoothing 1.0, short window 10, probe every 30 s +/- 15% for 20 samples at half
+    the limit, drop backoff 0.9. (Netflix grows by beta when nothing is queued; 3 t
+    overshoots less with a smoothed rtt.)
+    """
+
+    def __init__(
+        self,
+        initial: int = 20,
+        *,
+        min_limit: int = 1,
+        max_limit: int = 1000,
+        smoothing: float = 1.0,
+        short_window: int = 10,
+        probe_interval: float = 30.0,
+        probe_jitter: float = 0.15,
+        probe_samples: int = 20,
+        probe_ratio: float = 0.5,
+        drop_backoff: float = 0.9,
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__(
+            initial,
+            min_limit,
+            max_limit,
+            short_window,
+            probe_interval,
+            probe_jitter,
+            probe_samples,
+            probe_ratio,
+            drop_backoff,
+            rng,
+        )
+        self.smoothing = smoothing
+
+    def _update(self, limit: float, short_rtt: float, no_load_rtt: float) -> float:
+        t = math.log10(limit) if limit > 10 else 1.0
+        queue = limit * (1.0 - no_load_rtt / short_rtt)
+        if queue <= t:
+            new = limit + 3 * t
+        elif queue < 3 * t:
+            new = limit + t
+        elif queue > 6 * t:
+            new = limit - t
+        else:
+            return limit
+        return (1.0 - self.smoothing) * limit + self.smoothing * new
+
+    def __repr__(self) -> str:
+        return f"VegasLimit(limit={self.limit})"

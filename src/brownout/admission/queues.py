@@ -1,0 +1,358 @@
+"""Wait queues bounded in size *and* age (A3, A4).
+
+A queue holds work that may run soon. It is small and bounded twice: by ``max_size`` items and
+by ``max_wait`` seconds of waiting. Every item carries its enqueue time and deadline; an item
+whose deadline has passed is dropped when it reaches the head and counted as expired, never run
+late; every item's time in queue is recorded (`WaitQueue.wait_times`).
+
+Order: items are served by priority (higher first), then work in progress before new work of
+the same priority (S3), then by the queue's policy inside that class:
+
+- `FifoQueue`: oldest first, the fair default when the queue rarely builds.
+- `LifoQueue`: newest first, so under overload the requests still likely to be useful (their
+  callers are still waiting) are served, and the old ones time out.
+- `CoDelQueue`: controlled delay as in Facebook's "Fail at scale": while the queue has emptied
+  within the last ``interval`` (100 ms) an item may wait up to ``interval``; once it has *not*
+  emptied for a whole interval (a standing queue), the allowed wait drops to ``target`` (5 ms).
+- `AdaptiveLifoQueue`: FIFO normally, LIFO while overloaded (the queue has not emptied for an
+  ``interval``); optionally with CoDel's allowed wait too.
+
+Fairness (S5): ``caller_share`` caps the part of the queue one caller may hold.
+
+The queues are synchronous data structures with explicit ``now`` arguments (no clock, no loop),
+driven by `brownout.Bulkhead`; they never block and never run anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from ..errors import Reason
+from ..priority import Priority
+from ..stats import LatencyHistogram
+
+__all__ = [
+    "AdaptiveLifoQueue",
+    "CoDelQueue",
+    "FifoQueue",
+    "LifoQueue",
+    "QueueItem",
+    "WaitQueue",
+    "rank_of",
+]
+
+_RANKS = 8
+CRITICAL_PLUS_RANK = int(Priority.CRITICAL_PLUS) * 2
+"""The lowest rank of CRITICAL_PLUS work (new CRITICAL_PLUS)."""
+
+
+def rank_of(priority: Priority, in_progress: bool) -> int:
+    """Service order class: priority first, then work in progress before new work (S3)."""
+    return int(priority) * 2 + (1 if in_progress else 0)
+
+
+class QueueItem:
+    """One waiting unit of work: what the queue needs to order, bound and account it."""
+
+    __slots__ = (
+        "caller",
+        "deadline_at",
+        "enqueued_at",
+        "in_progress",
+        "operation",
+        "priority",
+        "queued",
+    )
+
+    def __init__(
+        self,
+        priority: Priority = Priority.CRITICAL,
+        caller: str = "unknown",
+        operation: str = "unknown",
+        deadline_at: float = math.inf,
+        in_progress: bool = False,
+    ) -> None:
+        self.priority = priority
+        self.caller = caller
+        self.operation = operation
+        self.deadline_at = deadline_at
+        """Absolute deadline on the queue's time base (``math.inf``: none)."""
+        self.in_progress = in_progress
+        self.enqueued_at = 0.0
+        self.queued = False
+        """True while the item is live in a queue; removal only flips it (lazy deletion)."""
+
+
+class WaitQueue:
+    """Base queue: bounded in size and age, ordered by priority class, FIFO inside a class.
+
+    ``max_size``: most items waiting at once. ``max_wait``: longest any item may wait (s).
+    ``caller_share``: the fraction of ``max_size`` one caller may hold (1.0: no cap).
+    """
+
+    lifo_policy = False
+    """Serve the newest item of a class first."""
+
+    def __init__(self, max_size: int = 64, max_wait: float = 1.0, *, caller_share: float = 1.0):
+        if max_size < 1:
+            raise ValueError("max_size must be at least 1")
+        if not max_wait > 0:
+            raise ValueError("max_wait must be positive")
+        if not 0 < caller_share <= 1:
+            raise ValueError("caller_share must be in (0, 1]")
+        self.max_size = int(max_size)
+        self.max_wait = float(max_wait)
+        self.caller_share = caller_share
+        self.max_per_caller = max(1, math.floor(caller_share * max_size))
+        self._fair = caller_share < 1.0
+        self._per_caller: dict[str, int] = {}
+        self._classes: list[deque[QueueItem]] = [deque() for _ in range(_RANKS)]
+        self._stored = 0  # live + lazily deleted items held in the deques
+        self.size = 0
+        """Items waiting now."""
+        self.busy_since: float | None = None
+        """When the queue last became non-empty (``None`` while empty)."""
+        self.wait_times = LatencyHistogram()
+        """Time in queue of every item that left the queue, however it left (A4)."""
+        self.served = 0
+        self.expired = 0
+        self.timed_out = 0
+        self.evicted = 0
+        self.removed = 0
+        self.refused_full = 0
+        self.refused_fair = 0
+
+    # -- policy hooks ----------------------------------------------------------------------
+    def overloaded(self, now: float) -> bool:
+        """Whether the queue counts as overloaded (used by adaptive policies)."""
+        return False
+
+    def wait_bound(self, now: float) -> float:
+        """How long an item may wait, decided now (the age bound in force)."""
+        return self.max_wait
+
+    def _lifo(self, now: float) -> bool:
+        return self.lifo_policy
+
+    # -- operations ------------------------------------------------------------------------
+    def push(self, item: QueueItem, now: float) -> tuple[Reason | None, QueueItem | None]:
+        """Add ``item``. Returns ``(refusal, evicted)``.
+
+        ``refusal`` is `Reason.FAIR_SHARE` or `Reason.QUEUE_FULL` when the item was not
+        added. When the queue is full and the newcomer ranks above the lowest-ranked waiter,
+        the newest of those lowest-ranked waiters is evicted (returned) so that a higher
+        priority is never refused while a lower one waits in its place.
+        """
+        fair = self._fair
+        if fair and self._per_caller.get(item.caller, 0) >= self.max_per_caller:
+            self.refused_fair += 1
+            return Reason.FAIR_SHARE, None
+        victim: QueueItem | None = None
+        if self.size >= self.max_size:
+            victim = self._evict_below(rank_of(item.priority, item.in_progress), now)
+            if victim is None:
+                self.refused_full += 1
+                return Reason.QUEUE_FULL, None
+        item.enqueued_at = now
+        item.queued = True
+        self._classes[rank_of(item.priority, item.in_progress)].append(item)
+        self._stored += 1
+        if self.size == 0:
+            self.busy_since = now
+        self.size += 1
+        if fair:
+            self._per_caller[item.caller] = self._per_caller.get(item.caller, 0) + 1
+        return None, victim
+
+    def _evict_below(self, rank: int, now: float) -> QueueItem | None:
+        for r in range(rank):
+            d = self._classes[r]
+            while d:
+                victim = d.pop()
+                self._stored -= 1
+                if victim.queued:
+                    self._leave(victim, now)
+                    self.evicted += 1
+                    return victim
+        return None
+
+    def _leave(self, item: QueueItem, now: float) -> None:
+        item.queued = False
+        self.size -= 1
+        if self.size == 0:
+            self.busy_since = None
+        self.wait_times.observe(now - item.enqueued_at)
+        if self._fair:
+            n = self._per_caller[item.caller] - 1
+            if n:
+                self._per_caller[item.caller] = n
+            else:
+                del self._per_caller[item.caller]
+
+    def peek_rank(self) -> int:
+        """Rank of the class that would be served next (-1 when empty)."""
+        if self.size == 0:
+            return -1
+        for r in range(_RANKS - 1, -1, -1):
+            d = self._classes[r]
+            while d:
+                if d[0].queued:
+                    return r
+                d.popleft()
+                self._stored -= 1
+        return -1  # pragma: no cover - size > 0 guarantees a live item
+
+    def pop(self, now: float) -> tuple[QueueItem | None, Reason | None]:
+        """Take the next item. ``(item, None)``: serve it. ``(item, reason)``: it was dropped
+        at the head (`Reason.DEADLINE_EXPIRED` or `Reason.QUEUE_TIMEOUT`), never to run.
+        ``(None, None)``: empty."""
+        if self.size == 0:
+            return None, None
+        lifo = self._lifo(now)
+        for r in range(_RANKS - 1, -1, -1):
+            d = self._classes[r]
+            while d:
+                item = d.pop() if lifo else d.popleft()
+                self._stored -= 1
+                if not item.queued:
+                    continue
+                self._leave(item, now)
+                if item.deadline_at <= now:
+                    self.expired += 1
+                    return item, Reason.DEADLINE_EXPIRED
+                if now - item.enqueued_at > self.wait_bound(now):
+                    self.timed_out += 1
+                    return item, Reason.QUEUE_TIMEOUT
+                self.served += 1
+                return item, None
+        return None, None  # pragma: no cover
+
+    def remove(self, item: QueueItem, now: float, reason: Reason | None = None) -> bool:
+        """Take ``item`` out wherever it is (timer fired, caller gave up). O(1) amortized.
+
+        ``reason`` counts it: `Reason.DEADLINE_EXPIRED` as expired, `Reason.QUEUE_TIMEOUT` as
+        timed out, anything else (or ``None``) as removed. False if it was not queued.
+        """
+        if not item.queued:
+            return False
+        self._leave(item, now)
+        if reason is Reason.DEADLINE_EXPIRED:
+            self.expired += 1
+        elif reason is Reason.QUEUE_TIMEOUT:
+            self.timed_out += 1
+        else:
+            self.removed += 1
+        if self._stored > 2 * self.max_size + 16:
+            self._compact()
+        return True
+
+    def _compact(self) -> None:
+        stored = 0
+        for r in range(_RANKS):
+            d = self._classes[r]
+            if d:
+                live = deque(i for i in d if i.queued)
+                self._classes[r] = live
+                stored += len(live)
+        self._stored = stored
+
+    def oldest_age(self, now: float) -> float:
+        """Age of the oldest waiting item (0.0 when empty)."""
+        if self.size == 0:
+            return 0.0
+        oldest = math.inf
+        for d in self._classes:
+            while d and not d[0].queued:
+                d.popleft()
+                self._stored -= 1
+            if d and d[0].enqueued_at < oldest:
+                oldest = d[0].enqueued_at
+        return 0.0 if oldest == math.inf else now - oldest
+
+    def caller_depth(self, caller: str) -> int:
+        """Items ``caller`` has waiting (tracked only when ``caller_share`` < 1)."""
+        return self._per_caller.get(caller, 0)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(max_size={self.max_size}, max_wait={self.max_wait})"
+
+
+class FifoQueue(WaitQueue):
+    """Oldest first within a priority class; bounded in size and age."""
+
+
+class LifoQueue(WaitQueue):
+    """Newest first within a priority class: under overload the freshest requests, whose
+    callers are most likely still waiting, are served; old ones age out."""
+
+    lifo_policy = True
+
+
+class CoDelQueue(WaitQueue):
+    """Controlled delay (Fail at Scale): allowed wait is ``interval`` while the queue has
+    emptied within the last ``interval``, and ``target`` once it has stood for a full interval.
+
+    Defaults: ``target`` 5 ms, ``interval`` 100 ms. ``max_wait`` still caps both.
+    """
+
+    def __init__(
+        self,
+        max_size: int = 64,
+        max_wait: float = 1.0,
+        *,
+        target: float = 0.005,
+        interval: float = 0.1,
+        caller_share: float = 1.0,
+    ) -> None:
+        super().__init__(max_size, max_wait, caller_share=caller_share)
+        if not 0 < target <= interval:
+            raise ValueError("need 0 < target <= interval")
+        self.target = target
+        self.interval = interval
+
+    def overloaded(self, now: float) -> bool:
+        busy = self.busy_since
+        return busy is not None and now - busy >= self.interval
+
+    def wait_bound(self, now: float) -> float:
+        bound = self.target if self.overloaded(now) else self.interval
+        return bound if bound < self.max_wait else self.max_wait
+
+
+class AdaptiveLifoQueue(WaitQueue):
+    """FIFO while the queue keeps emptying, LIFO once it has not emptied for ``interval``
+    (overload), so fresh requests are served while stale ones age out. With ``codel=True``
+    the allowed wait also drops to ``target`` while overloaded (Facebook's combination)."""
+
+    def __init__(
+        self,
+        max_size: int = 64,
+        max_wait: float = 1.0,
+        *,
+        interval: float = 0.1,
+        codel: bool = False,
+        target: float = 0.005,
+        caller_share: float = 1.0,
+    ) -> None:
+        super().__init__(max_size, max_wait, caller_share=caller_share)
+        if not 0 < target <= interval:
+            raise ValueError("need 0 < target <= interval")
+        self.interval = interval
+        self.codel = codel
+        self.target = target
+
+    def overloaded(self, now: float) -> bool:
+        busy = self.busy_since
+        return busy is not None and now - busy >= self.interval
+
+    def _lifo(self, now: float) -> bool:
+        return self.overloaded(now)
+
+    def wait_bound(self, now: float) -> float:
+        if self.codel and self.overloaded(now) and self.target < self.max_wait:
+            return self.target
+        return self.max_wait

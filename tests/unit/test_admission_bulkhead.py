@@ -1,0 +1,454 @@
+"""Bulkhead: limit + bounded queue + priorities + deadlines (A1, A2, A3, S1, S3, S5, S8, D7)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import brownout
+from brownout import (
+    Bulkhead,
+    Deadline,
+    EventHub,
+    FifoQueue,
+    FixedLimit,
+    LatencyEstimator,
+    LifoQueue,
+    Priority,
+    Reason,
+    Rejected,
+)
+from brownout.events import (
+    Event,
+    LimitChanged,
+    RequestAdmitted,
+    RequestCompleted,
+    RequestExpired,
+    RequestFailed,
+    RequestOffered,
+    RequestQueued,
+    RequestShed,
+)
+
+pytestmark = pytest.mark.looptime
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+
+    def of(self, kind: type) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+class RecordingLimit:
+    """A fixed limit that records its samples (to check what the bulkhead teaches)."""
+
+    def __init__(self, limit: int = 1) -> None:
+        self._limit = limit
+        self.samples: list[tuple[float, float, int, bool]] = []
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @property
+    def adaptive(self) -> bool:
+        return True
+
+    def on_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
+        self.samples.append((start_time, rtt, in_flight, dropped))
+        return self._limit
+
+
+def make(limit: int = 2, queue: brownout.admission.WaitQueue | None = None, **kw):  # type: ignore[name-defined]
+    events = EventHub()
+    rec = Recorder()
+    events.subscribe(rec)
+    b = Bulkhead(
+        "backend",
+        limit=FixedLimit(limit),
+        queue=queue if queue is not None else FifoQueue(8, 5.0),
+        events=events,
+        **kw,
+    )
+    return b, rec
+
+
+async def test_fast_path_counts_in_flight_and_releases() -> None:
+    b, rec = make(2)
+    async with b.admit() as p:
+        assert b.in_flight == 1
+        assert p.priority is Priority.CRITICAL
+        async with b.admit():
+            assert b.in_flight == 2
+    assert b.in_flight == 0
+    assert b.limit == 2 and b.name == "backend" and b.queue_depth == 0
+    assert len(rec.of(RequestOffered)) == 2
+    assert len(rec.of(RequestAdmitted)) == 2
+    done = rec.of(RequestCompleted)
+    assert len(done) == 2 and all(e.useful for e in done)
+
+
+async def test_waiters_are_served_fifo_when_slots_free() -> None:
+    b, rec = make(1)
+    order: list[int] = []
+
+    async def work(i: int) -> None:
+        async with b.admit():
+            order.append(i)
+            await asyncio.sleep(1)
+
+    tasks = [asyncio.create_task(work(i)) for i in range(4)]
+    await asyncio.sleep(0.1)
+    assert b.in_flight == 1 and b.queue_depth == 3
+    assert b.oldest_queue_age() == pytest.approx(0.1)
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2, 3]
+    assert len(rec.of(RequestQueued)) == 3
+    waits = [e.queue_wait for e in rec.of(RequestAdmitted)]
+    assert waits == pytest.approx([0, 1, 2, 3])
+
+
+async def test_lifo_queue_serves_newest_first() -> None:
+    b, _ = make(1, LifoQueue(8, 10.0))
+    order: list[int] = []
+
+    async def work(i: int) -> None:
+        async with b.admit():
+            order.append(i)
+            await asyncio.sleep(1)
+
+    tasks = []
+    for i in range(4):
+        tasks.append(asyncio.create_task(work(i)))
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*tasks)
+    assert order == [0, 3, 2, 1]
+
+
+async def test_queue_full_is_refused_with_reason() -> None:
+    b, rec = make(1, FifoQueue(max_size=1, max_wait=5))
+    hold = asyncio.Event()
+
+    async def work() -> None:
+        async with b.admit():
+            await hold.wait()
+
+    t1 = asyncio.create_task(work())
+    t2 = asyncio.create_task(work())
+    await asyncio.sleep(0)
+    with pytest.raises(Rejected) as info:
+        async with b.admit():
+            pass
+    assert info.value.reason is Reason.QUEUE_FULL
+    shed = rec.of(RequestShed)[-1]
+    assert shed.reason is Reason.QUEUE_FULL and not shed.false_positive
+    hold.set()
+    await asyncio.gather(t1, t2)
+
+
+async def test_queue_timeout_refuses_after_max_wait() -> None:
+    b, rec = make(1, FifoQueue(max_size=4, max_wait=0.5))
+    hold = asyncio.Event()
+
+    async def work() -> None:
+        async with b.admit():
+            await hold.wait()
+
+    t = asyncio.create_task(work())
+    await asyncio.sleep(0)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(Rejected) as info:
+        async with b.admit():
+            pass
+    assert info.value.reason is Reason.QUEUE_TIMEOUT
+    assert loop.time() - start == pytest.approx(0.5)
+    assert b.queue_depth == 0
+    assert rec.of(RequestShed)[-1].queue_wait == pytest.approx(0.5)
+    hold.set()
+    await t
+
+
+async def test_expired_in_queue_is_never_run() -> None:
+    b, rec = make(1, FifoQueue(max_size=4, max_wait=5))
+    hold = asyncio.Event()
+    ran = False
+
+    async def work() -> None:
+        async with b.admit():
+            await hold.wait()
+
+    t = asyncio.create_task(work())
+    await asyncio.sleep(0)
+    with pytest.raises(Rejected) as info:
+        async with b.admit(deadline=Deadline.after(0.2)):
+            ran = True
+    assert info.value.reason is Reason.DEADLINE_EXPIRED
+    assert not ran
+    exp = rec.of(RequestExpired)
+    assert len(exp) == 1 and exp[0].stage == "queue"
+    hold.set()
+    await t
+
+
+async def test_expired_at_entry_and_too_short_for_estimate() -> None:
+    est = LatencyEstimator(min_samples=1)
+    est.observe("slow", 0.3)
+    b, rec = make(4, estimator=est)
+    with pytest.raises(Rejected) as info:
+        async with b.admit(deadline=Deadline.after(0)):
+            pass
+    assert info.value.reason is Reason.DEADLINE_EXPIRED
+    with pytest.raises(Rejected) as info:
+        async with b.admit(operation="slow", deadline=Deadline.after(0.1)):
+            pass
+    assert info.value.reason is Reason.DEADLINE_TOO_SHORT
+    # deadline refusals are not capacity refusals, so never false positives
+    assert not any(e.false_positive for e in rec.of(RequestShed))
+    async with b.admit(operation="slow", deadline=Deadline.after(1.0)):
+        pass
+
+
+async def test_deadline_from_request_context_is_used() -> None:
+    b, _ = make(4)
+    # a sync scope sets the context without enforcing it, so the bulkhead must check
+    with brownout.request(
+        deadline=0.5, operation="op", caller="alice", priority=Priority.SHEDDABLE
+    ):
+        async with b.admit() as p:
+            assert (p.operation, p.caller, p.priority) == ("op", "alice", Priority.SHEDDABLE)
+        await asyncio.sleep(1)
+        with pytest.raises(Rejected) as info:
+            async with b.admit():
+                pass
+    assert info.value.reason is Reason.DEADLINE_EXPIRED
+
+
+async def test_try_admit_never_waits() -> None:
+    b, rec = make(1)
+    p = b.try_admit()
+    assert b.in_flight == 1
+    with pytest.raises(Rejected) as info:
+        b.try_admit()
+    assert info.value.reason is Reason.OVERLOADED
+    assert not rec.of(RequestShed)[-1].false_positive
+    p.success()
+    p.success()  # exactly once: the second report is a no-op
+    assert b.in_flight == 0
+    assert p.settled
+    b.try_admit().ignore()
+    assert b.in_flight == 0
+
+
+async def test_outcomes_teach_the_limit() -> None:
+    limit = RecordingLimit(4)
+    events = EventHub()
+    rec = Recorder()
+    events.subscribe(rec)
+    b = Bulkhead("b", limit=limit, events=events)
+
+    async with b.admit():
+        await asyncio.sleep(0.2)
+    with pytest.raises(TimeoutError):
+        async with b.admit():
+            raise TimeoutError
+    with pytest.raises(Rejected):
+        async with b.admit():
+            raise Rejected(Reason.BREAKER_OPEN, "downstream")
+    with pytest.raises(ValueError):
+        async with b.admit():
+            await asyncio.sleep(0.1)
+            raise ValueError
+    assert [s[3] for s in limit.samples] == [False, True, False]
+    assert limit.samples[0][1] == pytest.approx(0.2)
+    assert limit.samples[2][1] == pytest.approx(0.1)
+    failed = rec.of(RequestFailed)
+    assert [e.error for e in failed] == ["TimeoutError", "Rejected", "ValueError"]
+    assert b.in_flight == 0
+
+
+async def test_decorator_admits_each_call() -> None:
+    b, _ = make(1, FifoQueue(max_size=1, max_wait=5))
+    seen: list[int] = []
+
+    @b
+    async def call(x: int) -> int:
+        seen.append(b.in_flight)
+        await asyncio.sleep(0.1)
+        return x * 2
+
+    assert await asyncio.gather(call(1), call(2)) == [2, 4]
+    assert seen == [1, 1]
+    with pytest.raises(Rejected):
+        await asyncio.gather(call(1), call(2), call(3))
+
+
+async def test_critical_plus_uses_reserved_headroom() -> None:
+    b, _ = make(2, FifoQueue(8, 5), reserve=1)
+    hold = asyncio.Event()
+
+    async def work(priority: Priority) -> None:
+        async with b.admit(priority=priority):
+            await hold.wait()
+
+    tasks = [asyncio.create_task(work(Priority.SHEDDABLE)) for _ in range(4)]
+    await asyncio.sleep(0)
+    assert b.in_flight == 2 and b.queue_depth == 2
+    async with b.admit(priority=Priority.CRITICAL_PLUS):
+        assert b.in_flight == 3
+    hold.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_higher_priority_evicts_newest_lowest_when_full() -> None:
+    b, _rec = make(1, FifoQueue(max_size=2, max_wait=5))
+    hold = asyncio.Event()
+    results: dict[str, str] = {}
+
+    async def work(tag: str, priority: Priority) -> None:
+        try:
+            async with b.admit(priority=priority):
+                results[tag] = "ran"
+                await hold.wait()
+        except Rejected as e:
+            results[tag] = e.reason.value
+
+    running = asyncio.create_task(work("first", Priority.SHEDDABLE))
+    await asyncio.sleep(0)
+    old = asyncio.create_task(work("old", Priority.SHEDDABLE))
+    await asyncio.sleep(0.01)
+    new = asyncio.create_task(work("new", Priority.SHEDDABLE))
+    await asyncio.sleep(0.01)
+    vip = asyncio.create_task(work("vip", Priority.CRITICAL))
+    await asyncio.sleep(0.01)
+    assert results == {"first": "ran", "new": "queue_full"}
+    hold.set()
+    await asyncio.gather(running, old, new, vip)
+    assert results["vip"] == "ran" and results["old"] == "ran"
+
+
+async def test_in_progress_beats_new_work_of_same_priority() -> None:
+    b, _ = make(1)
+    order: list[str] = []
+    hold = asyncio.Event()
+
+    async def work(tag: str, in_progress: bool) -> None:
+        async with b.admit(in_progress=in_progress):
+            order.append(tag)
+            await hold.wait()
+
+    first = asyncio.create_task(work("first", False))
+    await asyncio.sleep(0)
+    new = asyncio.create_task(work("new", False))
+    await asyncio.sleep(0.01)
+    cont = asyncio.create_task(work("continuation", True))
+    await asyncio.sleep(0.01)
+    hold.set()
+    await asyncio.gather(first, new, cont)
+    assert order == ["first", "continuation", "new"]
+
+
+async def test_caller_fair_share_of_queue() -> None:
+    b, _rec = make(1, FifoQueue(max_size=4, max_wait=5, caller_share=0.5))
+    hold = asyncio.Event()
+
+    async def work(caller: str) -> None:
+        async with b.admit(caller=caller):
+            await hold.wait()
+
+    tasks = [asyncio.create_task(work("greedy")) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert b.queue_depth == 2
+    with pytest.raises(Rejected) as info:
+        async with b.admit(caller="greedy"):
+            pass
+    assert info.value.reason is Reason.FAIR_SHARE
+    other = asyncio.create_task(work("polite"))
+    await asyncio.sleep(0)
+    assert b.queue_depth == 3
+    hold.set()
+    await asyncio.gather(*tasks, other)
+
+
+async def test_cancelled_waiter_leaves_the_queue() -> None:
+    b, _ = make(1)
+    hold = asyncio.Event()
+
+    async def work() -> None:
+        async with b.admit():
+            await hold.wait()
+
+    first = asyncio.create_task(work())
+    await asyncio.sleep(0)
+    waiter = asyncio.create_task(work())
+    await asyncio.sleep(0.01)
+    assert b.queue_depth == 1
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert b.queue_depth == 0
+    hold.set()
+    await first
+    assert b.in_flight == 0
+
+
+async def test_granted_then_cancelled_waiter_returns_its_slot() -> None:
+    b, _ = make(1)
+    p = b.try_admit()
+    waiter = asyncio.create_task(b.admit().__aenter__())
+    await asyncio.sleep(0.01)
+    p.success()  # grants the waiter synchronously
+    assert b.in_flight == 1
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert b.in_flight == 0
+
+
+async def test_overload_state_sheds_low_priorities() -> None:
+    class Level:
+        shed_below = int(Priority.CRITICAL)
+
+    b, rec = make(4, overload=Level())
+    with pytest.raises(Rejected) as info:
+        async with b.admit(priority=Priority.SHEDDABLE_PLUS):
+            pass
+    assert info.value.reason is Reason.OVERLOADED
+    assert rec.of(RequestShed)[-1].false_positive  # capacity existed: counted (S8)
+    async with b.admit(priority=Priority.CRITICAL):
+        pass
+
+
+async def test_limit_changes_are_events() -> None:
+    class Halving(RecordingLimit):
+        def on_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
+            self._limit = max(1, self._limit // 2)
+            return self._limit
+
+    events = EventHub()
+    rec = Recorder()
+    events.subscribe(rec)
+    b = Bulkhead("b", limit=Halving(8), events=events)
+    async with b.admit():
+        pass
+    assert b.limit == 4
+    assert rec.of(LimitChanged) == [LimitChanged(rec.of(LimitChanged)[0].at, "b", 8, 4)]
+
+
+async def test_estimator_learns_from_successes_only() -> None:
+    b, _ = make(4)
+    assert b.estimator is not None
+    for _ in range(5):
+        async with b.admit(operation="op"):
+            await asyncio.sleep(0.05)
+    with pytest.raises(ValueError):
+        async with b.admit(operation="op"):
+            await asyncio.sleep(5)
+            raise ValueError
+    assert b.estimator.estimate("op") == pytest.approx(0.05)

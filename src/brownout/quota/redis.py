@@ -42,7 +42,7 @@ local tat = tonumber(redis.call('GET', KEYS[1]) or '')
 if tat == nil or tat < now then tat = now end
 local new_tat = tat + cost * interval
 local allow_at = tat + (cost - burst) * interval
--- float round-off slack, the same rule as brownout.quota.gcra._slack
+-- float round-off slack: the same rule as brownout.quota.gcra.decide
 local slack = interval * 1e-6 + math.abs(tat) * 2e-15
 if allow_at - now > slack then
   local remaining = math.floor((now + tolerance - tat + slack / 2) / interval)

@@ -1,0 +1,201 @@
+"""dashboards/: every metric and label the Grafana dashboard and the alert rules use is one the
+collector exports (O1..O5, S8). The exported names come from the collector itself."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from brownout import Priority, Reason
+from brownout.events import (
+    AttemptRetried,
+    BreakerStateChanged,
+    DeadlineHeaderIgnored,
+    DegradedModeChanged,
+    LimitChanged,
+    OutcomeUnknown,
+    OverloadLevelChanged,
+    QuotaBackendChanged,
+    RequestAbandoned,
+    RequestAdmitted,
+    RequestCompleted,
+    RequestExpired,
+    RequestFailed,
+    RequestOffered,
+    RequestQueued,
+    RequestShed,
+    RetryBudgetExhausted,
+)
+from brownout.export.prometheus import BrownoutCollector
+from brownout.stats import GAUGE_KINDS, Stats
+
+DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
+METRIC = re.compile(r"\bbrownout_[a-zA-Z0-9_]+")
+BY = re.compile(r"\b(?:by|on|without|ignoring)\s*\(([^)]*)\)")
+MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)\s*\"")
+STANDARD_LABELS = {"job", "instance", "le", "__name__"}
+
+
+def fully_populated_stats() -> Stats:
+    """A Stats that has seen one of every event and has every known gauge."""
+    s = Stats()
+    kw = {
+        "at": 0.0,
+        "source": "api",
+        "operation": "op",
+        "priority": Priority.CRITICAL,
+        "caller": "c",
+    }
+    for e in (
+        RequestOffered(**kw, remaining=1.0),
+        RequestQueued(**kw, depth=1),
+        RequestAdmitted(**kw, queue_wait=0.01),
+        RequestShed(
+            **kw, reason=Reason.QUEUE_FULL, remaining=1.0, queue_wait=0.0, false_positive=True
+        ),
+        RequestExpired(**kw, stage="queue", queue_wait=0.5),
+        RequestCompleted(**kw, latency=0.1, useful=True),
+        RequestCompleted(**kw, latency=2.0, useful=False),
+        RequestFailed(**kw, latency=0.1, error="E"),
+        RequestAbandoned(**kw, latency=0.1),
+        AttemptRetried(**kw, attempt=2, cause="unavailable", backoff=0.1),
+        RetryBudgetExhausted(**kw, attempt=3),
+        OutcomeUnknown(**kw, idempotency_key="k"),
+        LimitChanged(at=0.0, source="api", old=1, new=2),
+        BreakerStateChanged(at=0.0, source="db", old="closed", new="open"),
+        OverloadLevelChanged(at=0.0, source="overload", old=0, new=1, signals=("lag",)),
+        DegradedModeChanged(at=0.0, source="d", mode="stale", active=True, trigger="t"),
+        QuotaBackendChanged(at=0.0, source="quota", fallback=True, detail="down"),
+        DeadlineHeaderIgnored(at=0.0, source="edge", header="h", problem="p"),
+    ):
+        s.emit(e)
+    s.declare_degraded_mode("stale", 60)
+    for kind in GAUGE_KINDS:
+        s.watch_gauge(kind, {"source": "api"}, lambda: 1.0)
+    return s
+
+
+def exported() -> tuple[set[str], set[str]]:
+    """(sample names, label names) the collector produces."""
+    names: set[str] = set()
+    labels: set[str] = set()
+    for family in BrownoutCollector(fully_populated_stats()).collect():
+        for sample in family.samples:
+            names.add(sample.name)
+            labels.update(sample.labels)
+    return names, labels
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads((DASHBOARDS / "brownout-grafana.json").read_text())
+    exprs = []
+
+    def walk(panels):
+        for p in panels:
+            exprs.extend(t["expr"] for t in p.get("targets", []))
+            walk(p.get("panels", []))
+
+    walk(dash["panels"])
+    exprs.extend(v["query"] for v in dash["templating"]["list"] if v["type"] == "query")
+    return exprs
+
+
+def alert_rules() -> list[dict]:
+    doc = yaml.safe_load((DASHBOARDS / "brownout-alerts.yml").read_text())
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def check(exprs: list[str]) -> None:
+    names, labels = exported()
+    for expr in exprs:
+        for metric in METRIC.findall(expr):
+            assert metric in names, f"{metric!r} in {expr!r} is not exported"
+        used = {m for group in BY.findall(expr) for m in re.split(r"\s*,\s*", group.strip()) if m}
+        used |= set(MATCHER.findall(expr))
+        unknown = used - labels - STANDARD_LABELS
+        assert not unknown, f"labels {unknown} in {expr!r} are not exported"
+
+
+def test_every_dashboard_metric_is_exported():
+    exprs = dashboard_exprs()
+    assert len(exprs) >= 20
+    check(exprs)
+    text = " ".join(exprs)
+    for needed in (
+        "offered",
+        "admitted",
+        "shed",
+        "completed",
+        "expired",
+        "success_latency",
+        "queue_oldest_age",
+        "concurrency_limit",
+        "in_flight",
+        "retry_budget",
+        "breaker_state",
+        "degraded_mode",
+    ):
+        assert needed in text, f"no panel for {needed}"
+
+
+def test_every_alert_metric_is_exported_and_the_required_alerts_exist():
+    rules = alert_rules()
+    check([r["expr"] for r in rules])
+    by_name = {r["alert"]: r for r in rules}
+    for required in (
+        "BrownoutLargeShedVolume",
+        "BrownoutFalsePositiveShedding",
+        "BrownoutRetryBudgetExhausted",
+        "BrownoutDegradedModeOverMaximum",
+    ):
+        assert required in by_name
+        assert by_name[required]["annotations"]["summary"]
+        assert by_name[required]["labels"]["severity"]
+    assert (
+        "brownout_requests_shed_false_positive_total"
+        in by_name["BrownoutFalsePositiveShedding"]["expr"]
+    )
+
+
+def test_a_wrong_name_would_be_caught():
+    with pytest.raises(AssertionError, match="not exported"):
+        check(["rate(brownout_requests_shedded_total[5m])"])
+    with pytest.raises(AssertionError, match="are not exported"):
+        check(["sum by (tenant)(rate(brownout_requests_shed_total[5m]))"])
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_accepts_the_rules():
+    subprocess.run(
+        ["promtool", "check", "rules", str(DASHBOARDS / "brownout-alerts.yml")],
+        check=True,
+        capture_output=True,
+    )
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_parses_every_dashboard_query(tmp_path):
+    grafana_vars = {
+        "$__rate_interval": "5m",
+        "$__range": "1h",
+        "$job": ".*",
+        "$source": ".*",
+        "$operation": ".*",
+    }
+    rules = []
+    for i, expr in enumerate(e for e in dashboard_exprs() if not e.startswith("label_values")):
+        for var, value in grafana_vars.items():
+            expr = expr.replace(var, value)
+        rules.append({"record": f"dashboard:panel{i}", "expr": expr})
+    path = tmp_path / "dashboard-rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    result = subprocess.run(
+        ["promtool", "check", "rules", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

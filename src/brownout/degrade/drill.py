@@ -97,11 +97,12 @@ def depends_on(name: str) -> Callable[[Callable[P, T]], Callable[P, T]]:
 
     def decorate(fn: Callable[P, T]) -> Callable[P, T]:
         if inspect.iscoroutinefunction(fn):
+            call = cast(Callable[P, Awaitable[Any]], fn)  # once: subscripting is slow
 
             @functools.wraps(fn)
             async def call_async(*args: P.args, **kwargs: P.kwargs) -> Any:
                 dependency_call(name)
-                return await cast(Callable[P, Awaitable[Any]], fn)(*args, **kwargs)
+                return await call(*args, **kwargs)
 
             return cast(Callable[P, T], call_async)
 

@@ -442,11 +442,12 @@ class DegradedModes:
 
         def decorate(fn: Callable[P, T]) -> Callable[P, T]:
             if inspect.iscoroutinefunction(fn):
+                primary = cast(Callable[P, Awaitable[Any]], fn)  # once: subscripting is slow
 
                 @functools.wraps(fn)
                 async def run_async(*args: P.args, **kwargs: P.kwargs) -> Any:
                     if not self.active(name):
-                        return await cast(Callable[P, Awaitable[Any]], fn)(*args, **kwargs)
+                        return await primary(*args, **kwargs)
                     state.served += 1
                     token = in_fallback.set(name)
                     try:

@@ -58,6 +58,8 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _INF = math.inf
+_new = object.__new__
+_UNTIMED = -math.inf
 _NEW, _QUEUED, _ADMITTED, _DONE = 0, 1, 2, 3
 _SUCCESS, _FAILED, _DROPPED, _IGNORED = 0, 1, 2, 3
 _CRITICAL_PLUS = Priority.CRITICAL_PLUS
@@ -92,8 +94,13 @@ class Permit(QueueItem):
     )
 
     _future: asyncio.Future[None]
-    _timer: asyncio.TimerHandle
+    _timer: asyncio.TimerHandle | None
+    """Deadline timer, only when the deadline comes before the queue's age bound."""
     in_flight_at_admit: int
+    admitted_at: float
+    """When the permit was granted (``-inf`` when the bulkhead did not time this one)."""
+    queue_wait: float
+    """Seconds spent waiting in the queue before the grant (0.0 on the fast path)."""
     """How many permits were held right after this one was granted (itself included)."""
 
     def __init__(
@@ -111,10 +118,8 @@ class Permit(QueueItem):
         self.operation = operation
         self.deadline_at = deadline_at
         self.in_progress = in_progress
-        self.queued = False
         self._state = _NEW
-        self.queue_wait = 0.0
-        self.admitted_at = 0.0
+        # queued, queue_wait, admitted_at are set when they become meaningful (hot path).
 
     # -- outcome reports -------------------------------------------------------------------
     def success(self) -> None:
@@ -141,6 +146,26 @@ class Permit(QueueItem):
     # -- async context manager -------------------------------------------------------------
     async def __aenter__(self) -> Permit:
         b = self._bulkhead
+        n = b._in_flight
+        # Fast path, inlined: a plain bulkhead (no adaptive limit, no overload manager) with
+        # room, nothing queued, no deadline to check and nobody listening.
+        if (
+            n < b._limit_value
+            and b._plain
+            and self.deadline_at == _INF
+            and not b._queue.size
+            and not b._events.enabled
+        ):
+            n += 1
+            b._in_flight = n
+            self.in_flight_at_admit = n
+            self.queue_wait = 0.0
+            self._state = _ADMITTED
+            if b._estimator is None:
+                self.admitted_at = _UNTIMED
+            else:
+                b._time_sample(self)
+            return self
         if not b._admit_now(self):
             await b._wait(self)
         return self
@@ -154,6 +179,13 @@ class Permit(QueueItem):
         if self._state != _ADMITTED:
             return
         if exc_type is None:
+            if self.admitted_at == _UNTIMED:  # fast path: nothing to learn, nothing to emit
+                self._state = _DONE
+                b = self._bulkhead
+                b._in_flight -= 1
+                if b._queue.size:
+                    b._drain()
+                return
             self._bulkhead._release(self, _SUCCESS, None)
         elif issubclass(exc_type, (TimeoutError, asyncio.CancelledError)):
             self._bulkhead._release(self, _DROPPED, exc_type.__name__)
@@ -191,6 +223,7 @@ class Bulkhead:
         estimator: LatencyEstimator | None = None,
         overload: OverloadState | None = None,
         deadline_aware: bool = True,
+        estimate_every: int = 16,
     ) -> None:
         if reserve < 0:
             raise ValueError("reserve must be >= 0")
@@ -208,8 +241,11 @@ class Bulkhead:
             estimator = LatencyEstimator()
         self._estimator = estimator
         self._overload = overload
-        self._timed = self._adaptive or estimator is not None
+        self._plain = overload is None and not self._adaptive
+        self._sample_every = estimate_every
+        self._tick = 1
         self._in_flight = 0
+        self._sweep: asyncio.TimerHandle | None = None
 
     # -- public state ----------------------------------------------------------------------
     @property
@@ -246,6 +282,7 @@ class Bulkhead:
     @overload.setter
     def overload(self, value: OverloadState | None) -> None:
         self._overload = value
+        self._plain = value is None and not self._adaptive
 
     def oldest_queue_age(self) -> float:
         """Seconds the oldest waiter has waited (0.0 when none) (O2, O5)."""
@@ -271,16 +308,19 @@ class Bulkhead:
         queue when the bulkhead is full; raises `brownout.Rejected` when refused.
         """
         ctx = _current.get()
+        # Built field by field rather than through Permit.__init__: one frame less on the
+        # hot path (about 100 ns of a ~600 ns admit+release).
+        p: Permit = _new(Permit)
+        p._bulkhead = self
+        p.priority = ctx.priority if priority is None else priority
+        p.caller = ctx.caller if caller is None else caller
+        p.operation = ctx.operation if operation is None else operation
         if deadline is None:
             deadline = ctx.deadline
-        return Permit(
-            self,
-            ctx.priority if priority is None else priority,
-            ctx.caller if caller is None else caller,
-            ctx.operation if operation is None else operation,
-            _INF if deadline is None else self._deadline_at(deadline),
-            ctx.in_progress if in_progress is None else in_progress,
-        )
+        p.deadline_at = _INF if deadline is None else self._deadline_at(deadline)
+        p.in_progress = ctx.in_progress if in_progress is None else in_progress
+        p._state = _NEW
+        return p
 
     def try_admit(
         self,
@@ -353,27 +393,42 @@ class Bulkhead:
                     )
         n = self._in_flight
         if n < self._limit_value and self._queue.size == 0:
-            self._grant(p, n)
+            self._grant(p, n, 0.0)
             return True
         if p.priority is _CRITICAL_PLUS and n < self._limit_value + self._reserve:
-            self._grant(p, n)
+            self._grant(p, n, 0.0)
             return True
         return False
 
-    def _grant(self, p: Permit, n: int) -> None:
+    def _grant(self, p: Permit, n: int, queue_wait: float) -> None:
         n += 1
         self._in_flight = n
         p.in_flight_at_admit = n
+        p.queue_wait = queue_wait
         p._state = _ADMITTED
         events = self._events
-        if self._timed or events.enabled:
+        if events.enabled:
+            p.admitted_at = now = self._clock.now()
+            events.emit(
+                RequestAdmitted(now, self.name, p.operation, p.priority, p.caller, queue_wait)
+            )
+        elif self._adaptive:
             p.admitted_at = self._clock.now()
-            if events.enabled:
-                events.emit(
-                    RequestAdmitted(
-                        p.admitted_at, self.name, p.operation, p.priority, p.caller, p.queue_wait
-                    )
-                )
+        elif self._estimator is not None:
+            self._time_sample(p)
+        else:
+            p.admitted_at = _UNTIMED
+
+    def _time_sample(self, p: Permit) -> None:
+        # The estimator needs a sample now and then, not every request: timing one admission
+        # in ``estimate_every`` keeps two clock reads off most fast paths.
+        tick = self._tick - 1
+        if tick <= 0:
+            self._tick = self._sample_every
+            p.admitted_at = self._clock.now()
+        else:
+            self._tick = tick
+            p.admitted_at = _UNTIMED
 
     async def _wait(self, p: Permit) -> None:
         q = self._queue
@@ -408,10 +463,14 @@ class Bulkhead:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         p._future = fut
-        expire_at = now + q.wait_bound(now)
-        if d_at < expire_at:
-            expire_at = d_at
-        p._timer = loop.call_later(max(0.0, expire_at - now), self._expire, p)
+        # Age bounds are enforced by one sweep timer for the whole queue; only a deadline
+        # that comes first needs a timer of its own.
+        if d_at < now + q.wait_bound(now):
+            p._timer = loop.call_later(max(0.0, d_at - now), self._expire, p)
+        else:
+            p._timer = None
+        if self._sweep is None:
+            self._schedule_sweep(loop, now)
         events = self._events
         if events.enabled:
             events.emit(RequestQueued(now, self.name, p.operation, p.priority, p.caller, q.size))
@@ -419,7 +478,8 @@ class Bulkhead:
             await fut
         except asyncio.CancelledError:
             if p._state == _QUEUED:
-                p._timer.cancel()
+                if p._timer is not None:
+                    p._timer.cancel()
                 p._state = _DONE
                 later = self._clock.now()
                 q.remove(p, later)
@@ -433,21 +493,36 @@ class Bulkhead:
                 self._release(p, _IGNORED, None)
             raise
 
+    def _schedule_sweep(self, loop: asyncio.AbstractEventLoop, now: float) -> None:
+        at = self._queue.next_expiry(now)
+        if at is None:
+            self._sweep = None
+            return
+        self._sweep = loop.call_later(max(0.0, at - now), self._run_sweep, loop)
+
+    def _run_sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Timer: refuse every waiter older than the queue's age bound (QUEUE_TIMEOUT)."""
+        now = self._clock.now()
+        for item in self._queue.expire_old(now):
+            p: Permit = item  # type: ignore[assignment]
+            if p._state == _QUEUED:
+                self._settle_refused(p, Reason.QUEUE_TIMEOUT, now)
+        self._schedule_sweep(loop, now)
+
     def _expire(self, p: Permit) -> None:
-        """Timer: the waiter reached its age bound or deadline while still queued."""
+        """Timer: the waiter's deadline passed while it was still queued."""
         if p._state != _QUEUED:
             return
+        p._timer = None
         now = self._clock.now()
-        reason = Reason.DEADLINE_EXPIRED if now >= p.deadline_at else Reason.QUEUE_TIMEOUT
-        self._queue.remove(p, now, reason)
-        self._settle_refused(p, reason, now, timer_fired=True)
+        self._queue.remove(p, now, Reason.DEADLINE_EXPIRED)
+        self._settle_refused(p, Reason.DEADLINE_EXPIRED, now)
 
-    def _settle_refused(
-        self, p: Permit, reason: Reason, now: float, *, timer_fired: bool = False
-    ) -> None:
+    def _settle_refused(self, p: Permit, reason: Reason, now: float) -> None:
         p._state = _DONE
-        if not timer_fired:
-            p._timer.cancel()
+        timer = p._timer
+        if timer is not None:
+            timer.cancel()
         waited = now - p.enqueued_at
         p.queue_wait = waited
         fut = p._future
@@ -491,7 +566,8 @@ class Bulkhead:
                 continue
             if p._future.done():  # its task was cancelled; the waiter cleans up nothing more
                 p._state = _DONE
-                p._timer.cancel()
+                if p._timer is not None:
+                    p._timer.cancel()
                 continue
             if reason is None:
                 # D7: check again after taking work off the queue.
@@ -504,9 +580,9 @@ class Bulkhead:
             if reason is not None:
                 self._settle_refused(p, reason, now)
                 continue
-            p._timer.cancel()
-            p.queue_wait = now - p.enqueued_at
-            self._grant(p, n)
+            if p._timer is not None:
+                p._timer.cancel()
+            self._grant(p, n, now - p.enqueued_at)
             p._future.set_result(None)
 
     # -- release ---------------------------------------------------------------------------
@@ -516,9 +592,10 @@ class Bulkhead:
         p._state = _DONE
         self._in_flight -= 1
         events = self._events
-        if self._timed or events.enabled:
+        start = p.admitted_at
+        if start != _UNTIMED:
             now = self._clock.now()
-            rtt = now - p.admitted_at
+            rtt = now - start
             if self._adaptive and outcome != _IGNORED:
                 new = self._limit.on_sample(
                     p.admitted_at, rtt, p.in_flight_at_admit, outcome == _DROPPED

@@ -259,8 +259,13 @@ class WaitQueue:
 
     def oldest_age(self, now: float) -> float:
         """Age of the oldest waiting item (0.0 when empty)."""
+        oldest = self.oldest_enqueued()
+        return 0.0 if oldest is None else now - oldest
+
+    def oldest_enqueued(self) -> float | None:
+        """Enqueue time of the oldest waiting item (``None`` when empty)."""
         if self.size == 0:
-            return 0.0
+            return None
         oldest = math.inf
         for d in self._classes:
             while d and not d[0].queued:
@@ -268,7 +273,37 @@ class WaitQueue:
                 self._stored -= 1
             if d and d[0].enqueued_at < oldest:
                 oldest = d[0].enqueued_at
-        return 0.0 if oldest == math.inf else now - oldest
+        return None if oldest == math.inf else oldest
+
+    def next_expiry(self, now: float) -> float | None:
+        """Earliest time at which some waiting item may exceed the age bound (``None``: empty).
+
+        A sweeper checks `expire_old` then, instead of one timer per item.
+        """
+        oldest = self.oldest_enqueued()
+        if oldest is None:
+            return None
+        return oldest + self.wait_bound(now)
+
+    def expire_old(self, now: float) -> list[QueueItem]:
+        """Remove and return every item older than the age bound in force now (A3).
+
+        The bound is the same for all items at a given moment and items enter each class in
+        age order, so only the oldest end of each class needs looking at.
+        """
+        out: list[QueueItem] = []
+        if self.size == 0:
+            return out
+        limit = now - self.wait_bound(now)
+        for d in self._classes:
+            while d and (not d[0].queued or d[0].enqueued_at <= limit):
+                item = d.popleft()
+                self._stored -= 1
+                if item.queued:
+                    self._leave(item, now)
+                    self.timed_out += 1
+                    out.append(item)
+        return out
 
     def caller_depth(self, caller: str) -> int:
         """Items ``caller`` has waiting (tracked only when ``caller_share`` < 1)."""
@@ -322,6 +357,17 @@ class CoDelQueue(WaitQueue):
         bound = self.target if self.overloaded(now) else self.interval
         return bound if bound < self.max_wait else self.max_wait
 
+    def next_expiry(self, now: float) -> float | None:
+        oldest = self.oldest_enqueued()
+        if oldest is None:
+            return None
+        at = oldest + self.wait_bound(now)
+        busy = self.busy_since
+        if busy is not None and not self.overloaded(now):
+            # when the queue has stood for a full interval the bound drops to the target
+            at = min(at, max(busy + self.interval, oldest + min(self.target, self.max_wait)))
+        return at
+
 
 class AdaptiveLifoQueue(WaitQueue):
     """FIFO while the queue keeps emptying, LIFO once it has not emptied for ``interval``
@@ -356,3 +402,13 @@ class AdaptiveLifoQueue(WaitQueue):
         if self.codel and self.overloaded(now) and self.target < self.max_wait:
             return self.target
         return self.max_wait
+
+    def next_expiry(self, now: float) -> float | None:
+        oldest = self.oldest_enqueued()
+        if oldest is None:
+            return None
+        at = oldest + self.wait_bound(now)
+        busy = self.busy_since
+        if self.codel and busy is not None and not self.overloaded(now):
+            at = min(at, max(busy + self.interval, oldest + min(self.target, self.max_wait)))
+        return at

@@ -1,0 +1,141 @@
+"""Admission hot-path benchmark: Bulkhead vs asyncio.Semaphore and hyx's bulkhead.
+
+Prints, in one run: uncontended admit+release against ``asyncio.Semaphore`` (target <= 1.5x)
+and against ``hyx.bulkhead``; the cost of a refusal (target < 2 us); throughput with 1,000
+waiters queued. Each figure is the best of several interleaved repetitions, so a noisy shared
+machine inflates all sides alike. Run under the lock:
+
+    flock /tmp/brownout-bench.lock .venv/bin/python bench/admission_bench.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Awaitable, Callable
+
+from brownout import Bulkhead, FifoQueue, FixedLimit, Rejected
+
+REPS = 7
+N = 100_000
+
+
+async def timed(body: Callable[[int], Awaitable[None]], n: int) -> float:
+    t = time.perf_counter()
+    await body(n)
+    return (time.perf_counter() - t) / n
+
+
+async def semaphore_loop(n: int) -> None:
+    sem = asyncio.Semaphore(8)
+    for _ in range(n):
+        async with sem:
+            pass
+
+
+def bulkhead_loop(**kw: object) -> Callable[[int], Awaitable[None]]:
+    async def run(n: int) -> None:
+        b = Bulkhead("bench", FixedLimit(8), FifoQueue(32, 0.5), **kw)  # type: ignore[arg-type]
+        for _ in range(n):
+            async with b.admit():
+                pass
+
+    return run
+
+
+async def hyx_loop(n: int) -> None:
+    from hyx.bulkhead import bulkhead
+
+    bh = bulkhead(max_concurrency=8, max_capacity=40)
+    for _ in range(n):
+        async with bh:
+            pass
+
+
+async def refusal_loop(n: int) -> None:
+    b = Bulkhead("bench", FixedLimit(1), FifoQueue(32, 0.5))
+    b.try_admit()
+    for _ in range(n):
+        try:
+            b.try_admit()
+        except Rejected:
+            pass
+
+
+async def semaphore_try_loop(n: int) -> None:
+    # the nearest Semaphore analogue of a refusal: a locked() check
+    sem = asyncio.Semaphore(1)
+    await sem.acquire()
+    for _ in range(n):
+        if sem.locked():
+            continue
+
+
+async def waiters_throughput(waiters: int = 1000, limit: int = 8) -> float:
+    """Completions per second with ``waiters`` tasks queued behind ``limit`` slots."""
+    b = Bulkhead("bench", FixedLimit(limit), FifoQueue(max_size=waiters, max_wait=60.0))
+    rounds = 5
+
+    async def worker() -> None:
+        for _ in range(rounds):
+            async with b.admit():
+                await asyncio.sleep(0)
+
+    t = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(waiters)))
+    return waiters * rounds / (time.perf_counter() - t)
+
+
+async def semaphore_waiters_throughput(waiters: int = 1000, limit: int = 8) -> float:
+    sem = asyncio.Semaphore(limit)
+    rounds = 5
+
+    async def worker() -> None:
+        for _ in range(rounds):
+            async with sem:
+                await asyncio.sleep(0)
+
+    t = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(waiters)))
+    return waiters * rounds / (time.perf_counter() - t)
+
+
+async def main() -> None:
+    cases: dict[str, Callable[[int], Awaitable[None]]] = {
+        "semaphore": semaphore_loop,
+        "bulkhead": bulkhead_loop(),
+        "bulkhead_no_estimator": bulkhead_loop(deadline_aware=False),
+        "hyx": hyx_loop,
+        "refusal": refusal_loop,
+    }
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(REPS):
+        for name, body in cases.items():
+            best[name] = min(best[name], await timed(body, N))
+    thr_b = max([await waiters_throughput() for _ in range(3)])
+    thr_s = max([await semaphore_waiters_throughput() for _ in range(3)])
+    sem = best["semaphore"]
+    print(f"python {sys.version.split()[0]}, best of {REPS} x {N:,} iterations")
+    print(f"asyncio.Semaphore async-with        {sem * 1e9:8.0f} ns")
+    print(
+        f"Bulkhead admit+release (default)    {best['bulkhead'] * 1e9:8.0f} ns"
+        f"  {best['bulkhead'] / sem:5.2f}x semaphore (target <= 1.5x)"
+    )
+    print(
+        f"Bulkhead admit+release (no estim.)  {best['bulkhead_no_estimator'] * 1e9:8.0f} ns"
+        f"  {best['bulkhead_no_estimator'] / sem:5.2f}x semaphore"
+    )
+    print(
+        f"hyx bulkhead async-with             {best['hyx'] * 1e9:8.0f} ns"
+        f"  bulkhead is {best['hyx'] / best['bulkhead']:5.2f}x faster than hyx"
+    )
+    print(f"Bulkhead refusal (try_admit raise)  {best['refusal'] * 1e6:8.2f} us  (target < 2 us)")
+    print(
+        f"1,000 waiters, limit 8: {thr_b:,.0f} completions/s "
+        f"(asyncio.Semaphore: {thr_s:,.0f}/s, {thr_b / thr_s:.2f}x)"
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -14,7 +14,7 @@ and the Redis script can be checked against them decision by decision.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 __all__ = ["GcraOutcome", "GcraPolicy", "decide"]
@@ -30,22 +30,19 @@ class GcraPolicy:
 
     rate: float
     burst: int
+    interval: float = field(init=False, repr=False, compare=False)
+    """Seconds one unit of cost occupies (the emission interval, ``1 / rate``)."""
+    tolerance: float = field(init=False, repr=False, compare=False)
+    """How far past now a key's TAT may run (``burst / rate``): the burst, in seconds."""
 
     def __post_init__(self) -> None:
         if not (self.rate > 0 and math.isfinite(self.rate)):
             raise ValueError(f"rate must be a positive finite number, got {self.rate!r}")
         if self.burst < 1:
             raise ValueError(f"burst must be >= 1, got {self.burst!r}")
-
-    @property
-    def interval(self) -> float:
-        """Seconds one unit of cost occupies (the emission interval, ``1 / rate``)."""
-        return 1.0 / self.rate
-
-    @property
-    def tolerance(self) -> float:
-        """How far past now a key's TAT may run (``burst / rate``): the burst, in seconds."""
-        return self.burst / self.rate
+        # Computed once: decide() runs per request.
+        object.__setattr__(self, "interval", 1.0 / self.rate)
+        object.__setattr__(self, "tolerance", self.burst * (1.0 / self.rate))
 
     def scaled(self, share: int) -> GcraPolicy:
         """This policy divided among ``share`` instances (the local fail-open fallback)."""
@@ -77,16 +74,17 @@ def decide(policy: GcraPolicy, tat: float | None, now: float, cost: int = 1) -> 
     Pure: no clock is read. A refused request does not change the state, so a caller that
     keeps hammering while refused does not push its own recovery further away.
     """
-    if cost < 1:
-        raise ValueError(f"cost must be >= 1, got {cost!r}")
-    if cost > policy.burst:
-        raise ValueError(f"cost {cost} exceeds burst {policy.burst}: it could never be allowed")
-    interval = 1.0 / policy.rate
-    tolerance = policy.burst * interval
+    burst = policy.burst
+    if not 1 <= cost <= burst:
+        if cost < 1:
+            raise ValueError(f"cost must be >= 1, got {cost!r}")
+        raise ValueError(f"cost {cost} exceeds burst {burst}: it could never be allowed")
+    interval = policy.interval
+    tolerance = policy.tolerance
     base = now if tat is None or tat < now else tat
     new_tat = base + cost * interval
     # Not ``new_tat - tolerance``: this order is exact for a fresh key (allow_at <= now).
-    allow_at = base + (cost - policy.burst) * interval
+    allow_at = base + (cost - burst) * interval
     # Float round-off: a request due within a millionth of an interval (or a few ulps of the
     # clock's magnitude) is due now; the Redis script uses the same rule. ``remaining`` adds
     # half the slack, so whenever it says n units fit, a request of n units is allowed.

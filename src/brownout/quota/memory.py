@@ -2,7 +2,7 @@
 
 State is one float per key, kept in least-recently-used order. A key whose bucket is full
 again (its TAT has passed) carries no information, so it is *idle* and dropped: a few idle
-keys are swept on every decision, and all idle keys at the LRU end are swept before a new key
+keys are swept every few decisions, and all idle keys at the LRU end are swept before a new key
 is stored. When ``max_keys`` active keys are all still draining, the least recently used one
 is evicted anyway (that caller gets a fresh burst); `evicted_active` counts those, so an
 undersized store shows up in metrics instead of in memory.
@@ -17,7 +17,11 @@ from .gcra import GcraOutcome, GcraPolicy, decide
 
 __all__ = ["InMemoryQuotaStore"]
 
-_SWEEP_PER_DECISION = 2
+_SWEEP_EVERY = 16
+"""Decisions between two sweeps of idle keys at the LRU end ..."""
+_SWEEP_LIMIT = 32
+"""... and at most this many keys per sweep: twice the rate keys can arrive, so idle keys
+drain, while no single decision pays for a long sweep."""
 
 
 class InMemoryQuotaStore:
@@ -27,7 +31,7 @@ class InMemoryQuotaStore:
     never needs a fallback. One store serves one `Quota` (keys of two quotas would collide).
     """
 
-    __slots__ = ("_clock", "_tats", "evicted_active", "evicted_idle", "max_keys")
+    __slots__ = ("_clock", "_countdown", "_tats", "evicted_active", "evicted_idle", "max_keys")
 
     shared = False
     """Not shared between processes: each instance enforces its own limit."""
@@ -38,6 +42,7 @@ class InMemoryQuotaStore:
         self.max_keys = max_keys
         self._clock = clock if clock is not None else default_clock()
         self._tats: OrderedDict[str, float] = OrderedDict()
+        self._countdown = _SWEEP_EVERY
         self.evicted_idle = 0
         """Keys dropped because their bucket was full again (lossless)."""
         self.evicted_active = 0
@@ -54,7 +59,10 @@ class InMemoryQuotaStore:
         """Decide one request for ``key`` at the store clock's now (synchronous)."""
         now = self._clock.now()
         tats = self._tats
-        self._sweep(now, _SWEEP_PER_DECISION)
+        self._countdown -= 1
+        if not self._countdown:
+            self._countdown = _SWEEP_EVERY
+            self._sweep(now, _SWEEP_LIMIT)
         tat = tats.get(key)
         outcome = decide(policy, tat, now, cost)
         if outcome.allowed:

@@ -25,8 +25,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from ..clock import Clock, default_clock
 from ..context import remaining as deadline_remaining
@@ -45,8 +44,7 @@ Backend = Literal["local", "shared", "fallback", "closed"]
 fallback, or the fail-closed refusal."""
 
 
-@dataclass(frozen=True, slots=True)
-class QuotaDecision:
+class QuotaDecision(NamedTuple):
     """One quota decision for one key.
 
     ``allowed``; ``retry_after``: seconds until this request would be allowed (0 when
@@ -54,6 +52,7 @@ class QuotaDecision:
     now; ``reset``: seconds until the key's allowance is full again; ``reason``: why it was
     refused (`Reason.QUOTA`, or `Reason.DEPENDENCY_UNAVAILABLE` when failing closed), ``None``
     when allowed; ``backend``: which path decided; ``policy``: the limit that applied.
+    Immutable (a named tuple: one is built per request, and tuples are the cheapest to build).
     """
 
     allowed: bool
@@ -116,6 +115,8 @@ class Quota:
         "_down",
         "_events",
         "_fallback",
+        "_fallback_policy",
+        "_instances",
         "_local",
         "_probe_at",
         "_probing",
@@ -123,7 +124,6 @@ class Quota:
         "_store",
         "_store_timeout",
         "closed_refusals",
-        "expected_instances",
         "fallback_decisions",
         "max_probe_backoff",
         "name",
@@ -159,9 +159,10 @@ class Quota:
         if not name or any(c in name for c in '"\\') or not name.isprintable():
             raise ValueError(f"name must be printable, without quotes or backslashes: {name!r}")
         self.policy = GcraPolicy(rate, burst)
+        self._instances = expected_instances
+        self._fallback_policy = self.policy.scaled(expected_instances)
         self.name = name
         self.on_store_failure: FailurePolicy = on_store_failure
-        self.expected_instances = expected_instances
         self.probe_backoff = probe_backoff
         self.max_probe_backoff = max_probe_backoff
         self._clock = clock if clock is not None else default_clock()
@@ -196,9 +197,14 @@ class Quota:
         return self._down
 
     @property
+    def expected_instances(self) -> int:
+        """How many instances share the quota (the fail-open fallback divides by it)."""
+        return self._instances
+
+    @property
     def fallback_policy(self) -> GcraPolicy:
         """The local limit used while failing open: the policy split over the fleet."""
-        return self.policy.scaled(self.expected_instances)
+        return self._fallback_policy
 
     async def check(self, key: str, cost: int = 1) -> QuotaDecision:
         """Decide one request of ``cost`` units for ``key``. Never raises for a store failure."""
@@ -259,7 +265,7 @@ class Quota:
     def _on_failure(self, key: str, cost: int, now: float) -> QuotaDecision:
         if self.on_store_failure == "open":
             self.fallback_decisions += 1
-            policy = self.fallback_policy
+            policy = self._fallback_policy
             cost = min(cost, policy.burst)
             return self._decision(self._fallback.decide_now(key, policy, cost), "fallback", policy)
         self.closed_refusals += 1
@@ -316,16 +322,17 @@ class Quota:
     def _decision(
         self, outcome: GcraOutcome, backend: Backend, policy: GcraPolicy
     ) -> QuotaDecision:
+        allowed, _, retry_after, remaining, reset = outcome
         return QuotaDecision(
-            allowed=outcome.allowed,
-            retry_after=outcome.retry_after,
-            limit=policy.burst,
-            remaining=outcome.remaining,
-            reset=outcome.reset,
-            reason=None if outcome.allowed else Reason.QUOTA,
-            backend=backend,
-            policy=policy,
-            name=self.name,
+            allowed,
+            retry_after,
+            policy.burst,
+            remaining,
+            reset,
+            None if allowed else Reason.QUOTA,
+            backend,
+            policy,
+            self.name,
         )
 
     def __repr__(self) -> str:

@@ -7,6 +7,8 @@ import asyncio
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from brownout import DegradedMode, DegradedModes, ManualClock
 from brownout.events import DegradedModeChanged, Event, EventHub
@@ -322,3 +324,39 @@ async def test_run_polls_predicates() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(min_value=0, max_value=3), st.floats(min_value=0, max_value=40)),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_property_dwell_duration_and_demand(steps: list[tuple[int, float]]) -> None:
+    """For any level history: stays last at least min_dwell (unless cut by max_duration), a
+    mode is never seen active past max_duration, changes alternate, and demand is served
+    unless the max_duration latch holds it out. (Without a loop timer, changes are decided,
+    and stamped, when next observed.)"""
+    mode = DegradedMode(
+        "m", "x", enter_at_level=2, leave_at_level=0, min_dwell=10, max_duration=100
+    )
+    modes, clock, rec = make(mode)
+    for level, dt in steps:
+        modes.set_level(level)
+        clock.advance(dt)
+        active = modes.active("m")
+        if level >= 2 and not active:
+            assert rec.changes()[-1][2] == "max_duration"  # only the latch keeps it out
+        since = modes.since("m")
+        if since is not None:
+            assert clock.now() - since < 100  # never observed active past max_duration
+    modes.evaluate()
+    changes = [e for e in rec.events if isinstance(e, DegradedModeChanged)]
+    for i, e in enumerate(changes):
+        assert e.active == (i % 2 == 0)
+    for entered, left in zip(changes[::2], changes[1::2]):
+        stay = left.at - entered.at
+        if left.trigger != "max_duration":
+            assert stay >= 10 - 1e-9

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import brownout
-from brownout import FailClosed, Priority, StaleCache
+from brownout import FailClosed, ManualClock, Priority, StaleCache
 from brownout.degrade import STALE_AGE_HEADER, stale_headers
 from brownout.events import Event, EventHub, StaleServed
 
@@ -241,3 +243,51 @@ def test_bounds_are_validated() -> None:
         StaleCache(max_entries=0, fresh_for=1, max_staleness=2)
     with pytest.raises(ValueError):
         StaleCache(max_entries=1, fresh_for=3, max_staleness=2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from("abcde"),  # key
+            st.booleans(),  # the origin is up
+            st.floats(min_value=0, max_value=30),  # time passing before the call
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_property_never_older_than_max_and_bounded(steps: list[tuple[str, bool, float]]) -> None:
+    """Whatever the keys, timing and origin failures: nothing older than max_staleness is
+    ever served, a failed load with nothing servable raises, and the size stays bounded."""
+
+    async def scenario() -> None:
+        clock = ManualClock()
+        c: StaleCache[str, int] = StaleCache(
+            max_entries=3, fresh_for=5, max_staleness=20, failure_backoff=1, clock=clock
+        )
+        version = 0
+        up = True
+
+        async def origin() -> int:
+            nonlocal version
+            if not up:
+                raise ConnectionError
+            version += 1
+            return version
+
+        for key, up, dt in steps:
+            clock.advance(dt)
+            try:
+                value, age = await c.get(key, origin)
+            except ConnectionError:
+                assert not up
+                assert c.peek(key) is None  # nothing servable was withheld
+            else:
+                assert 0 <= age <= 20
+                assert value <= version
+            for _ in range(3):
+                await asyncio.sleep(0)  # let background refreshes land
+            assert len(c) <= 3
+
+    asyncio.run(scenario())

@@ -414,8 +414,11 @@ class DegradedModes:
         self._due = due
         # With the loop's clock, a timer makes changes happen (and be reported) on time even
         # when no request asks; other clocks rely on the lazy check and `evaluate`.
-        if self._timer is not None:
-            self._timer.cancel()
+        timer = self._timer
+        if timer is not None:
+            if due != math.inf and timer.when() == max(due, now):
+                return  # already armed for that instant (the common case on level updates)
+            timer.cancel()
             self._timer = None
         if due != math.inf and isinstance(self._clock, LoopClock):
             try:

@@ -1,0 +1,307 @@
+"""Dependency: D4 call budget, D5 cancellation, breaker/throttle/bulkhead/capacity guards (A6),
+retries (R1-R5) and unknown outcomes (D6), composed. Virtual time (looptime)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+
+import brownout
+from brownout import (
+    Bulkhead,
+    CircuitBreaker,
+    ClientThrottle,
+    Dependency,
+    FifoQueue,
+    FixedLimit,
+    Reason,
+    Rejected,
+    RetryBudget,
+    RetryPolicy,
+    UnknownOutcome,
+)
+from brownout.retry import (
+    ExponentialBackoff,
+    InMemoryOutcomeLedger,
+    OutcomeRecord,
+    OutcomeState,
+    Reconciler,
+    ResponseError,
+    RetriesExhausted,
+    StopReason,
+)
+
+pytestmark = pytest.mark.looptime
+
+
+def policy(attempts: int = 3) -> RetryPolicy:
+    return RetryPolicy(
+        attempts,
+        budget=RetryBudget(ratio=0.1, min_per_second=10),
+        backoff=ExponentialBackoff(0.01, cap=0.05, rng=random.Random(1)),
+    )
+
+
+async def test_the_readme_example_composes_every_guard() -> None:
+    seen: list[tuple[int, str | None, float | None]] = []
+
+    async def charge(order_id: str) -> str:
+        ctx = brownout.current()
+        seen.append((ctx.attempt, ctx.idempotency_key, ctx.remaining()))
+        if len(seen) < 3:
+            raise ResponseError(503)
+        return f"charged {order_id}"
+
+    payments = Dependency(
+        "payments",
+        timeout=0.8,
+        reserve=0.05,
+        min_useful=0.05,
+        retry=RetryPolicy(attempts=3, budget=RetryBudget(ratio=0.1, min_per_second=10)),
+        breaker=CircuitBreaker(failure_rate=0.5, window=20, open_for=5.0),
+        bulkhead=Bulkhead("payments", limit=FixedLimit(16)),
+    )
+    async with brownout.deadline(2.0):
+        assert await payments.call(charge, "o-1", idempotent=False) == "charged o-1"
+    assert [a for a, _, _ in seen] == [1, 2, 3]
+    assert len({k for _, k, _ in seen}) == 1
+    assert seen[0][2] == pytest.approx(0.8)  # min(timeout, remaining - reserve)
+
+
+async def test_per_attempt_budget_is_min_of_timeout_and_remaining_minus_reserve() -> None:
+    got: list[float | None] = []
+
+    async def fn() -> None:
+        got.append(brownout.remaining())
+
+    dep = Dependency("d", timeout=0.8, reserve=0.05)
+    async with brownout.deadline(0.5):
+        await dep.call(fn, idempotent=True)
+    assert got == [pytest.approx(0.45)]
+
+
+async def test_too_little_time_is_refused_before_sending() -> None:
+    """D4: 40 ms left, the call needs 150 ms: refused, never sent."""
+    sent = 0
+
+    async def fn() -> None:
+        nonlocal sent
+        sent += 1
+
+    dep = Dependency("d", timeout=1.0, min_useful=0.15)
+    async with brownout.deadline(0.04):
+        with pytest.raises(Rejected) as info:
+            await dep.call(fn, idempotent=True)
+    assert info.value.reason is Reason.DEADLINE_TOO_SHORT and sent == 0
+
+
+async def test_an_attempt_is_cancelled_at_its_budget_and_an_idempotent_call_retried() -> None:
+    """D5: the slow attempt stops at its budget (no late work), then the retry succeeds."""
+    finished: list[int] = []
+
+    async def fn() -> str:
+        attempt = brownout.current().attempt
+        if attempt == 1:
+            await asyncio.sleep(10)
+        finished.append(attempt)
+        return "ok"
+
+    dep = Dependency("d", timeout=0.2, retry=policy())
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert await dep.call(fn, idempotent=True) == "ok"
+    assert finished == [2]
+    assert loop.time() - t0 < 0.5
+
+
+async def test_a_mutation_that_times_out_is_recorded_as_unknown_and_reconciled() -> None:
+    """D6 / T3: the server applies the mutation after the client gave up; the ledger and
+    the reconciler find it by key, and the retry caused no duplicate (server dedupes)."""
+    applied: dict[str, int] = {}
+    received: list[str] = []
+
+    async def server_apply(key: str) -> None:
+        received.append(key)
+        await asyncio.sleep(1.0)  # slower than the client's patience
+        if key not in applied:  # the server deduplicates by Idempotency-Key
+            applied[key] = 1
+
+    background: set[asyncio.Task[None]] = set()
+
+    async def charge(amount: int) -> str:
+        key = brownout.current().idempotency_key
+        assert key is not None
+        # The request reached the server: its work continues even if the client gives up.
+        task = asyncio.get_running_loop().create_task(server_apply(key))
+        background.add(task)
+        await asyncio.shield(task)
+        return "charged"
+
+    ledger = InMemoryOutcomeLedger()
+    dep = Dependency("payments", timeout=0.3, retry=policy(2), ledger=ledger)
+    with pytest.raises(UnknownOutcome) as info:
+        await dep.call(charge, 10)
+    key = info.value.idempotency_key
+    assert key is not None
+    record = await ledger.get(key)
+    assert record is not None and record.state is OutcomeState.PENDING
+
+    await asyncio.gather(*background)
+    assert received == [key, key]  # two attempts reached the server with one key
+    assert applied == {key: 1}  # ... and had one effect
+
+    async def check(r: OutcomeRecord) -> OutcomeState:
+        return OutcomeState.APPLIED if r.key in applied else OutcomeState.NOT_APPLIED
+
+    resolved = await Reconciler(ledger, check).run_once()
+    assert [r.key for r in resolved] == [key]
+    assert await ledger.pending() == []
+
+
+async def test_breaker_opens_and_then_refuses_without_calling() -> None:
+    calls = 0
+
+    async def fn() -> None:
+        nonlocal calls
+        calls += 1
+        raise ResponseError(503)
+
+    dep = Dependency(
+        "d", breaker=CircuitBreaker(window=4, minimum_calls=4, open_for=5.0), retry=policy(1)
+    )
+    for _ in range(4):
+        with pytest.raises(ResponseError):
+            await dep.call(fn, idempotent=True)
+    with pytest.raises(Rejected) as info:
+        await dep.call(fn, idempotent=True)
+    assert info.value.reason is Reason.BREAKER_OPEN and calls == 4
+    assert info.value.retry_after is not None and 3.0 < info.value.retry_after <= 6.0
+
+
+async def test_breaker_fallback_answers_when_open() -> None:
+    async def fallback(refused: Rejected) -> str:
+        return "stale"
+
+    async def fn() -> str:
+        return "fresh"
+
+    breaker = CircuitBreaker(fallback=fallback)
+    dep = Dependency("d", breaker=breaker)
+    breaker.force_open()
+    assert await dep.call(fn, idempotent=True) == "stale"
+
+
+async def test_a_retry_refused_by_the_breaker_surfaces_the_real_failure() -> None:
+    breaker = CircuitBreaker(window=1, minimum_calls=1, open_for=60.0)
+    original = ResponseError(503)
+
+    async def fn() -> None:
+        raise original
+
+    dep = Dependency("d", breaker=breaker, retry=policy(3))
+    with pytest.raises(RetriesExhausted) as info:
+        await dep.call(fn, idempotent=True)
+    assert info.value.stopped_by is StopReason.REFUSED and info.value.error is original
+
+
+async def test_throttle_refuses_locally_once_the_dependency_keeps_refusing() -> None:
+    calls = 0
+
+    async def fn() -> None:
+        nonlocal calls
+        calls += 1
+        raise ResponseError(503)
+
+    dep = Dependency("d", throttle=ClientThrottle(rng=random.Random(1)))
+    throttled = 0
+    reasons: set[Reason] = set()
+    for _ in range(200):
+        try:
+            await dep.call(fn, idempotent=True)
+        except Rejected as e:
+            reasons.add(e.reason)
+            throttled += 1
+        except ResponseError:
+            pass
+    assert throttled > 150 and calls + throttled == 200
+    assert reasons == {Reason.THROTTLED}
+
+
+async def test_validation_errors_count_as_accepts_for_the_throttle() -> None:
+    async def fn() -> None:
+        raise ResponseError(422)
+
+    throttle = ClientThrottle(rng=random.Random(1))
+    dep = Dependency("d", throttle=throttle)
+    for _ in range(100):
+        with pytest.raises(ResponseError):
+            await dep.call(fn, idempotent=True)
+    assert throttle.probability() == 0.0
+
+
+async def test_max_active_refuses_when_full() -> None:
+    gate = asyncio.Event()
+
+    async def fn() -> None:
+        await gate.wait()
+
+    dep = Dependency("d", max_active=2)
+    tasks = [asyncio.create_task(dep.call(fn, idempotent=True)) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert dep.active == 2
+    with pytest.raises(Rejected) as info:
+        await dep.call(fn, idempotent=True)
+    assert info.value.reason is Reason.OVERLOADED
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert dep.active == 0
+
+
+async def test_bulkhead_limits_concurrency_and_queueing_spends_the_attempt_budget() -> None:
+    running = peak = 0
+
+    async def fn() -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.1)
+        running -= 1
+
+    bulkhead = Bulkhead("d", limit=FixedLimit(2), queue=FifoQueue(max_size=2, max_wait=1.0))
+    dep = Dependency("d", timeout=1.0, bulkhead=bulkhead)
+    results = await asyncio.gather(
+        *(dep.call(fn, idempotent=True) for _ in range(6)), return_exceptions=True
+    )
+    assert peak == 2  # A1: the dependency's own concurrency budget
+    refused = [r for r in results if isinstance(r, Rejected)]
+    assert [r.reason for r in refused] == [Reason.QUEUE_FULL] * 2  # A6: max pending
+
+
+async def test_concurrent_retries_are_capped_per_dependency() -> None:
+    gate = asyncio.Event()
+
+    async def fn() -> str:
+        if brownout.current().attempt == 1:
+            raise ResponseError(503)
+        await gate.wait()
+        return "ok"
+
+    dep = Dependency("d", retry=policy(3), max_concurrent_retries=1)
+    first = asyncio.create_task(dep.call(fn, idempotent=True))
+    await asyncio.sleep(0.5)
+    with pytest.raises(RetriesExhausted) as info:
+        await dep.call(fn, idempotent=True)
+    assert info.value.stopped_by is StopReason.CONCURRENT_RETRIES
+    gate.set()
+    assert await first == "ok"
+
+
+async def test_kwargs_pass_through_and_reserved_names_do_not() -> None:
+    async def fn(a: int, *, b: int) -> Any:
+        return (a, b, brownout.current().idempotency_key)
+
+    dep = Dependency("d")
+    assert await dep.call(fn, 1, b=2, idempotency_key="k") == (1, 2, "k")

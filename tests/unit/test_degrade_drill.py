@@ -16,6 +16,7 @@ from brownout.degrade import (
     dependency_call,
     depends_on,
     drill,
+    fallback_scope,
 )
 from brownout.events import EventHub
 
@@ -175,3 +176,19 @@ def test_drill_validates_modes_up_front() -> None:
 def test_outside_a_drill_dependency_call_is_free() -> None:
     dependency_call("recs-service")
     assert personalised_sync("ann") == ["for ann"]
+
+
+async def test_fallback_scope_marks_hand_wired_fallbacks() -> None:
+    """A fallback wired outside DegradedModes (an except branch, a breaker's fallback) is
+    checked too once marked with fallback_scope."""
+
+    async def handler() -> list[str]:
+        try:
+            return await personalised("ann")
+        except ConnectionError:
+            with fallback_scope("recommendations"):
+                return await personalised("anonymous")  # the mistake again
+
+    with pytest.raises(DrillFailed, match="'recommendations' called 'recs-service'"):
+        async with drill(failed=["recs-service"]):
+            await handler()

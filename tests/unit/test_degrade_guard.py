@@ -209,3 +209,38 @@ def test_property_every_answer_comes_from_this_call(steps: list[str | None]) -> 
                 assert value == f"allow:ann:{before + 1}"
 
     asyncio.run(scenario())
+
+
+@pytest.mark.looptime
+async def test_through_a_real_dependency_with_breaker_and_timeout() -> None:
+    """The same guarantee with the real outbound path: errors trip the real CircuitBreaker,
+    and every later call (BREAKER_OPEN) and a hung call (the Dependency's timeout) fail
+    closed; a remembered decision is never returned."""
+    from brownout.dependency import Dependency
+    from brownout.retry.breaker import CircuitBreaker
+
+    events = EventHub()
+    breaker = CircuitBreaker(window=4, minimum_calls=4, open_for=30, events=events)
+    authz = Dependency("authz", timeout=0.2, breaker=breaker, events=events)
+    guard = FailClosedGuard("authorization", events=events)
+    src = AuthzSource()
+
+    async def read() -> str:
+        return await guard.call(authz.call, src, "ann", idempotent=True)
+
+    assert await read() == "allow:ann:1"
+    src.failure = "error"
+    causes = []
+    for _ in range(8):
+        with pytest.raises(FailClosed) as info:
+            await read()
+        causes.append(type(info.value.__cause__).__name__)
+    assert causes[0] == "ConnectionError"
+    assert causes[-1] == "Rejected"  # the breaker opened
+    assert isinstance(info.value.__cause__, Rejected)
+    assert info.value.__cause__.reason is Reason.BREAKER_OPEN
+
+    hung = Dependency("authz-2", timeout=0.2, events=events)
+    src.failure = "hangs"
+    with pytest.raises(FailClosed):
+        await guard.call(hung.call, src, "ann", idempotent=True)

@@ -17,6 +17,7 @@ from .drill import (
     dependency_call,
     depends_on,
     drill,
+    fallback_scope,
 )
 from .guard import FailClosedGuard
 from .modes import DEGRADED_HEADER, DegradedMode, DegradedModes, LevelSource
@@ -38,5 +39,6 @@ __all__ = [
     "dependency_call",
     "depends_on",
     "drill",
+    "fallback_scope",
     "stale_headers",
 ]

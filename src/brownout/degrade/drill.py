@@ -21,9 +21,10 @@ run one drill at a time per process; nesting is allowed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast
 
@@ -39,6 +40,7 @@ __all__ = [
     "dependency_call",
     "depends_on",
     "drill",
+    "fallback_scope",
 ]
 
 P = ParamSpec("P")
@@ -90,6 +92,20 @@ def dependency_call(name: str) -> None:
             d.violations.append(error)
         raise error
     raise drills[-1].outage(name)
+
+
+@contextlib.contextmanager
+def fallback_scope(mode: str) -> Iterator[None]:
+    """Mark the enclosed code as the fallback of ``mode``, so drills check it (G3).
+
+    `DegradedModes.fallback` does this for you; use it for fallbacks wired elsewhere (a
+    circuit breaker's fallback, an ``except`` branch that serves a default).
+    """
+    token = in_fallback.set(mode)
+    try:
+        yield
+    finally:
+        in_fallback.reset(token)
 
 
 def depends_on(name: str) -> Callable[[Callable[P, T]], Callable[P, T]]:

@@ -260,7 +260,11 @@ def test_follow_replaces_previous_source() -> None:
     modes.unfollow()
     b.move(0)
     assert modes.active("recommendations")  # dwell still holds it
-    assert modes.snapshot()["recommendations"]["active"] is True
+    snap = modes.snapshot()["recommendations"]
+    assert snap["active"] is True
+    assert (snap["enter_at_level"], snap["leave_at_level"], snap["min_dwell"]) == (1, 0, 30.0)
+    assert snap["max_duration"] == 600.0
+    assert snap["description"] == "hide personalised recommendations"
 
 
 async def test_fallback_swaps_async_and_sync() -> None:

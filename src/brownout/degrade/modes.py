@@ -229,7 +229,7 @@ class DegradedModes:
         return self._state(name).forced
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
-        """Every mode's state, for reports and debugging."""
+        """Every mode's declaration and state (JSON-able), for reports, runbooks and debugging."""
         self.evaluate()
         return {
             n: {
@@ -238,6 +238,11 @@ class DegradedModes:
                 "forced": s.forced,
                 "description": s.decl.description,
                 "max_staleness": s.decl.max_staleness,
+                "enter_at_level": s.decl.enter_at_level,
+                "leave_at_level": s.decl.leave_at_level,
+                "signal": s.decl.enter_when is not None,
+                "min_dwell": s.decl.min_dwell,
+                "max_duration": s.decl.max_duration,
                 "fallbacks_served": s.served,
             }
             for n, s in self._states.items()

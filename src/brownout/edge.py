@@ -20,10 +20,12 @@ is sent only when there is an estimate and is jittered upwards so callers do not
 together. `SlowedRejections` optionally holds refusals until about the median success latency
 (S6) with one loop timer for all of them.
 
-Events: a `Bulkhead` already reports offered / queued / admitted / shed, so the edge reports
-only what it alone knows: completion measured from its own stopwatch (``RequestCompleted``),
-failures, client abandonment, expiry while running, and refusals that never reached a bulkhead
-(quota). Health and readiness paths bypass admission and produce no events.
+Events: a `Bulkhead` reports the whole lifecycle of the work it admits (offered, queued,
+admitted, shed, completed, failed, abandoned, expired), so on a route with a bulkhead the edge
+adds only what the bulkhead cannot see: refusals that never reached it (quota) and that a 5xx
+response was a failure (through the permit). On a route without a bulkhead the edge reports
+the lifecycle itself, with latency from its own stopwatch. Health and readiness paths bypass
+admission and produce no events.
 """
 
 from __future__ import annotations
@@ -96,10 +98,12 @@ class Admission(Protocol):
     """What the edge needs from a bulkhead (`brownout.Bulkhead` satisfies it).
 
     ``admit()`` with no arguments reads priority, caller, operation and deadline from the
-    request context, which the edge has already set. It refuses by raising `Rejected`.
-    ``try_admit()`` never waits: it returns a permit (anything with ``release()``) or the
-    `Rejected` it would have raised; the edge uses it to let over-quota callers use idle
-    capacity only (S5).
+    request context, which the edge has already set; it refuses by raising `Rejected`, and
+    the permit it yields may have ``failed(error)`` (called for 5xx responses).
+    ``try_admit()`` never waits: it returns a permit with ``success()``, ``dropped()``,
+    ``ignore()`` and ``failed(error)``, or raises `Rejected`; the edge uses it to let
+    over-quota callers use idle capacity only (S5). An admission is expected to report the
+    lifecycle events of the work it admits.
     """
 
     def admit(self) -> AbstractAsyncContextManager[Any]: ...
@@ -387,6 +391,7 @@ class Flight:
         "classification",
         "deadline",
         "quota",
+        "reports",
         "response_started",
         "started",
         "status",
@@ -401,6 +406,8 @@ class Flight:
         self.response_started = False
         self.status = 0
         self.abandoned = False
+        self.reports = True
+        """True when the edge, not a bulkhead, reports this request's lifecycle events."""
 
 
 class Abandoned:
@@ -626,6 +633,12 @@ class EdgePolicy:
         the handler propagate, counted as failures, except ``answers``: exception types that
         are the framework's way to answer (aiohttp's ``HTTPException``), counted by the
         status the adapter put in ``flight.status``.
+
+        Accounting: a route with a bulkhead leaves the request's lifecycle events (offered,
+        admitted, shed, completed, failed, abandoned, expired) to the bulkhead, which sees all
+        of them; the edge only tells the permit when a response with a 5xx status was a
+        failure. Without a bulkhead, the edge reports the lifecycle itself, with latency from
+        its own stopwatch. Quota refusals never reach a bulkhead, so the edge reports them.
         """
         trust = self.trust_of(request)
         policy = route.deadline
@@ -636,6 +649,7 @@ class EdgePolicy:
         cls = self.classify(request, route, route.template, trust, get)
         flight.classification = cls
         bulkhead = route.bulkhead
+        flight.reports = bulkhead is None
         demote = False
         if self.quota is not None:
             decision = await self.quota(cls)
@@ -665,31 +679,37 @@ class EdgePolicy:
                     flight.admitted = True
                     result = await call()
                 elif demote:
-                    permit = bulkhead.try_admit()
-                    if isinstance(permit, Rejected):
+                    try:
+                        permit = bulkhead.try_admit()
+                    except Rejected:
+                        # No idle capacity: the over-quota caller is refused (the bulkhead
+                        # already counted the offer and the shed).
                         assert flight.quota is not None
                         return await self._refuse_quota(cls, flight.quota, counted=True)
                     flight.admitted = True
-                    try:
-                        result = await call()
-                    finally:
-                        permit.release()
+                    result = await _run_settling(permit, call, flight)
                 else:
-                    async with bulkhead.admit():
+                    async with bulkhead.admit() as permit:
                         flight.admitted = True
                         result = await call()
+                        if flight.status >= 500:
+                            failed = getattr(permit, "failed", None)
+                            if failed is not None:
+                                failed(f"status_{flight.status}")
         except Rejected as e:
             if not flight.admitted:
-                # The bulkhead already reported the shed.
+                # Refused at admission: the bulkhead already reported the shed.
                 return await self._held(self.refusal(e.reason, e.retry_after))
-            self._failed(flight, f"rejected_{e.reason.value}")
+            # A refusal from inside the handler (a dependency's breaker, budget, ...).
+            if flight.reports:
+                self._failed(flight, f"rejected_{e.reason.value}")
             if flight.response_started:
                 raise
             return self.refusal(e.reason, e.retry_after)
         except DeadlineExceeded:
             if flight.abandoned:
                 return self.record_abandoned(flight)
-            if flight.admitted and events.enabled:
+            if flight.admitted and flight.reports and events.enabled:
                 events.emit(
                     RequestExpired(
                         _now(), self.name, cls.operation, cls.priority, cls.caller, "running", 0.0
@@ -708,10 +728,11 @@ class EdgePolicy:
         except Exception as e:
             if flight.abandoned:
                 return self.record_abandoned(flight)
-            if answers and isinstance(e, answers):
-                self._finished(flight, cls, deadline)
-            else:
-                self._failed(flight, type(e).__name__)
+            if flight.reports:
+                if answers and isinstance(e, answers):
+                    self._finished(flight, cls, deadline)
+                else:
+                    self._failed(flight, type(e).__name__)
             raise
         if flight.abandoned:
             return self.record_abandoned(flight)
@@ -722,13 +743,14 @@ class EdgePolicy:
         t = _now()
         status = flight.status
         if status >= 500:
-            self._failed(flight, f"status_{status}", t)
+            if flight.reports:
+                self._failed(flight, f"status_{status}", t)
             return
         latency = t - flight.started
         useful = t <= deadline.at
         if useful and self.slowed is not None:
             self.slowed.observe(latency)
-        if self.events.enabled:
+        if flight.reports and self.events.enabled:
             self.events.emit(
                 RequestCompleted(
                     t, self.name, cls.operation, cls.priority, cls.caller, latency, useful
@@ -748,12 +770,9 @@ class EdgePolicy:
         self, cls: Classification, decision: QuotaDecision, *, counted: bool = False
     ) -> Refusal:
         events = self.events
-        if events.enabled:
+        if events.enabled and not counted:
             t = _now()
-            if not counted:
-                events.emit(
-                    RequestOffered(t, self.name, cls.operation, cls.priority, cls.caller, None)
-                )
+            events.emit(RequestOffered(t, self.name, cls.operation, cls.priority, cls.caller, None))
             events.emit(
                 RequestShed(
                     t, self.name, cls.operation, cls.priority, cls.caller, Reason.QUOTA, None, 0.0
@@ -783,9 +802,9 @@ class EdgePolicy:
             )
 
     def record_abandoned(self, flight: Flight) -> Abandoned:
-        """Count the request as abandoned by its client (not a success); for adapters that
-        learn of the disconnect only through a cancellation."""
-        if self.events.enabled and flight.classification is not None:
+        """Count the request as abandoned by its client (not a success), unless its bulkhead
+        reports the lifecycle; for adapters that learn of a disconnect by a cancellation."""
+        if flight.reports and self.events.enabled and flight.classification is not None:
             t = _now()
             c = flight.classification
             self.events.emit(
@@ -794,6 +813,27 @@ class EdgePolicy:
                 )
             )
         return ABANDONED
+
+
+async def _run_settling(permit: Any, call: Callable[[], Awaitable[T]], flight: Flight) -> T:
+    """Run ``call`` under a permit from ``try_admit`` and settle it by the outcome, the way
+    ``async with bulkhead.admit()`` would."""
+    try:
+        result = await call()
+    except (TimeoutError, asyncio.CancelledError):
+        permit.dropped()
+        raise
+    except Rejected:
+        permit.ignore()
+        raise
+    except BaseException as e:
+        permit.failed(type(e).__name__)
+        raise
+    if flight.status >= 500:
+        permit.failed(f"status_{flight.status}")
+    else:
+        permit.success()
+    return result
 
 
 _ENCODED: dict[str, bytes] = {}

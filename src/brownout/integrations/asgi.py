@@ -94,6 +94,7 @@ class _Receiver:
         "body_done",
         "disconnected",
         "reading",
+        "response_done",
         "watching",
     )
 
@@ -105,6 +106,9 @@ class _Receiver:
         self.disconnected = False
         self.reading = False
         self.watching = False
+        self.response_done = False
+        """Set by the middleware once the last response byte left: servers answer ``receive``
+        with ``http.disconnect`` after that, which is not the client going away."""
 
     async def __call__(self) -> Message:
         if self._buffer:
@@ -142,7 +146,8 @@ class _Receiver:
                 if msg["type"] == "http.disconnect":
                     self.disconnected = True
                     self._deliver(msg)
-                    on_disconnect()
+                    if not self.response_done:
+                        on_disconnect()
                     return
                 if not msg.get("more_body", False):
                     self.body_done = True
@@ -183,6 +188,8 @@ class _Watch:
     def _fire(self) -> None:
         self.timer = None
         r = self.receiver
+        if r.response_done:
+            return  # answered; whatever runs now (background tasks) is not abandoned
         if r.disconnected:
             self._disconnected()
             return
@@ -267,18 +274,9 @@ class BrownoutMiddleware:
         route = policy.route(self._template(scope, path))
         degraded = policy.degraded_names() if policy.degraded is not None else ()
 
-        async def tracked_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                flight.response_started = True
-                flight.status = message["status"]
-                if degraded:
-                    headers = list(message.get("headers", ()))
-                    headers.append((_DEGRADED, ", ".join(degraded).encode()))
-                    message["headers"] = headers
-            await send(message)
-
         check_after = self.disconnect_check_after
         watch: _Watch | None = None
+        receiver: _Receiver | None = None
         if check_after is not None:
             receiver = _Receiver(receive)
             watch = _Watch(scope, receiver, flight, asyncio.current_task())
@@ -286,6 +284,23 @@ class BrownoutMiddleware:
             app_receive: Receive = receiver
         else:
             app_receive = receive
+
+        async def tracked_send(message: Message) -> None:
+            kind = message["type"]
+            if kind == "http.response.start":
+                flight.response_started = True
+                flight.status = message["status"]
+                if degraded:
+                    headers = list(message.get("headers", ()))
+                    headers.append((_DEGRADED, ", ".join(degraded).encode()))
+                    message["headers"] = headers
+            elif (
+                kind == "http.response.body"
+                and receiver is not None
+                and not message.get("more_body", False)
+            ):
+                receiver.response_done = True
+            await send(message)
         app = self.app
 
         def call() -> Awaitable[None]:

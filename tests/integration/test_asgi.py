@@ -1,0 +1,487 @@
+"""The ASGI edge against a real uvicorn server running FastAPI, with a real httpx client.
+
+Requirements: D2, D3 (inbound clamp), D5 (cancel at expiry / disconnect), S2 (problem+json,
+Retry-After, 503 vs 429), S4 (forged priority ignored), S7 (health under 10x flood,
+connection kept open), O1/O4 (abandoned counted, operation is the route template).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from asyncio.subprocess import PIPE
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from starlette.authentication import (
+    AuthCredentials,
+    AuthenticationBackend,
+    BaseUser,
+    SimpleUser,
+    UnauthenticatedUser,
+)
+from starlette.middleware.authentication import AuthenticationMiddleware
+
+import brownout
+from brownout import (
+    Bulkhead,
+    EventHub,
+    FifoQueue,
+    FixedLimit,
+    InboundDeadlinePolicy,
+    Priority,
+    Stats,
+    Trust,
+)
+from brownout.admission import LatencyEstimator
+from brownout.edge import Classification, EdgePolicy, Route
+from brownout.integrations.asgi import BrownoutMiddleware
+
+pytestmark = pytest.mark.integration
+
+
+class TokenAuth(AuthenticationBackend):
+    """``authorization: Bearer internal`` is a trusted service; anything else is anonymous."""
+
+    async def authenticate(self, conn: Any) -> tuple[AuthCredentials, BaseUser] | None:
+        if conn.headers.get("authorization") == "Bearer internal":
+            return AuthCredentials(["internal"]), SimpleUser("billing")
+        return None
+
+
+def trust_authenticated(scope: Any) -> Trust:
+    user = scope.get("user")
+    return Trust.TRUSTED if user is not None and user.is_authenticated else Trust.UNTRUSTED
+
+
+def caller_from_user(scope: Any, default: Classification) -> Classification:
+    user = scope.get("user")
+    if user is None or isinstance(user, UnauthenticatedUser):
+        return default._replace(caller="anonymous")
+    return default._replace(caller=user.display_name)
+
+
+@dataclass
+class Service:
+    base: str
+    hub: EventHub
+    stats: Stats
+    cancelled: list[str]
+    connections: set[tuple[str, int]]
+
+
+@contextlib.asynccontextmanager
+async def serve(app: FastAPI) -> AsyncIterator[str]:
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        for _ in range(500):
+            if server.started:
+                break
+            await asyncio.sleep(0.01)
+        assert server.started, "uvicorn did not start"
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        server.force_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+def build_app(
+    *,
+    limit: int = 2,
+    queue: int = 1,
+    hub: EventHub,
+    cancelled: list[str],
+    conns: set[Any],
+    estimator: LatencyEstimator | None = None,
+) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/work/{id}")
+    async def work(id: int, hold: float = 0.0) -> dict[str, Any]:
+        ctx = brownout.current()
+        seen = {
+            "remaining": ctx.remaining(),
+            "priority": ctx.priority.label,
+            "caller": ctx.caller,
+            "operation": ctx.operation,
+        }
+        try:
+            await asyncio.sleep(hold)
+        except asyncio.CancelledError:
+            cancelled.append(f"work/{id}")
+            raise
+        return seen
+
+    @app.get("/reports/{id}")
+    async def report(id: int) -> dict[str, Any]:
+        return {"remaining": brownout.remaining()}
+
+    @app.get("/stream")
+    async def stream(request: Request) -> StreamingResponse:
+        gate = request.app.state.gate
+
+        async def body() -> AsyncIterator[bytes]:
+            yield b"first\n"
+            await gate.wait()
+            yield b"second\n"
+
+        return StreamingResponse(body(), media_type="text/plain")
+
+    @app.get("/health")
+    async def health() -> dict[str, bool]:
+        return {"ok": True}
+
+    app.state.gate = asyncio.Event()
+    policy = EdgePolicy(
+        bulkhead=Bulkhead(
+            "api",
+            FixedLimit(limit),
+            FifoQueue(max_size=queue, max_wait=0.05),
+            events=hub,
+            estimator=estimator,
+        ),
+        deadline=InboundDeadlinePolicy(default=2.0, maximum=5.0),
+        trust=trust_authenticated,
+        classifier=caller_from_user,
+        health_paths=("/health",),
+        routes={
+            "/reports/{id}": Route(priority=Priority.SHEDDABLE, maximum=10.0),
+            "/stream": Route(maximum=1.0),
+        },
+        events=hub,
+    )
+
+    @app.middleware("http")
+    async def count_connections(request: Request, call_next: Any) -> Any:
+        conns.add(request.scope["client"])
+        return await call_next(request)
+
+    app.add_middleware(BrownoutMiddleware, policy=policy)
+    # Added last, so it runs first: the classifier and trust function see scope["user"].
+    app.add_middleware(AuthenticationMiddleware, backend=TokenAuth())
+    return app
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[Service]:
+    hub = EventHub()
+    stats = Stats()
+    hub.subscribe(stats)
+    cancelled: list[str] = []
+    conns: set[Any] = set()
+    app = build_app(hub=hub, cancelled=cancelled, conns=conns)
+    async with serve(app) as base:
+        yield Service(base, hub, stats, cancelled, conns)
+
+
+async def test_untrusted_budget_is_clamped_to_the_route_maximum(service: Service) -> None:
+    async with httpx.AsyncClient(base_url=service.base) as client:
+        r = await client.get("/reports/7", headers={"brownout-budget-ms": "60000"})
+        assert r.status_code == 200
+        assert 9.0 < r.json()["remaining"] <= 10.0  # D3: 60 s asked, route maximum 10 s
+        r = await client.get("/work/1", headers={"brownout-budget-ms": "60000"})
+        assert 4.0 < r.json()["remaining"] <= 5.0  # the policy maximum elsewhere
+        r = await client.get("/work/1")
+        assert 1.0 < r.json()["remaining"] <= 2.0  # the default
+        r = await client.get("/work/1", headers={"brownout-budget-ms": "300"})
+        assert 0.0 < r.json()["remaining"] <= 0.3  # a shorter budget is always honoured
+
+
+async def test_forged_priority_is_ignored_and_a_trusted_one_honoured(service: Service) -> None:
+    internal = {"authorization": "Bearer internal"}
+    async with httpx.AsyncClient(base_url=service.base) as client:
+        forged = (await client.get("/work/1", headers={"brownout-priority": "sheddable"})).json()
+        raised = (
+            await client.get("/work/1", headers={"brownout-priority": "critical_plus"})
+        ).json()
+        trusted = (
+            await client.get("/work/1", headers={"brownout-priority": "sheddable-plus", **internal})
+        ).json()
+        capped = (
+            await client.get("/work/1", headers={"brownout-priority": "critical_plus", **internal})
+        ).json()
+        budget = (
+            await client.get("/work/1", headers={"brownout-budget-ms": "4000", **internal})
+        ).json()
+    # S4: an unauthenticated caller cannot change its priority, in either direction.
+    assert forged["priority"] == raised["priority"] == "critical"
+    assert forged["caller"] == "anonymous"
+    # An authenticated service is trusted: its claim is honoured, capped below CRITICAL_PLUS.
+    assert trusted["priority"] == "sheddable_plus"
+    assert trusted["caller"] == "billing"
+    assert capped["priority"] == "critical"
+    assert 3.0 < budget["remaining"] <= 4.0
+    assert forged["operation"] == "/work/{id}"  # the template, not /work/1
+    await asyncio.sleep(0.05)
+    assert service.stats.count("completed", caller="anonymous") == 2
+
+
+async def test_refusals_are_problem_json_and_keep_the_connection_open(service: Service) -> None:
+    """Refusals, then a success, on one TCP connection (unlike uvicorn --limit-concurrency)."""
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    ports: set[int] = set()
+
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        if event == "connection.connect_tcp.complete":
+            ports.add(info["return_value"].get_extra_info("socket").getsockname()[1])
+
+    async with httpx.AsyncClient(base_url=service.base) as holder:
+        holds = [asyncio.create_task(holder.get("/work/1?hold=0.8")) for _ in range(3)]
+        await asyncio.sleep(0.3)  # two running, one queued: the bulkhead is full
+        async with httpx.AsyncClient(base_url=service.base, limits=limits) as client:
+            refusals = [await client.get("/work/2", extensions={"trace": trace}) for _ in range(4)]
+            await asyncio.gather(*holds)
+            after = await client.get("/work/3", extensions={"trace": trace})
+    for r in refusals:
+        assert r.status_code == 503
+        assert r.headers["content-type"] == "application/problem+json"
+        body = r.json()
+        assert body["status"] == 503
+        assert body["reason"] in {"queue_full", "queue_timeout", "overloaded"}
+        assert body["type"] == f"urn:brownout:reason:{body['reason']}"
+    assert after.status_code == 200
+    assert len(ports) == 1  # one TCP connection carried every refusal and the success
+    assert service.stats.count("shed") >= 4
+
+
+async def test_retry_after_is_sent_only_with_an_estimate() -> None:
+    hub = EventHub()
+    hub.subscribe(Stats())  # observed: the bulkhead times every admission
+    app = build_app(
+        hub=hub, cancelled=[], conns=set(), limit=1, estimator=LatencyEstimator(min_samples=1)
+    )
+    async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+        # No success yet: the bulkhead has no latency estimate, so no Retry-After (S2).
+        hold = asyncio.create_task(client.get("/work/1?hold=0.3"))
+        await asyncio.sleep(0.1)
+        r = await client.get("/work/2")
+        assert r.status_code == 503
+        assert "retry-after" not in r.headers
+        assert (await hold).status_code == 200
+        # Now there is an estimate: refusals say when to come back (jitter: see unit tests).
+        hold = asyncio.create_task(client.get("/work/1?hold=1.0"))
+        await asyncio.sleep(0.1)
+        refused = [await client.get("/work/2") for _ in range(5)]
+        await hold
+    for r in refused:
+        assert r.status_code == 503
+        assert int(r.headers["retry-after"]) >= 1, r.text
+
+
+FLOOD_SERVER = """
+import asyncio, sys
+import uvicorn
+from fastapi import FastAPI
+from brownout import Bulkhead, FifoQueue, FixedLimit
+from brownout.edge import EdgePolicy
+from brownout.integrations.asgi import BrownoutMiddleware
+
+app = FastAPI()
+
+@app.get("/work")
+async def work():
+    await asyncio.sleep(0.5)  # holds capacity, leaves the CPU free
+    return {"ok": True}
+
+@app.get("/health")
+async def health():
+    return {"ok": True}
+
+app.add_middleware(BrownoutMiddleware, policy=EdgePolicy(
+    bulkhead=Bulkhead("api", FixedLimit(4), FifoQueue(max_size=4, max_wait=0.1)),
+    health_paths=("/health",),
+))
+
+async def main():
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    print(server.servers[0].sockets[0].getsockname()[1], flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    server.should_exit = True
+    await task
+
+asyncio.run(main())
+"""
+
+FLOOD_CLIENT = """
+import asyncio, json, sys
+port, conns, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+counts = {}
+
+async def worker(stop):
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    while not stop.is_set():
+        writer.write(b"GET /work HTTP/1.1\\r\\nhost: x\\r\\n\\r\\n")
+        head = await reader.readuntil(b"\\r\\n\\r\\n")
+        status = int(head.split(b" ", 2)[1])
+        length = 0
+        for line in head.split(b"\\r\\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        await reader.readexactly(length)
+        counts[status] = counts.get(status, 0) + 1
+    writer.close()
+
+async def main():
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(worker(stop)) for _ in range(conns)]
+    await asyncio.sleep(seconds)
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    print(json.dumps(counts), flush=True)
+
+asyncio.run(main())
+"""
+
+
+async def test_health_is_answered_fast_under_a_10x_flood() -> None:
+    """S7: limit 4, 40 connections flooding in a closed loop, health probed meanwhile.
+
+    Server, flood and probe run in three processes, so the probe measures the server."""
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", FLOOD_SERVER, stdin=PIPE, stdout=PIPE
+    )
+    try:
+        assert server.stdout is not None and server.stdin is not None
+        port = int(await asyncio.wait_for(server.stdout.readline(), 30))
+        flood = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", FLOOD_CLIENT, str(port), "40", "2.5", stdout=PIPE
+        )
+        await asyncio.sleep(0.8)  # let the flood saturate the bulkhead
+        latencies = []
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+            for _ in range(20):
+                t0 = time.perf_counter()
+                r = await probe.get("/health")
+                latencies.append(time.perf_counter() - t0)
+                assert r.status_code == 200
+                await asyncio.sleep(0.03)
+        out, _ = await asyncio.wait_for(flood.communicate(), 30)
+        counts = {int(k): v for k, v in json.loads(out).items()}
+    finally:
+        if server.stdin is not None:
+            server.stdin.close()
+        try:
+            await asyncio.wait_for(server.wait(), 10)
+        except TimeoutError:
+            server.kill()
+            await server.wait()
+    assert counts.get(200, 0) >= 8  # the limit kept serving
+    assert counts.get(503, 0) > 5 * counts.get(200, 0)  # and the flood was >= 10x capacity
+    latencies.sort()
+    assert latencies[len(latencies) // 2] < 0.05, latencies
+    assert latencies[-2] < 0.15, latencies  # generous: the box is shared and noisy
+
+
+async def test_deadline_expiry_cancels_the_handler_and_returns_504(service: Service) -> None:
+    async with httpx.AsyncClient(base_url=service.base) as client:
+        t0 = time.perf_counter()
+        r = await client.get("/work/9?hold=5", headers={"brownout-budget-ms": "300"})
+        took = time.perf_counter() - t0
+    assert r.status_code == 504
+    assert r.headers["content-type"] == "application/problem+json"
+    assert r.json()["reason"] == "deadline_expired"
+    assert took < 2.0
+    assert "work/9" in service.cancelled
+    assert service.stats.count("expired", reason="running") == 1
+
+
+async def test_client_disconnect_cancels_the_handler(service: Service) -> None:
+    host, port = service.base.removeprefix("http://").split(":")
+    _reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /work/5?hold=3 HTTP/1.1\r\nhost: x\r\n\r\n")
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    writer.close()
+    await writer.wait_closed()
+    for _ in range(100):
+        if "work/5" in service.cancelled:
+            break
+        await asyncio.sleep(0.02)
+    assert "work/5" in service.cancelled  # D5: the work stopped
+    await asyncio.sleep(0.05)
+    assert service.stats.count("abandoned") == 1  # O1: not a success
+    assert service.stats.count("completed") == 0
+
+
+async def test_streaming_passes_through_unbuffered(service: Service) -> None:
+    async with (
+        httpx.AsyncClient(base_url=service.base) as client,
+        client.stream("GET", "/stream") as r,
+    ):
+        chunks = r.aiter_raw()
+        first = await asyncio.wait_for(chunks.__anext__(), 2.0)
+        assert first == b"first\n"  # arrived while the handler is still blocked
+
+
+async def test_operation_label_is_the_route_template(service: Service) -> None:
+    async with httpx.AsyncClient(base_url=service.base) as client:
+        for i in range(5):
+            await client.get(f"/work/{i}")
+        await client.get("/nope/1")
+        await client.get("/nope/2")
+    await asyncio.sleep(0.05)  # the bulkhead reports completion just after the last byte
+    assert service.stats.count("completed", operation="/work/{id}") == 5
+    assert service.stats.count("completed", operation="unmatched") == 2
+    ops = {key[1] for key in service.stats.counters}
+    assert not any(op.startswith("/work/") and op != "/work/{id}" for op in ops)
+
+
+async def test_quota_refusal_is_429_with_ratelimit_headers() -> None:
+    @dataclass
+    class Decision:
+        allowed: bool
+        retry_after: float | None = 2.0
+        limit: int | None = 10
+        remaining: int | None = 0
+        reset: float | None = 1.5
+
+    async def quota(c: Classification) -> Decision:
+        return Decision(allowed=c.caller != "anonymous")
+
+    hub = EventHub()
+    stats = hub.subscribe(Stats())
+    app = FastAPI()
+
+    @app.get("/x")
+    async def x() -> dict[str, str]:
+        return {"ok": "yes"}
+
+    policy = EdgePolicy(
+        bulkhead=Bulkhead("api", FixedLimit(4), events=hub),
+        classifier=caller_from_user,
+        trust=trust_authenticated,
+        quota=quota,
+        events=hub,
+    )
+    app.add_middleware(BrownoutMiddleware, policy=policy)
+    app.add_middleware(AuthenticationMiddleware, backend=TokenAuth())
+    async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+        refused = await client.get("/x")
+        allowed = await client.get("/x", headers={"authorization": "Bearer internal"})
+    assert refused.status_code == 429
+    assert refused.headers["content-type"] == "application/problem+json"
+    assert json.loads(refused.content)["reason"] == "quota"
+    assert 2 <= int(refused.headers["retry-after"]) <= 3
+    assert refused.headers["ratelimit-limit"] == "10"
+    assert refused.headers["ratelimit-remaining"] == "0"
+    assert refused.headers["ratelimit-reset"] == "2"
+    assert allowed.status_code == 200
+    assert isinstance(stats, Stats)
+    assert stats.count("shed", reason="quota", caller="anonymous") == 1
+    assert stats.count("offered") == 2  # once each: quota refusal by the edge, else bulkhead

@@ -30,7 +30,7 @@ from .errors import Reason, Rejected, UnknownOutcome
 from .events import EventHub, RequestShed, hub
 from .retry.breaker import CircuitBreaker
 from .retry.idempotency import OutcomeLedger
-from .retry.policy import RetryPolicy, RetrySlots
+from .retry.policy import RetryPolicy, RetrySlots, enter_attempt, exit_attempt
 from .retry.throttle import ClientThrottle
 
 __all__ = ["AdmitsWork", "Dependency"]
@@ -186,15 +186,20 @@ class Dependency:
                     breaker.release(token, failed=None)
                 raise
         clock = self._clock
-        started = clock.now()
+        timed = breaker is not None and breaker.slow_call_duration is not None
+        started = clock.now() if timed else 0.0
         self._active += 1
+        token_ctx = enter_attempt(number, key)
         try:
-            async with DeadlineScope(budget, {"attempt": number, "idempotency_key": key}):
-                if self.bulkhead is None:
-                    result = await fn(*args, **kwargs)
-                else:
-                    async with self.bulkhead.admit():
+            if budget is None and self.bulkhead is None:
+                result = await fn(*args, **kwargs)
+            else:
+                async with DeadlineScope(budget, None):
+                    if self.bulkhead is None:
                         result = await fn(*args, **kwargs)
+                    else:
+                        async with self.bulkhead.admit():
+                            result = await fn(*args, **kwargs)
         except Exception as error:
             if breaker is not None or throttle is not None:
                 failure = self.retry.classify(error)
@@ -207,18 +212,19 @@ class Dependency:
                 ):
                     throttle.record_accept()
                 if breaker is not None:
-                    breaker.release(
-                        token, failed=breaker.is_failure(error), duration=clock.now() - started
-                    )
+                    duration = clock.now() - started if timed else 0.0
+                    breaker.release(token, failed=breaker.is_failure(error), duration=duration)
             raise
         except BaseException:
             if breaker is not None:
                 breaker.release(token, failed=None)
             raise
         finally:
+            exit_attempt(token_ctx)
             self._active -= 1
         if breaker is not None:
-            breaker.release(token, failed=False, duration=clock.now() - started)
+            duration = clock.now() - started if timed else 0.0
+            breaker.release(token, failed=False, duration=duration)
         if throttle is not None:
             throttle.record_accept()
         return result

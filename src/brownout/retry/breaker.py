@@ -266,16 +266,18 @@ class CircuitBreaker:
                 return result
             raise
         clock = self._clock
-        started = clock.now()
+        timed = self.slow_call_duration is not None
+        started = clock.now() if timed else 0.0
         try:
             result = await fn(*args, **kwargs)
         except Exception as error:
-            self.release(token, failed=self.is_failure(error), duration=clock.now() - started)
+            duration = clock.now() - started if timed else 0.0
+            self.release(token, failed=self.is_failure(error), duration=duration)
             raise
         except BaseException:  # cancelled: says nothing about the dependency
             self.release(token, failed=None)
             raise
-        self.release(token, failed=False, duration=clock.now() - started)
+        self.release(token, failed=False, duration=clock.now() - started if timed else 0.0)
         return result
 
     def retry_after(self) -> float | None:

@@ -687,15 +687,21 @@ class EdgePolicy:
                         assert flight.quota is not None
                         return await self._refuse_quota(cls, flight.quota, counted=True)
                     flight.admitted = True
-                    result = await _run_settling(permit, call, flight)
+                    result = await _run_settling(permit, call, flight, answers)
                 else:
+                    answered: BaseException | None = None
                     async with bulkhead.admit() as permit:
                         flight.admitted = True
-                        result = await call()
+                        try:
+                            result = await call()
+                        except answers as e:  # an answer, not a failure, for the bulkhead
+                            answered = e
                         if flight.status >= 500:
                             failed = getattr(permit, "failed", None)
                             if failed is not None:
                                 failed(f"status_{flight.status}")
+                    if answered is not None:
+                        raise answered
         except Rejected as e:
             if not flight.admitted:
                 # Refused at admission: the bulkhead already reported the shed.
@@ -815,7 +821,12 @@ class EdgePolicy:
         return ABANDONED
 
 
-async def _run_settling(permit: Any, call: Callable[[], Awaitable[T]], flight: Flight) -> T:
+async def _run_settling(
+    permit: Any,
+    call: Callable[[], Awaitable[T]],
+    flight: Flight,
+    answers: tuple[type[BaseException], ...],
+) -> T:
     """Run ``call`` under a permit from ``try_admit`` and settle it by the outcome, the way
     ``async with bulkhead.admit()`` would."""
     try:
@@ -827,7 +838,10 @@ async def _run_settling(permit: Any, call: Callable[[], Awaitable[T]], flight: F
         permit.ignore()
         raise
     except BaseException as e:
-        permit.failed(type(e).__name__)
+        if isinstance(e, answers) and flight.status < 500:
+            permit.success()
+        else:
+            permit.failed(type(e).__name__)
         raise
     if flight.status >= 500:
         permit.failed(f"status_{flight.status}")

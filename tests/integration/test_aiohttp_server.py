@@ -1,0 +1,212 @@
+"""The aiohttp edge against a real aiohttp server on loopback, with a real aiohttp client.
+
+Requirements: D3 (untrusted budget clamped), D5 (expiry and disconnect cancel the handler),
+S2 (problem+json, 503/429, Retry-After), S4 (forged priority ignored), S7 (refusals keep the
+connection; health bypasses admission), O1 (abandoned counted; operation is the template).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+import brownout
+from brownout import Bulkhead, EventHub, FifoQueue, FixedLimit, InboundDeadlinePolicy, Stats, Trust
+from brownout.admission import LatencyEstimator
+from brownout.edge import Classification, EdgePolicy, Route
+from brownout.integrations.aiohttp_server import brownout_middleware
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class Service:
+    base: str
+    stats: Stats
+    cancelled: list[str]
+    gate: asyncio.Event
+    peers: set[Any]
+
+
+def trust_internal(request: web.Request) -> Trust:
+    internal = request.headers.get("authorization") == "Bearer internal"
+    return Trust.TRUSTED if internal else Trust.UNTRUSTED
+
+
+def caller(request: web.Request, default: Classification) -> Classification:
+    trusted = trust_internal(request) is Trust.TRUSTED
+    return default._replace(caller="billing" if trusted else "anonymous")
+
+
+def build_app(hub: EventHub, cancelled: list[str], gate: asyncio.Event, peers: set[Any]) -> Any:
+    async def work(request: web.Request) -> web.Response:
+        peers.add(request.transport.get_extra_info("peername") if request.transport else None)
+        ctx = brownout.current()
+        seen = {
+            "remaining": ctx.remaining(),
+            "priority": ctx.priority.label,
+            "operation": ctx.operation,
+            "caller": ctx.caller,
+        }
+        try:
+            await asyncio.sleep(float(request.query.get("hold", "0")))
+        except asyncio.CancelledError:
+            cancelled.append(request.match_info["id"])
+            raise
+        return web.json_response(seen)
+
+    async def missing(request: web.Request) -> web.Response:
+        raise web.HTTPNotFound()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"first\n")
+        await gate.wait()
+        await response.write(b"second\n")
+        return response
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    policy = EdgePolicy(
+        bulkhead=Bulkhead(
+            "aio",
+            FixedLimit(2),
+            FifoQueue(max_size=1, max_wait=0.05),
+            events=hub,
+            estimator=LatencyEstimator(min_samples=1),
+        ),
+        deadline=InboundDeadlinePolicy(default=2.0, maximum=5.0),
+        trust=trust_internal,
+        classifier=caller,
+        health_paths=("/health",),
+        routes={"/reports/{id}": Route(maximum=10.0)},
+        events=hub,
+    )
+    app = web.Application(middlewares=[brownout_middleware(policy)])
+    app.router.add_get("/work/{id}", work)
+    app.router.add_get("/reports/{id}", work)
+    app.router.add_get("/missing/{id}", missing)
+    app.router.add_get("/stream", stream)
+    app.router.add_get("/health", health)
+    return app
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[Service]:
+    hub = EventHub()
+    stats = hub.subscribe(Stats())
+    assert isinstance(stats, Stats)
+    cancelled: list[str] = []
+    gate = asyncio.Event()
+    peers: set[Any] = set()
+    runner = web.AppRunner(build_app(hub, cancelled, gate, peers))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield Service(f"http://127.0.0.1:{port}", stats, cancelled, gate, peers)
+    finally:
+        gate.set()
+        await runner.cleanup()
+
+
+async def test_budget_clamp_priority_and_template(service: Service) -> None:
+    async with aiohttp.ClientSession(service.base) as s:
+        async with s.get("/reports/1", headers={"brownout-budget-ms": "60000"}) as r:
+            clamped = await r.json()
+        async with s.get("/work/1", headers={"brownout-priority": "sheddable"}) as r:
+            forged = await r.json()
+        headers = {"brownout-priority": "sheddable", "authorization": "Bearer internal"}
+        async with s.get("/work/2", headers=headers) as r:
+            trusted = await r.json()
+    assert 9.0 < clamped["remaining"] <= 10.0  # D3: route maximum, not the asked 60 s
+    assert forged["priority"] == "critical"  # S4
+    assert trusted["priority"] == "sheddable"
+    assert trusted["caller"] == "billing"
+    assert forged["operation"] == "/work/{id}"
+    await asyncio.sleep(0.05)
+    assert service.stats.count("completed", operation="/work/{id}") == 2
+
+
+async def test_refusals_are_problem_json_on_a_kept_connection(service: Service) -> None:
+    async with aiohttp.ClientSession(service.base) as s:
+        async with s.get("/work/0?hold=0.05") as r:  # a success: now there is an estimate
+            assert r.status == 200
+        holders = [asyncio.create_task(s.get("/work/1?hold=0.6")) for _ in range(2)]
+        await asyncio.sleep(0.15)
+        connector = aiohttp.TCPConnector(limit=1)
+        async with aiohttp.ClientSession(service.base, connector=connector) as one:
+            refused = []
+            for _ in range(3):
+                async with one.get("/work/2") as r:
+                    refused.append((r.status, r.headers.copy(), await r.json()))
+            for h in holders:
+                (await h).release()
+            service.peers.clear()
+            for _ in range(2):
+                async with one.get("/work/3") as r:
+                    assert r.status == 200
+    for status, headers, body in refused:
+        assert status == 503
+        assert headers["Content-Type"] == "application/problem+json"
+        assert body["reason"] in {"queue_timeout", "queue_full"}
+        assert int(headers["Retry-After"]) >= 1
+    assert len(service.peers) == 1  # the same connection served both after the refusals
+
+
+async def test_expiry_is_504_and_cancels_the_handler(service: Service) -> None:
+    async with aiohttp.ClientSession(service.base) as s:
+        t0 = time.perf_counter()
+        async with s.get("/work/9?hold=5", headers={"brownout-budget-ms": "300"}) as r:
+            status, body = r.status, await r.json(content_type=None)
+        took = time.perf_counter() - t0
+    assert status == 504
+    assert body["reason"] == "deadline_expired"
+    assert took < 2.0
+    assert service.cancelled == ["9"]
+
+
+async def test_client_disconnect_cancels_the_handler(service: Service) -> None:
+    host, port = service.base.removeprefix("http://").split(":")
+    _reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /work/5?hold=3 HTTP/1.1\r\nhost: x\r\n\r\n")
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    writer.close()
+    await writer.wait_closed()
+    for _ in range(100):
+        if service.cancelled:
+            break
+        await asyncio.sleep(0.02)
+    assert service.cancelled == ["5"]  # D5
+    await asyncio.sleep(0.05)
+    assert service.stats.count("abandoned") == 1  # O1: not a success
+    assert service.stats.count("completed") == 0
+
+
+async def test_http_exceptions_count_as_answers_and_streams_pass_through(
+    service: Service,
+) -> None:
+    async with aiohttp.ClientSession(service.base) as s:
+        async with s.get("/missing/1") as r:
+            assert r.status == 404
+        async with s.get("/stream") as r:
+            first = await asyncio.wait_for(r.content.readline(), 2.0)
+            assert first == b"first\n"  # unbuffered: the handler is still waiting
+            service.gate.set()
+            assert await r.content.readline() == b"second\n"
+        async with s.get("/health") as r:
+            assert r.status == 200
+    await asyncio.sleep(0.05)
+    assert service.stats.count("completed") == 2  # the 404 and the stream; health uncounted
+    assert service.stats.count("failed") == 0

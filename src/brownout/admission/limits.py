@@ -157,12 +157,24 @@ class AIMDLimit:
 class _ProbingLimit:
     """Shared machinery of the latency-based limits: smoothed rtt, no-load rtt, re-probing.
 
-    ``short_rtt`` is an EWMA of successful samples' rtt over ``short_window`` samples.
-    ``no_load_rtt`` (the baseline) is the mean rtt measured while the limit was pinned to
-    ``probe_ratio * limit`` for ``probe_samples`` samples; between probes it only follows the
-    smoothed rtt *down* (``min``), so a faster service is noticed at once and a slower one at
-    the next probe. Probes start every ``probe_interval`` seconds (of sample start times)
-    times a uniform jitter of ``1 +/- probe_jitter``, so a fleet does not probe in step.
+    - ``short_rtt``: EWMA of successful samples' rtt over ``short_window`` samples (what the
+      service looks like now); ``long_rtt``: the same over ``10 * short_window`` samples.
+    - ``no_load_rtt`` (the baseline): first the mean rtt of a warm-up of
+      ``max(probe_samples, 2 * initial)`` samples; then the mean rtt measured while the limit
+      is pinned to ``probe_ratio * limit`` for ``max(probe_samples, 2 * pinned limit)``
+      samples (whole round trips, so the fastest completions do not bias it low). Between
+      probes it follows ``long_rtt`` *down* only: a faster service is noticed at once, a
+      slower one at the next probe. A probe that finds the service much slower (baseline up
+      1.5x) restores the limit held before the probe, which the stale baseline had squeezed.
+    - Probes start every ``probe_interval`` seconds (of sample start times) times a uniform
+      jitter ``1 +/- probe_jitter``, so a fleet does not probe in step.
+    - Each algorithm's ``_update`` gives the change over one *round trip*; a round trip
+      brings about ``limit`` samples, so each sample applies ``1/limit`` of it (full steps per
+      sample overreact long before their effect on latency can be seen).
+    - Slow start: until latency first rises (``short_rtt > slow_start_exit * no_load_rtt``,
+      1.1) or a drop, the limit grows by at least half per round trip.
+    - Drops: ``limit *= drop_backoff`` at most once per round trip; never an rtt sample.
+    - App-limited (``in_flight < limit / 2``): decreases apply, increases do not.
     """
 
     def __init__(
@@ -193,12 +205,22 @@ class _ProbingLimit:
         self._rng = rng if rng is not None else random.Random()
         self._value = float(initial)
         self.short_rtt: float | None = None
+        self.long_rtt = 0.0
+        self._long_alpha = 2.0 / (10 * short_window + 1)
         self.no_load_rtt: float | None = None
         self._next_probe: float | None = None
         self._probe_limit = 0
         self._probe_sum = 0.0
         self._probe_count = 0
         self._decreased_at = -math.inf
+        self._slow_start = True
+        self._value_before_probe = float(initial)
+        self._warmup = 0
+        # Whole round trips of samples: the first completions of a batch started together are
+        # its fastest ones, and averaging only those would bias the baseline low.
+        self._warmup_samples = max(probe_samples, 2 * initial)
+        self.slow_start_exit = 1.1
+        """Slow start ends once the smoothed rtt exceeds the baseline by this factor."""
 
     @property
     def probing(self) -> bool:
@@ -229,10 +251,18 @@ class _ProbingLimit:
             if not dropped and in_flight <= self._probe_limit:
                 self._probe_sum += rtt
                 self._probe_count += 1
-                if self._probe_count >= self.probe_samples:
-                    self.no_load_rtt = self._probe_sum / self._probe_count
-                    self.short_rtt = self.no_load_rtt
+                if self._probe_count >= max(self.probe_samples, 2 * self._probe_limit):
+                    old = self.no_load_rtt
+                    new = self.no_load_rtt = self._probe_sum / self._probe_count
+                    self.short_rtt = self.long_rtt = new
                     self._probe_limit = 0
+                    if old is not None and new > 1.5 * old:
+                        # The service got slower, and the stale baseline read the slowdown as
+                        # queueing and squeezed the limit. Return to the limit held before
+                        # (when the baseline was right); if the knee really moved, the
+                        # gradient takes it down again within a few round trips.
+                        self._value = max(self._value, self._value_before_probe)
+                    self._value_before_probe = self._value
                     self._schedule_probe(start_time + rtt)
             return self.limit
         if start_time >= self._next_probe:  # type: ignore[operator]
@@ -241,23 +271,45 @@ class _ProbingLimit:
             self._probe_count = 0
             return self._probe_limit
         if dropped:  # never feeds rtt; back off at most once per round trip
+            self._slow_start = False
             if start_time >= self._decreased_at:
                 self._value = max(self.min_limit, self._value * self.drop_backoff)
                 self._decreased_at = start_time + rtt
             return int(self._value)
         short = self.short_rtt
-        short = rtt if short is None else short + self._alpha * (rtt - short)
+        if short is None:
+            short = self.long_rtt = rtt
+        else:
+            short += self._alpha * (rtt - short)
+            self.long_rtt += self._long_alpha * (rtt - self.long_rtt)
         self.short_rtt = short
         base = self.no_load_rtt
-        if base is None or short < base:
-            base = self.no_load_rtt = short
-        if in_flight * 2 < self._value:  # app-limited: this sample cannot justify growth
-            return int(self._value)
-        new = self._update(self._value, short, base)
-        self._value = _clamp(new, self.min_limit, self.max_limit)
+        if self._warmup < self._warmup_samples:
+            # Warm-up: the first samples (at the initial, low limit) are the first probe.
+            self._warmup += 1
+            self._probe_sum += rtt
+            base = self.no_load_rtt = self._probe_sum / self._warmup
+        elif base is None or self.long_rtt < base:
+            # Follow a faster service down at once (on the slow average, so noise in single
+            # samples does not drag the baseline below the true no-load rtt).
+            base = self.no_load_rtt = self.long_rtt
+        value = self._value
+        delta = self._update(value, short, base)
+        if delta > 0:
+            if in_flight * 2 < value:  # app-limited: no evidence for a higher limit
+                return int(value)
+            if self._slow_start and short < base * self.slow_start_exit:
+                # Slow start (TCP's): grow by half per round trip until latency first rises.
+                delta = max(delta, value * 0.5)
+        else:
+            self._slow_start = False
+        # The change is per round trip; a round trip brings about `limit` samples, so each
+        # applies 1/limit of it. Per-sample full steps overreact before the feedback arrives.
+        self._value = _clamp(value + delta / value, self.min_limit, self.max_limit)
         return int(self._value)
 
     def _update(self, limit: float, short_rtt: float, no_load_rtt: float) -> float:
+        """The change of the limit over one round trip."""
         raise NotImplementedError
 
 
@@ -266,14 +318,16 @@ class Gradient2Limit(_ProbingLimit):
 
     ``gradient = clamp(tolerance * no_load_rtt / short_rtt, 0.5, 1.0)``;
     ``new = limit * gradient + queue_size``;
-    ``limit = (1 - smoothing) * limit + smoothing * new``.
+    per round trip ``limit += smoothing * (new - limit)``.
 
-    At equilibrium the limit is the concurrency at which latency starts to rise (the knee)
-    plus ``queue_size`` requests of standing queue. The gradient never cuts more than half at
-    once (outliers), and never exceeds 1 (a faster rtt than baseline is not a reason to grow
-    faster). Defaults: initial 20, bounds 1..1000, ``tolerance`` 1.0, ``queue_size`` 4,
-    ``smoothing`` 0.2, ``short_window`` 10 samples, probe every 30 s +/- 15% for 20 samples
-    at half the limit, drop backoff 0.9.
+    At equilibrium latency is ``tolerance`` times the no-load rtt: for a server whose latency
+    grows linearly past its knee, ``limit ~ tolerance * knee + queue_size`` (about 1.1x the
+    knee). The gradient never cuts more than half per round trip (outliers) and never exceeds
+    1 (a faster rtt than baseline is no reason to grow faster). ``tolerance`` > 1 absorbs
+    noise: a baseline measured from a few samples is a little low. Defaults: initial 20,
+    bounds 1..1000, ``tolerance`` 1.1, ``queue_size`` 4, ``smoothing`` 0.2, ``short_window``
+    10 samples, probe every 30 s +/- 15% at half the limit for at least 20 samples, drop
+    backoff 0.9.
 
     Unlike Netflix's version the baseline is the *probed* no-load rtt, not a 600-sample
     average of the rtt itself: an average drifts up with sustained queueing and lets the limit
@@ -286,7 +340,7 @@ class Gradient2Limit(_ProbingLimit):
         *,
         min_limit: int = 1,
         max_limit: int = 1000,
-        tolerance: float = 1.0,
+        tolerance: float = 1.1,
         queue_size: float = 4.0,
         smoothing: float = 0.2,
         short_window: int = 10,
@@ -318,7 +372,7 @@ class Gradient2Limit(_ProbingLimit):
     def _update(self, limit: float, short_rtt: float, no_load_rtt: float) -> float:
         gradient = _clamp(self.tolerance * no_load_rtt / short_rtt, 0.5, 1.0)
         new = limit * gradient + self.queue_size
-        return (1.0 - self.smoothing) * limit + self.smoothing * new
+        return self.smoothing * (new - limit)
 
     def __repr__(self) -> str:
         return f"Gradient2Limit(limit={self.limit})"
@@ -328,12 +382,13 @@ class VegasLimit(_ProbingLimit):
     """TCP Vegas-style limit: estimate the queue and keep it between alpha and beta.
 
     ``queue = limit * (1 - no_load_rtt / short_rtt)`` requests are waiting somewhere; with
-    ``t = log10(limit)``: queue <= t: grow by ``3 t`` (nothing is queued, probe upward fast);
-    queue < ``alpha = 3 t``: grow by ``t``; queue > ``beta = 6 t``: shrink by ``t``; else
-    hold. ``limit = (1 - smoothing) * limit + smoothing * new``. Defaults: initial 20, bounds
-    1..1000, smoothing 1.0, short window 10, probe every 30 s +/- 15% for 20 samples at half
-    the limit, drop backoff 0.9. (Netflix grows by beta when nothing is queued; 3 t
-    overshoots less with a smoothed rtt.)
+    ``t = log10(limit)`` (1 below 10), per round trip: queue <= t: grow by ``3 t`` (nothing
+    queued); queue < ``alpha = 3 t``: grow by ``t``; queue > ``beta = 6 t``: shrink by ``t``;
+    else hold; each step times ``smoothing``. At equilibrium ``alpha..beta`` requests queue
+    past the knee: ``limit ~ knee + 6..12`` at a knee of 100. Defaults: initial 20, bounds
+    1..1000, smoothing 1.0, short window 10, probe every 30 s +/- 15% at half the limit for
+    at least 20 samples, drop backoff 0.9. (Netflix applies these steps per *sample* and
+    grows by beta when nothing is queued; per round trip, as TCP Vegas does, is stable.)
     """
 
     def __init__(
@@ -369,14 +424,14 @@ class VegasLimit(_ProbingLimit):
         t = math.log10(limit) if limit > 10 else 1.0
         queue = limit * (1.0 - no_load_rtt / short_rtt)
         if queue <= t:
-            new = limit + 3 * t
+            step = 3 * t
         elif queue < 3 * t:
-            new = limit + t
+            step = t
         elif queue > 6 * t:
-            new = limit - t
+            step = -t
         else:
-            return limit
-        return (1.0 - self.smoothing) * limit + self.smoothing * new
+            return 0.0
+        return self.smoothing * step
 
     def __repr__(self) -> str:
         return f"VegasLimit(limit={self.limit})"

@@ -216,9 +216,12 @@ class TopKLabels:
             self._candidates = {k: v - 1 for k, v in cand.items() if v > 1}
         return OTHER
 
-    def _rebalance(self) -> None:
+    def _rebalance(self, activity: Mapping[str, int] | None = None) -> None:
         self._seen = 0
         hits = self._hits
+        if activity is not None:  # the owner counted slot holders' activity itself
+            for k in hits:
+                hits[k] = activity.get(k, 0)
         if self._candidates and len(hits) >= self.max_values:
             challengers = sorted(self._candidates.items(), key=lambda kv: kv[1], reverse=True)
             holders = sorted(hits.items(), key=lambda kv: kv[1])
@@ -316,6 +319,8 @@ Row = tuple[str, str, str, str, str, str]
 """(kind, source, operation, priority, caller, reason): how `Stats.rows` is keyed."""
 
 _PRIORITY_LABELS = tuple(p.label for p in sorted(Priority))
+_Labels = tuple[str, str, str, str]  # (source, operation, priority, caller), capped
+_LABEL_CACHE_SIZE = 4096
 
 
 class _GaugeFn:
@@ -348,13 +353,15 @@ class Stats:
         max_reasons: int = 64,
         max_series: int = 10_000,
         caller_policy: str = "top",
+        caller_epoch: int | None = None,
         clock: Clock | None = None,
     ) -> None:
         if caller_policy not in ("top", "first"):
             raise ValueError("caller_policy is 'top' (TopKLabels) or 'first' (LabelCap)")
         self.operations = LabelCap(max_operations)
         self.callers: LabelCap | TopKLabels = (
-            TopKLabels(max_callers, on_evict=self._fold_callers)
+            # Stats counts slot holders' activity from its rows; the cap's own epoch is off.
+            TopKLabels(max_callers, epoch=1 << 62, on_evict=self._fold_callers)
             if caller_policy == "top"
             else LabelCap(max_callers)
         )
@@ -362,8 +369,15 @@ class Stats:
         self.reasons = LabelCap(max_reasons)
         """Caps free-form reason labels: exception type names, retry causes, modes."""
         self.max_series = max_series
-        self.rows: dict[Row, int] = {}
-        """Counter values by (kind, source, operation, priority, caller, reason)."""
+        self._rows: dict[tuple[str, _Labels, str], int] = {}
+        # Raw (source, operation, priority, caller) -> capped labels: one dict lookup per event
+        # instead of four cap calls. Entries whose caller is "other" are not cached, so unknown
+        # callers keep feeding the top-k sketch; slot holders' activity is read from the rows.
+        self._label_cache: dict[tuple[str, str, int, str], _Labels] = {}
+        self.caller_epoch = caller_epoch if caller_epoch else max(10_000, 100 * max_callers)
+        """Counter events between two top-k caller rebalances."""
+        self._epoch_left = self.caller_epoch
+        self._activity_base: dict[str, int] = {}
         self.success_latency: dict[tuple[str, str], LatencyHistogram] = {}
         """Latency of useful successes by (operation, priority) (O3)."""
         self.queue_wait: dict[str, LatencyHistogram] = {}
@@ -416,37 +430,85 @@ class Stats:
         if handler is not None:
             handler(event)
 
-    def _bump(self, kind: str, e: Any, reason: str = "") -> None:
-        key = (
-            kind,
-            self.sources(e.source),
-            self.operations(e.operation),
-            _PRIORITY_LABELS[e.priority],
-            self.callers(e.caller),
-            reason,
-        )
-        rows = self.rows
+    def _labels(self, e: Any) -> _Labels:
+        raw = (e.source, e.operation, e.priority, e.caller)
+        labels = self._label_cache.get(raw)
+        if labels is None:
+            labels = (
+                self.sources(e.source),
+                self.operations(e.operation),
+                _PRIORITY_LABELS[e.priority],
+                self.callers(e.caller),
+            )
+            if labels[3] != OTHER:
+                cache = self._label_cache
+                if len(cache) >= _LABEL_CACHE_SIZE:
+                    cache.clear()
+                cache[raw] = labels
+        return labels
+
+    def _count(self, kind: str, e: Any, reason: str = "") -> _Labels:
+        # The hot path: `_labels` and `_bump` inlined (one call per event, not three).
+        labels = self._label_cache.get((e.source, e.operation, e.priority, e.caller))
+        if labels is None:
+            labels = self._labels(e)
+        key = (kind, labels, reason)
+        rows = self._rows
         n = rows.get(key)
         if n is None:
             if len(rows) >= self.max_series:
                 key = self._overflow(key)
             n = rows.get(key, 0)
         rows[key] = n + 1
+        self._epoch_left -= 1
+        if self._epoch_left <= 0:
+            self._rebalance_callers()
+        return labels
 
-    def _overflow(self, key: Row) -> Row:
+    def _bump(self, kind: str, labels: _Labels, reason: str = "") -> None:
+        key = (kind, labels, reason)
+        rows = self._rows
+        n = rows.get(key)
+        if n is None:
+            if len(rows) >= self.max_series:
+                key = self._overflow(key)
+            n = rows.get(key, 0)
+        rows[key] = n + 1
+        self._epoch_left -= 1
+        if self._epoch_left <= 0:
+            self._rebalance_callers()
+
+    def _overflow(self, key: tuple[str, _Labels, str]) -> tuple[str, _Labels, str]:
         # Past the series ceiling, give up detail: first the caller, then the operation too.
-        kind, source, op, prio, _caller, reason = key
-        key = (kind, source, op, prio, OTHER, reason)
-        if key in self.rows:
+        kind, (source, op, prio, _caller), reason = key
+        key = (kind, (source, op, prio, OTHER), reason)
+        if key in self._rows:
             return key
-        return (kind, source, OTHER, prio, OTHER, reason)
+        return (kind, (source, OTHER, prio, OTHER), reason)
+
+    def _rebalance_callers(self) -> None:
+        self._epoch_left = self.caller_epoch
+        callers = self.callers
+        if not isinstance(callers, TopKLabels):
+            return
+        totals: dict[str, int] = {}
+        for (_kind, labels, _reason), n in list(self._rows.items()):
+            totals[labels[3]] = totals.get(labels[3], 0) + n
+        base = self._activity_base
+        activity = {c: n - base.get(c, 0) for c, n in totals.items()}
+        self._activity_base = totals
+        callers._rebalance(activity)
 
     def _fold_callers(self, evicted: frozenset[str]) -> None:
-        rows = self.rows
-        for key in [k for k in rows if k[4] in evicted]:
+        rows = self._rows
+        for key in [k for k in rows if k[1][3] in evicted]:
             n = rows.pop(key)
-            other = (*key[:4], OTHER, key[5])
+            kind, (source, op, prio, _caller), reason = key
+            other = (kind, (source, op, prio, OTHER), reason)
             rows[other] = rows.get(other, 0) + n
+        self._label_cache.clear()
+        for caller in evicted:
+            self._activity_base.pop(caller, None)
 
     def _hist(self, table: dict[Any, LatencyHistogram], key: Any) -> LatencyHistogram:
         h = table.get(key)
@@ -455,50 +517,49 @@ class Stats:
         return h
 
     def _offered(self, e: RequestOffered) -> None:
-        self._bump("offered", e)
+        labels = self._count("offered", e)
         if e.remaining is not None:
-            self._hist(self.remaining_on_arrival, self.sources(e.source)).observe(e.remaining)
+            self._hist(self.remaining_on_arrival, labels[0]).observe(e.remaining)
 
     def _queued(self, e: RequestQueued) -> None:
-        self._bump("queued", e)
+        self._count("queued", e)
 
     def _admitted(self, e: RequestAdmitted) -> None:
-        self._bump("admitted", e)
-        self._hist(self.queue_wait, self.sources(e.source)).observe(e.queue_wait)
+        labels = self._count("admitted", e)
+        self._hist(self.queue_wait, labels[0]).observe(e.queue_wait)
 
     def _shed(self, e: RequestShed) -> None:
         reason = e.reason.value
-        self._bump("shed", e, reason)
+        labels = self._count("shed", e, reason)
         # S8: refused while capacity existed (the bulkhead says so), or refused by an overload
         # manager that itself reports being at its lowest level.
         if e.false_positive or self.overload_levels.get(e.source) == 0:
-            self._bump("shed_false_positive", e, reason)
+            self._bump("shed_false_positive", labels, reason)
 
     def _expired(self, e: RequestExpired) -> None:
-        self._bump("expired", e, e.stage)
+        self._count("expired", e, e.stage)
 
     def _completed(self, e: RequestCompleted) -> None:
         if e.useful:
-            self._bump("completed", e)
-            key = (self.operations(e.operation), _PRIORITY_LABELS[e.priority])
-            self._hist(self.success_latency, key).observe(e.latency)
+            labels = self._count("completed", e)
+            self._hist(self.success_latency, (labels[1], labels[2])).observe(e.latency)
         else:
-            self._bump("completed_late", e)
+            self._count("completed_late", e)
 
     def _failed(self, e: RequestFailed) -> None:
-        self._bump("failed", e, self.reasons(e.error))
+        self._count("failed", e, self.reasons(e.error))
 
     def _abandoned(self, e: RequestAbandoned) -> None:
-        self._bump("abandoned", e)
+        self._count("abandoned", e)
 
     def _retried(self, e: AttemptRetried) -> None:
-        self._bump("retried", e, self.reasons(e.cause))
+        self._count("retried", e, self.reasons(e.cause))
 
     def _budget_exhausted(self, e: RetryBudgetExhausted) -> None:
-        self._bump("budget_exhausted", e)
+        self._count("budget_exhausted", e)
 
     def _outcome_unknown(self, e: OutcomeUnknown) -> None:
-        self._bump("outcome_unknown", e)
+        self._count("outcome_unknown", e)
 
     def _limit(self, e: LimitChanged) -> None:
         self.limits[self.sources(e.source)] = e.new
@@ -610,11 +671,19 @@ class Stats:
 
     # -- reading ----------------------------------------------------------------------------
     @property
+    def rows(self) -> dict[Row, int]:
+        """Counter values by (kind, source, operation, priority, caller, reason): what
+        exporters read. A fresh dict."""
+        return {
+            (kind, *labels, reason): n for (kind, labels, reason), n in list(self._rows.items())
+        }
+
+    @property
     def counters(self) -> dict[Key, int]:
         """Counter values summed over sources, keyed (kind, operation, priority, caller,
         reason). A fresh dict: read it, do not write to it."""
         out: dict[Key, int] = {}
-        for (kind, _src, op, pr, ca, re), n in list(self.rows.items()):
+        for (kind, (_src, op, pr, ca), re), n in list(self._rows.items()):
             key = (kind, op, pr, ca, re)
             out[key] = out.get(key, 0) + n
         return out
@@ -633,7 +702,7 @@ class Stats:
         if kind not in COUNTER_KINDS:
             raise ValueError(f"unknown counter {kind!r}; one of {COUNTER_KINDS}")
         total = 0
-        for (k, src, op, pr, ca, re), n in list(self.rows.items()):
+        for (k, (src, op, pr, ca), re), n in list(self._rows.items()):
             if (
                 k == kind
                 and (source is None or src == source)
@@ -662,7 +731,7 @@ class Stats:
     def series_count(self) -> int:
         """How many counter and histogram series exist: what the label caps bound."""
         return (
-            len(self.rows)
+            len(self._rows)
             + len(self.success_latency)
             + len(self.queue_wait)
             + len(self.remaining_on_arrival)
@@ -672,7 +741,7 @@ class Stats:
         """A JSON-able summary: totals per kind and reason, success latency, state gauges."""
         totals: dict[str, int] = dict.fromkeys(COUNTER_KINDS, 0)
         shed_by_reason: dict[str, int] = {}
-        for (kind, _src, _op, _pr, _ca, reason), n in list(self.rows.items()):
+        for (kind, _labels, reason), n in list(self._rows.items()):
             totals[kind] += n
             if kind == "shed":
                 shed_by_reason[reason] = shed_by_reason.get(reason, 0) + n
@@ -695,7 +764,8 @@ class Stats:
 
     def reset(self) -> None:
         """Forget all counts and histograms (label caps keep what they learned)."""
-        self.rows.clear()
+        self._rows.clear()
+        self._activity_base.clear()
         self.success_latency.clear()
         self.queue_wait.clear()
         self.remaining_on_arrival.clear()

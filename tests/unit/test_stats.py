@@ -176,8 +176,7 @@ def test_top_k_ignores_a_flood_of_one_shot_values():
 
 
 def test_evicted_callers_fold_into_other_and_totals_are_kept():
-    s = Stats(max_callers=2)
-    s.callers = TopKLabels(2, epoch=50, on_evict=s._fold_callers)
+    s = Stats(max_callers=2, caller_epoch=50)
     s.emit(req(RequestOffered, caller="early1", remaining=None))
     s.emit(req(RequestOffered, caller="early2", remaining=None))
     for _ in range(200):

@@ -24,9 +24,9 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, TypeVar
 
 from .clock import Clock, default_clock
-from .context import DeadlineScope
+from .context import DeadlineScope, current_deadline
 from .deadline import call_budget
-from .errors import Reason, Rejected, UnknownOutcome
+from .errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
 from .events import EventHub, RequestShed, hub
 from .retry.breaker import CircuitBreaker
 from .retry.idempotency import OutcomeLedger
@@ -36,6 +36,9 @@ from .retry.throttle import ClientThrottle
 __all__ = ["AdmitsWork", "Dependency"]
 
 T = TypeVar("T")
+
+_UNBOUNDED = float("inf")
+_EDGE = 0.001  # the smallest reserve: an attempt always ends before its request (seconds)
 
 
 class AdmitsWork(Protocol):
@@ -165,14 +168,18 @@ class Dependency:
         key: str | None,
     ) -> T:
         budget: float | None
-        if self.timeout is None:
-            budget = None
-            if self.reserve or self.min_useful:
-                budget = call_budget(float("inf"), reserve=self.reserve, min_useful=self.min_useful)
-                if budget == float("inf"):
-                    budget = None
+        deadline = current_deadline()
+        if deadline is None:
+            budget = self.timeout
         else:
-            budget = call_budget(self.timeout, reserve=self.reserve, min_useful=self.min_useful)
+            # The attempt must expire strictly before the request does, or the request's
+            # own cancellation wins the race and a mutation's unknown outcome goes unrecorded.
+            budget = call_budget(
+                _UNBOUNDED if self.timeout is None else self.timeout,
+                reserve=self.reserve if self.reserve > _EDGE else _EDGE,
+                min_useful=self.min_useful,
+                deadline=deadline,
+            )
         if self.max_active is not None and self._active >= self.max_active:
             raise self._refuse(Reason.OVERLOADED, f"{self.name}: {self._active} calls in flight")
         breaker = self.breaker
@@ -190,30 +197,31 @@ class Dependency:
         started = clock.now() if timed else 0.0
         self._active += 1
         token_ctx = enter_attempt(number, key)
+        bulkhead = self.bulkhead
+        admitted = bulkhead is None
         try:
-            if budget is None and self.bulkhead is None:
+            if budget is None and bulkhead is None:
                 result = await fn(*args, **kwargs)
             else:
                 async with DeadlineScope(budget, None):
-                    if self.bulkhead is None:
+                    if bulkhead is None:
                         result = await fn(*args, **kwargs)
                     else:
-                        async with self.bulkhead.admit():
+                        async with bulkhead.admit():
+                            admitted = True
                             result = await fn(*args, **kwargs)
-        except Exception as error:
-            if breaker is not None or throttle is not None:
-                failure = self.retry.classify(error)
-                # Accepted: the dependency answered something other than an overload refusal.
-                if (
-                    throttle is not None
-                    and failure.sent
-                    and not failure.transient
-                    and not failure.do_not_retry
-                ):
-                    throttle.record_accept()
+        except DeadlineExceeded as expired:
+            if not admitted:
+                # Expired while queued for the bulkhead: never sent, so not an unknown outcome.
                 if breaker is not None:
-                    duration = clock.now() - started if timed else 0.0
-                    breaker.release(token, failed=breaker.is_failure(error), duration=duration)
+                    breaker.release(token, failed=None)
+                raise self._refuse(
+                    Reason.QUEUE_TIMEOUT, f"{self.name}: attempt budget spent in the queue"
+                ) from expired
+            self._after_failure(expired, breaker, token, throttle, timed, started)
+            raise
+        except Exception as error:
+            self._after_failure(error, breaker, token, throttle, timed, started)
             raise
         except BaseException:
             if breaker is not None:
@@ -228,6 +236,24 @@ class Dependency:
         if throttle is not None:
             throttle.record_accept()
         return result
+
+    def _after_failure(
+        self,
+        error: Exception,
+        breaker: CircuitBreaker | None,
+        token: int,
+        throttle: ClientThrottle | None,
+        timed: bool,
+        started: float,
+    ) -> None:
+        if throttle is not None:
+            failure = self.retry.classify(error)
+            # Accepted: the dependency answered something other than an overload refusal.
+            if failure.sent and not failure.transient and not failure.do_not_retry:
+                throttle.record_accept()
+        if breaker is not None:
+            duration = self._clock.now() - started if timed else 0.0
+            breaker.release(token, failed=breaker.is_failure(error), duration=duration)
 
     def _refuse(self, reason: Reason, detail: str) -> Rejected:
         if self._events.enabled:

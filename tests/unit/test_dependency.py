@@ -305,3 +305,41 @@ async def test_kwargs_pass_through_and_reserved_names_do_not() -> None:
 
     dep = Dependency("d")
     assert await dep.call(fn, 1, b=2, idempotency_key="k") == (1, 2, "k")
+
+
+async def test_a_mutation_cut_off_by_the_request_deadline_is_still_an_unknown_outcome() -> None:
+    """D6 with no reserve and no timeout: the attempt still ends (by 1 ms) before the request,
+    so the policy sees the timeout and records the unknown outcome instead of a bare cancel."""
+
+    async def hangs() -> None:
+        await asyncio.sleep(10)
+
+    ledger = InMemoryOutcomeLedger()
+    dep = Dependency("d", ledger=ledger)
+    with pytest.raises(UnknownOutcome) as info:
+        async with brownout.deadline(0.5):
+            await dep.call(hangs, idempotency_key="k-9")
+    assert info.value.idempotency_key == "k-9"
+    assert [r.key for r in await ledger.pending()] == ["k-9"]
+
+
+async def test_an_attempt_that_expires_in_the_bulkhead_queue_was_never_sent() -> None:
+    gate = asyncio.Event()
+
+    async def holds() -> None:
+        await gate.wait()
+
+    bulkhead = Bulkhead(
+        "d", limit=FixedLimit(1), queue=FifoQueue(max_size=4, max_wait=10.0), reserve=0
+    )
+    ledger = InMemoryOutcomeLedger()
+    patient = Dependency("d", bulkhead=bulkhead)
+    dep = Dependency("d", timeout=0.2, bulkhead=bulkhead, ledger=ledger)
+    first = asyncio.create_task(patient.call(holds, idempotent=True))
+    await asyncio.sleep(0)
+    with pytest.raises(Rejected) as info:
+        await dep.call(holds)  # a mutation, but it never left the queue
+    assert info.value.reason in {Reason.QUEUE_TIMEOUT, Reason.DEADLINE_EXPIRED}
+    assert len(ledger) == 0
+    gate.set()
+    await first

@@ -249,7 +249,8 @@ class RetryPolicy:
         try:
             result = await attempt_fn(1, key)
         except Exception as error:
-            self._observe(clock.now() - started)
+            if not isinstance(error, Rejected):  # local refusals say nothing of attempt time
+                self._observe(clock.now() - started)
             return await self._retry(
                 attempt_fn,
                 error,

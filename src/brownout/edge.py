@@ -241,13 +241,17 @@ class Refusal(NamedTuple):
     do_not_retry: bool
     degraded: tuple[str, ...]
     quota: QuotaDecision | None = None
+    estimate: float | None = None
+    """The un-jittered estimate ``retry_after`` was drawn from."""
 
     def retry_after_header(self) -> str | None:
-        """``Retry-After`` in whole seconds (rounded up, at least 1), or ``None``."""
+        """``Retry-After`` in whole seconds: the jittered value rounded, never below the
+        estimate rounded up, at least 1; ``None`` without an estimate."""
         ra = self.retry_after
         if ra is None:
             return None
-        return str(max(1, math.ceil(ra)))
+        floor = math.ceil(self.estimate) if self.estimate is not None else 1
+        return str(max(1, floor, round(ra)))
 
 
 def problem_body(
@@ -569,11 +573,13 @@ class EdgePolicy:
             body = problem_body(
                 reason, base.status, degraded=degraded, do_not_retry=base.do_not_retry
             )
-        if retry_after is not None and not base.do_not_retry:
-            retry_after = retry_after * (1.0 + self.retry_after_jitter * self.rng.random())
-        else:
-            retry_after = None
-        return base._replace(body=body, retry_after=retry_after, degraded=degraded, quota=quota)
+        estimate = retry_after if not base.do_not_retry else None
+        jittered = None
+        if estimate is not None:
+            jittered = estimate * (1.0 + self.retry_after_jitter * self.rng.random())
+        return base._replace(
+            body=body, retry_after=jittered, degraded=degraded, quota=quota, estimate=estimate
+        )
 
     def degraded_names(self) -> tuple[str, ...]:
         """The active degraded modes (empty when none or not configured)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -214,3 +215,40 @@ def test_property_half_open_never_has_more_than_the_probe_limit_in_flight(
             assert sum(1 for t in in_flight if t == b._generation) <= probes
         if (len(in_flight) > 3 or failed) and in_flight:
             b.release(in_flight.pop(0), failed=failed)
+
+
+def _fleet_largest_jump(open_jitter: float) -> int:
+    """50 clients x 10 calls/s each, all breakers opened together by an outage that is over
+    by the time they probe. Returns the largest rise, from one 100 ms slot to the next, of the
+    calls reaching the dependency: how abruptly load comes back."""
+    clock = ManualClock()
+    rng = random.Random(11)
+    fleet = [
+        CircuitBreaker(
+            open_for=5.0, open_jitter=open_jitter, half_open_probes=2, clock=clock, rng=rng
+        )
+        for _ in range(50)
+    ]
+    for b in fleet:
+        b.force_open()
+    slots = [0] * 150
+    for tick in range(1, 1500):  # 15 s in 10 ms steps; each client calls every 100 ms
+        clock.advance(0.01)
+        for i, b in enumerate(fleet):
+            if (tick + i) % 10:
+                continue
+            try:
+                token = b.acquire()
+            except Rejected:
+                continue
+            slots[tick // 10] += 1
+            b.release(token, failed=False)
+    assert slots[-2] == 50  # everyone is back to steady state by the end
+    return max(b - a for a, b in itertools.pairwise(slots))
+
+
+def test_fleet_recovery_is_spread_not_a_synchronized_wave() -> None:
+    """R6 / T3: jittered open periods spread the fleet's return over seconds; without jitter
+    every instance probes in the same instant and load jumps from nothing to full."""
+    assert _fleet_largest_jump(open_jitter=0.0) >= 40
+    assert _fleet_largest_jump(open_jitter=0.2) <= 8  # ~50 clients over ~40 slots

@@ -42,6 +42,15 @@ from .errors import (
     UnknownOutcome,
 )
 from .events import Event, EventHub, Sink, hub
+from .overload import (
+    EventLoopLag,
+    FileDescriptors,
+    InFlight,
+    MemoryPressure,
+    OverloadLevel,
+    OverloadManager,
+    QueueAge,
+)
 from .priority import Priority
 from .propagation import BudgetSigner, InboundDeadlinePolicy, Trust
 from .quota import InMemoryQuotaStore, Quota, QuotaDecision, RedisQuotaStore
@@ -79,23 +88,30 @@ __all__ = [
     "Dependency",
     "Event",
     "EventHub",
+    "EventLoopLag",
     "ExponentialBackoff",
     "FailClosed",
     "FailClosedGuard",
     "FifoQueue",
+    "FileDescriptors",
     "FixedLimit",
     "Gradient2Limit",
     "GrpcRetryThrottle",
     "HeaderError",
+    "InFlight",
     "InMemoryQuotaStore",
     "InboundDeadlinePolicy",
     "LatencyEstimator",
     "LifoQueue",
     "LoopClock",
     "ManualClock",
+    "MemoryPressure",
     "MonotonicClock",
+    "OverloadLevel",
+    "OverloadManager",
     "Permit",
     "Priority",
+    "QueueAge",
     "Quota",
     "QuotaDecision",
     "Reason",

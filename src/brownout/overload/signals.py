@@ -60,17 +60,21 @@ class EventLoopLag:
     """Event-loop lag from a timer probe: schedule a callback every ``interval`` seconds and
     measure how late it runs. Pressure = lag / ``max_lag`` (default 100 ms is 1.0).
 
-    The reading is the larger of the latest lag and a decaying peak (halving every probe), so
-    one long stall is not forgotten at the next on-time tick. `start` it on the running loop
+    The reading is the larger of the latest lag and a decaying peak (halving every
+    ``half_life`` seconds, default 1 s), so one long stall is not forgotten at the next
+    on-time tick. `start` it on the running loop
     (or use it through `OverloadManager.start`); `stop` cancels the timer.
     """
 
     name = "event_loop_lag"
 
-    def __init__(self, *, interval: float = 0.05, max_lag: float = 0.1) -> None:
-        if interval <= 0 or max_lag <= 0:
-            raise ValueError("interval and max_lag must be positive")
+    def __init__(
+        self, *, interval: float = 0.05, max_lag: float = 0.1, half_life: float = 1.0
+    ) -> None:
+        if interval <= 0 or max_lag <= 0 or half_life <= 0:
+            raise ValueError("interval, max_lag and half_life must be positive")
         self.interval = interval
+        self.half_life = half_life
         self.max_lag = max_lag
         self.lag = 0.0
         """The latest measured lag in seconds."""
@@ -101,15 +105,18 @@ class EventLoopLag:
         loop = self._loop
         assert loop is not None
         now = loop.time()
-        self.observe(now - self._expected)
+        self.observe(now - self._expected, now - self._expected + self.interval)
         self._expected = now + self.interval
         self._handle = loop.call_at(self._expected, self._tick)
 
-    def observe(self, lag: float) -> None:
-        """Record one lag measurement (the probe calls this; tests may too)."""
+    def observe(self, lag: float, elapsed: float | None = None) -> None:
+        """Record one lag measurement taken ``elapsed`` seconds after the previous one
+        (default: one interval). The probe calls this; tests may too."""
         lag = lag if lag > 0.0 else 0.0
+        if elapsed is None:
+            elapsed = self.interval
         self.lag = lag
-        self.peak = max(lag, self.peak * 0.5)
+        self.peak = max(lag, self.peak * 0.5 ** (elapsed / self.half_life))
 
     def read(self) -> float:
         return max(self.lag, self.peak) / self.max_lag

@@ -199,3 +199,11 @@ def test_promtool_parses_every_dashboard_query(tmp_path):
         ["promtool", "check", "rules", str(path)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_docs_metric_reference_lists_every_exported_metric():
+    doc = (DASHBOARDS.parent / "docs" / "observability.md").read_text()
+    names, _labels = exported()
+    bases = {re.sub(r"_(bucket|sum|count)$", "", n) if "_seconds_" in n else n for n in names}
+    missing = sorted(b for b in bases if f"`{b}`" not in doc)
+    assert not missing, f"docs/observability.md does not describe {missing}"

@@ -7,7 +7,10 @@ import asyncio
 import random
 from typing import Any
 
+import looptime
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import brownout
 from brownout import (
@@ -343,3 +346,84 @@ async def test_an_attempt_that_expires_in_the_bulkhead_queue_was_never_sent() ->
     assert len(ledger) == 0
     gate.set()
     await first
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    outcomes=st.lists(
+        st.tuples(st.sampled_from(["ok", "503", "reset", "422"]), st.floats(0.0, 0.6)),
+        min_size=1,
+        max_size=10,
+    ),
+    calls=st.integers(1, 15),
+    request_deadline=st.floats(0.05, 3.0),
+    timeout=st.floats(0.05, 1.0),
+    reserve=st.floats(0.0, 0.1),
+)
+def test_property_attempts_stay_within_budget_and_inside_the_deadline_minus_reserve(
+    outcomes: list[tuple[str, float]],
+    calls: int,
+    request_deadline: float,
+    timeout: float,
+    reserve: float,
+) -> None:
+    """R3/R4/D4/D5: through a Dependency, retries never exceed ratio x originals + minimum,
+    no attempt runs past ``request deadline - reserve`` (it is cancelled), and no attempt
+    starts with less than ``min_useful`` left."""
+    ratio, minimum, window = 0.25, 0.002, 1000.0  # the minimum: 2 retries per run
+    min_useful = 0.02
+    dep = Dependency(
+        "prop",
+        timeout=timeout,
+        reserve=reserve,
+        min_useful=min_useful,
+        retry=RetryPolicy(
+            4,
+            budget=RetryBudget(ratio=ratio, min_per_second=minimum, window=window),
+            backoff=ExponentialBackoff(0.02, cap=0.5, rng=random.Random(0)),
+        ),
+    )
+    attempts = 0
+    violations: list[str] = []
+    script = iter(outcomes * 200)
+
+    async def fn(limit: float) -> str:
+        nonlocal attempts
+        attempts += 1
+        loop = asyncio.get_running_loop()
+        left = brownout.remaining()
+        assert left is not None
+        if left < min_useful - 1e-9:
+            violations.append(f"started with {left:.3f} s left")
+        kind, latency = next(script)
+        try:
+            await asyncio.sleep(latency)
+        finally:
+            if loop.time() > limit + 1e-6:
+                violations.append("ran past deadline - reserve")
+        if kind == "503":
+            raise ResponseError(503)
+        if kind == "reset":
+            raise ConnectionResetError
+        if kind == "422":
+            raise ResponseError(422)
+        return kind
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(calls):
+            limit = loop.time() + request_deadline - reserve
+            try:
+                async with brownout.deadline(request_deadline):
+                    await dep.call(fn, limit, idempotent=True)
+            except (brownout.BrownoutError, ResponseError, ConnectionError, TimeoutError):
+                pass
+
+    loop = looptime.new_event_loop(start=0.0)
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert violations == []
+    assert attempts - calls <= ratio * calls + minimum * window
+    assert attempts <= 4 * calls

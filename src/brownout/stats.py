@@ -519,14 +519,20 @@ class Stats:
     def _offered(self, e: RequestOffered) -> None:
         labels = self._count("offered", e)
         if e.remaining is not None:
-            self._hist(self.remaining_on_arrival, labels[0]).observe(e.remaining)
+            h = self.remaining_on_arrival.get(labels[0])
+            if h is None:
+                h = self._hist(self.remaining_on_arrival, labels[0])
+            h.observe(e.remaining)
 
     def _queued(self, e: RequestQueued) -> None:
         self._count("queued", e)
 
     def _admitted(self, e: RequestAdmitted) -> None:
         labels = self._count("admitted", e)
-        self._hist(self.queue_wait, labels[0]).observe(e.queue_wait)
+        h = self.queue_wait.get(labels[0])
+        if h is None:
+            h = self._hist(self.queue_wait, labels[0])
+        h.observe(e.queue_wait)
 
     def _shed(self, e: RequestShed) -> None:
         reason = e.reason.value
@@ -542,7 +548,11 @@ class Stats:
     def _completed(self, e: RequestCompleted) -> None:
         if e.useful:
             labels = self._count("completed", e)
-            self._hist(self.success_latency, (labels[1], labels[2])).observe(e.latency)
+            key = (labels[1], labels[2])
+            h = self.success_latency.get(key)
+            if h is None:
+                h = self._hist(self.success_latency, key)
+            h.observe(e.latency)
         else:
             self._count("completed_late", e)
 

@@ -31,11 +31,13 @@ from .priority import Priority
 __all__ = [
     "DeadlineScope",
     "RequestContext",
+    "attach",
     "bind",
     "check_deadline",
     "current",
     "current_deadline",
     "deadline",
+    "detach",
     "remaining",
     "request",
 ]
@@ -102,13 +104,24 @@ class RequestContext(_ContextSlots):
 
     def replace(self, **changes: Any) -> RequestContext:
         """A copy with some fields changed. A new ``deadline`` can only shorten the current one."""
-        fields = {name: getattr(self, name) for name in _ContextSlots.__slots__}
-        if "deadline" in changes:
-            new = changes.pop("deadline")
-            old = self.deadline
-            changes["deadline"] = old if new is None else new.earliest(old)
-        fields.update(changes)
-        return RequestContext(**fields)
+        new = _NEW(_ContextBuilder)
+        new.deadline = self.deadline
+        new.priority = self.priority
+        new.caller = self.caller
+        new.operation = self.operation
+        new.attempt = self.attempt
+        new.idempotency_key = self.idempotency_key
+        new.in_progress = self.in_progress
+        new.started_at = self.started_at
+        for name, value in changes.items():
+            if name == "deadline":
+                old = self.deadline
+                value = old if value is None else value.earliest(old)
+            elif name not in _FIELDS:
+                raise TypeError(f"RequestContext has no field {name!r}")
+            _SET(new, name, value)
+        new.__class__ = RequestContext  # type: ignore[assignment]
+        return new  # type: ignore[return-value]
 
     def _with_deadline(self, deadline: Deadline | None) -> RequestContext:
         # The hot path of every deadline scope: a copy with only the deadline changed. Filling
@@ -142,10 +155,27 @@ class _ContextBuilder(_ContextSlots):
     __slots__ = ()
 
 
+_FIELDS = frozenset(_ContextSlots.__slots__)
+
+
 _EMPTY = RequestContext()
 _current: contextvars.ContextVar[RequestContext] = contextvars.ContextVar(
     "brownout_request", default=_EMPTY
 )
+
+
+def attach(ctx: RequestContext) -> contextvars.Token[RequestContext]:
+    """Make ``ctx`` the current request context; returns a token for `detach`.
+
+    Low level, for adapters and retry loops on hot paths; application code uses the scopes.
+    Unlike a scope, this does not enforce the deadline.
+    """
+    return _current.set(ctx)
+
+
+def detach(token: contextvars.Token[RequestContext]) -> None:
+    """Restore the request context that was current before `attach`."""
+    _current.reset(token)
 
 
 def current() -> RequestContext:

@@ -196,3 +196,23 @@ async def test_request_scope_sets_fields_and_enforces_deadline() -> None:
             assert ctx.caller == "x" and ctx.operation == "op"
             await asyncio.sleep(1)
     assert brownout.current().caller == "unknown"
+
+
+def test_replace_validates_fields_and_only_shortens() -> None:
+    base = RequestContext(caller="a", deadline=brownout.Deadline.after(1.0))
+    changed = base.replace(caller="b", attempt=3)
+    assert (changed.caller, changed.attempt, changed.deadline) == ("b", 3, base.deadline)
+    assert base.caller == "a"
+    with pytest.raises(TypeError, match="no field"):
+        base.replace(colour="red")
+    with pytest.raises(AttributeError):
+        changed.caller = "c"  # type: ignore[misc]
+
+
+def test_attach_and_detach() -> None:
+    from brownout.context import attach, detach
+
+    token = attach(RequestContext(caller="low-level"))
+    assert brownout.current().caller == "low-level"
+    detach(token)
+    assert brownout.current().caller == "unknown"

@@ -29,8 +29,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ..clock import Clock, default_clock
-from ..context import DeadlineScope, RequestContext, current, current_deadline
-from ..context import _current as _context_var
+from ..context import DeadlineScope, RequestContext, attach, current, current_deadline, detach
 from ..errors import Rejected, UnknownOutcome
 from ..events import AttemptRetried, EventHub, OutcomeUnknown, RetryBudgetExhausted, hub
 from .backoff import Backoff, ExponentialBackoff
@@ -67,27 +66,16 @@ def enter_attempt(attempt: int, key: str | None) -> contextvars.Token[RequestCon
     hot path (no deadline change, no cancellation). Returns the token for `exit_attempt`, or
     ``None`` when the context already says so.
     """
-    parent = _context_var.get()
+    parent = current()
     if parent.attempt == attempt and parent.idempotency_key == key:
         return None
-    return _context_var.set(
-        RequestContext(
-            deadline=parent.deadline,
-            priority=parent.priority,
-            caller=parent.caller,
-            operation=parent.operation,
-            attempt=attempt,
-            idempotency_key=key,
-            in_progress=parent.in_progress,
-            started_at=parent.started_at,
-        )
-    )
+    return attach(parent.replace(attempt=attempt, idempotency_key=key))
 
 
 def exit_attempt(token: contextvars.Token[RequestContext] | None) -> None:
     """Undo `enter_attempt`."""
     if token is not None:
-        _context_var.reset(token)
+        detach(token)
 
 
 class RetrySlots:

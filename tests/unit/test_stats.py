@@ -7,6 +7,8 @@ import gc
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from brownout import ManualClock, Priority, Reason
 from brownout.events import (
@@ -316,3 +318,19 @@ def test_histogram_quantiles_and_cumulative_shape():
     cum = h.cumulative()
     assert cum[-1] == (float("inf"), 100)
     assert all(a[1] <= b[1] for a, b in itertools.pairwise(cum))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    callers=st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=600),
+    cap=st.integers(min_value=1, max_value=6),
+    epoch=st.integers(min_value=1, max_value=50),
+)
+def test_top_k_never_loses_a_count_nor_exceeds_its_cap(callers, cap, epoch):
+    s = Stats(max_callers=cap, caller_epoch=epoch)
+    for c in callers:
+        s.emit(req(RequestOffered, caller=f"c{c}", remaining=None))
+    assert s.count("offered") == len(callers)
+    assert len(s.callers) <= cap
+    assert len({key[3] for key in s.counters}) <= cap + 1  # the slot holders and "other"
+    assert sum(s.count("offered", caller=c) for c in {key[3] for key in s.counters}) == len(callers)

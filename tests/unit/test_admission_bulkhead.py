@@ -452,3 +452,45 @@ async def test_estimator_learns_from_successes_only() -> None:
             await asyncio.sleep(5)
             raise ValueError
     assert b.estimator.estimate("op") == pytest.approx(0.05)
+
+
+async def test_expired_at_dequeue_is_dropped_without_any_timer() -> None:
+    # D7: the deadline is checked again when work leaves the queue (no timer has fired here:
+    # the clock is manual and jumped past the deadline)
+    clock = brownout.ManualClock(100.0)
+    b = Bulkhead("x", FixedLimit(1), FifoQueue(4, 5.0), clock=clock)
+    p = b.try_admit()
+    ran = False
+
+    async def waiter() -> None:
+        nonlocal ran
+        async with b.admit(deadline=Deadline.after(0.5, clock=clock)):
+            ran = True
+
+    t = asyncio.create_task(waiter())
+    await asyncio.sleep(0)
+    assert b.queue_depth == 1
+    clock.advance(0.6)
+    p.success()
+    with pytest.raises(Rejected) as info:
+        await t
+    assert info.value.reason is Reason.DEADLINE_EXPIRED
+    assert not ran and b.in_flight == 0 and b.queue.expired == 1
+
+
+async def test_too_short_for_estimate_at_dequeue() -> None:
+    clock = brownout.ManualClock(100.0)
+    est = LatencyEstimator(min_samples=1)
+    est.observe("op", 0.3)
+    b = Bulkhead("x", FixedLimit(1), FifoQueue(4, 5.0), clock=clock, estimator=est)
+    p = b.try_admit(operation="other")
+    t = asyncio.create_task(
+        b.admit(operation="op", deadline=Deadline.after(1.0, clock=clock)).__aenter__()
+    )
+    await asyncio.sleep(0)
+    assert b.queue_depth == 1
+    clock.advance(0.8)  # 200 ms left, the work needs 300 ms: refuse rather than run late
+    p.success()
+    with pytest.raises(Rejected) as info:
+        await t
+    assert info.value.reason is Reason.DEADLINE_TOO_SHORT

@@ -494,3 +494,35 @@ async def test_too_short_for_estimate_at_dequeue() -> None:
     with pytest.raises(Rejected) as info:
         await t
     assert info.value.reason is Reason.DEADLINE_TOO_SHORT
+
+
+@pytest.mark.parametrize("make", [brownout.Gradient2Limit, brownout.VegasLimit])
+async def test_adaptive_limit_finds_the_knee_through_the_bulkhead(make: type) -> None:
+    """The real async path on virtual time: 40 closed-loop clients, a server with 20 workers.
+    The limit settles near the knee (20) and throughput stays at capacity (A5)."""
+    import random
+    import statistics
+
+    workers = asyncio.Semaphore(20)
+    rng = random.Random(0)
+
+    async def server() -> None:
+        async with workers:
+            await asyncio.sleep(0.05 * (0.9 + 0.2 * rng.random()))
+
+    b = Bulkhead("s", make(probe_interval=5.0, rng=random.Random(1)), FifoQueue(100, 10.0))
+    loop = asyncio.get_running_loop()
+    stop = loop.time() + 12.0
+    seen: list[tuple[float, int]] = []
+
+    async def client() -> None:
+        while loop.time() < stop:
+            async with b.admit():
+                await server()
+            seen.append((loop.time(), b.limit))
+
+    await asyncio.gather(*(client() for _ in range(40)))
+    late = [lim for t, lim in seen if t > 6.0]
+    assert 16 <= statistics.median(late) <= 30
+    throughput = len(late) / (stop - 6.0)
+    assert throughput >= 0.8 * 20 / 0.05

@@ -1,0 +1,81 @@
+"""Per-operation latency estimates (D7) and the bulkhead's accounting in Stats (O1, S8)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from brownout import (
+    Bulkhead,
+    Deadline,
+    EventHub,
+    FifoQueue,
+    FixedLimit,
+    LatencyEstimator,
+    Priority,
+    Rejected,
+    Stats,
+)
+
+
+def test_estimate_needs_min_samples_then_tracks_the_mean() -> None:
+    est = LatencyEstimator(alpha=0.5, min_samples=3)
+    est.observe("op", 0.1)
+    est.observe("op", 0.1)
+    assert est.estimate("op") is None
+    est.observe("op", 0.1)
+    assert est.estimate("op") == pytest.approx(0.1)
+    for _ in range(20):
+        est.observe("op", 0.3)
+    assert est.estimate("op") == pytest.approx(0.3, rel=1e-3)
+    assert est.estimate("unknown") is None
+
+
+def test_k_widens_by_deviation() -> None:
+    est = LatencyEstimator(alpha=0.2, k=2.0, min_samples=1)
+    for i in range(200):
+        est.observe("op", 0.1 if i % 2 else 0.3)
+    estimate = est.estimate("op")
+    assert estimate is not None and estimate > 0.3
+
+
+def test_operations_are_bounded() -> None:
+    est = LatencyEstimator(max_operations=3, min_samples=1)
+    for i in range(10):
+        est.observe(f"op{i}", 0.1)
+    assert len(est) == 3
+    assert est.operations() == ["op7", "op8", "op9"]
+    with pytest.raises(ValueError):
+        LatencyEstimator(alpha=0)
+
+
+@pytest.mark.looptime
+async def test_bulkhead_decisions_are_counted_in_stats() -> None:
+    events = EventHub()
+    stats = Stats()
+    events.subscribe(stats)
+    b = Bulkhead("db", FixedLimit(1), FifoQueue(max_size=1, max_wait=0.5), events=events)
+
+    async def work(priority: Priority, seconds: float) -> None:
+        async with b.admit(priority=priority, operation="q", caller="web"):
+            await asyncio.sleep(seconds)
+
+    results = await asyncio.gather(
+        work(Priority.CRITICAL, 1.0),  # runs
+        work(Priority.SHEDDABLE, 0.1),  # queues, then times out after 0.5 s
+        work(Priority.SHEDDABLE, 0.1),  # queue full
+        return_exceptions=True,
+    )
+    assert [type(r) for r in results] == [type(None), Rejected, Rejected]
+    async with b.admit(operation="q", deadline=Deadline.after(2.0)):
+        await asyncio.sleep(0.1)
+    assert stats.count("offered") == 4
+    assert stats.count("admitted") == 2
+    assert stats.count("queued") == 1
+    assert stats.count("shed", reason="queue_timeout", priority="sheddable") == 1
+    assert stats.count("shed", reason="queue_full") == 1
+    assert stats.count("shed_false_positive") == 0  # S8
+    assert stats.count("completed", operation="q", caller="web") == 1
+    assert stats.count("completed") == 2
+    assert stats.latency(operation="q").count == 2

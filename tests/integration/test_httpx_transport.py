@@ -1,0 +1,292 @@
+"""`BrownoutTransport` against a real uvicorn server with a real httpx client.
+
+Requirements: D2 (remaining budget travels as a duration), D4 (min(timeout, remaining -
+reserve); refused before sending), D5 (the attempt is cut at its budget), D6 (a sent mutation
+that times out is an unknown outcome, with its key), R1 (``brownout-retry: never`` is not
+retried; giving up raises RetriesExhausted), R2 (429/502/503/504 and connection failures before
+sending are retried; 500 and 4xx are not), R4, R5 (same key, growing attempt number), S2
+(Retry-After honoured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import brownout
+from brownout import Dependency, Priority, Reason, Rejected, RetryPolicy, UnknownOutcome
+from brownout.integrations.httpx import BrownoutTransport
+from brownout.retry import (
+    ExponentialBackoff,
+    InMemoryOutcomeLedger,
+    RetriesExhausted,
+    StopReason,
+    TransientError,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class Seen:
+    """What the server received, per request."""
+
+    headers: list[dict[str, str]] = field(default_factory=list)
+    bodies: list[bytes] = field(default_factory=list)
+    script: list[tuple[int, dict[str, str]]] = field(default_factory=list)
+    """Answers to give, in order (status, headers); 200 once exhausted."""
+    delay: float = 0.0
+
+
+def build_app(seen: Seen) -> Starlette:
+    async def echo(request: Request) -> Response:
+        seen.headers.append(dict(request.headers))
+        seen.bodies.append(await request.body())
+        if seen.delay:
+            await asyncio.sleep(seen.delay)
+        if seen.script:
+            status, headers = seen.script.pop(0)
+            return JSONResponse({"status": status}, status_code=status, headers=headers)
+        return JSONResponse({"ok": True})
+
+    return Starlette(routes=[Route("/echo", echo, methods=["GET", "POST", "PUT", "DELETE"])])
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Any) -> AsyncIterator[str]:
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        for _ in range(500):
+            if server.started:
+                break
+            await asyncio.sleep(0.01)
+        assert server.started, "uvicorn did not start"
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        server.force_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[str, Seen]]:
+    seen = Seen()
+    async with serve(build_app(seen)) as base:
+        yield base, seen
+
+
+def fast_retries(attempts: int = 3, **kw: Any) -> RetryPolicy:
+    return RetryPolicy(attempts, backoff=ExponentialBackoff(0.001, cap=0.005), **kw)
+
+
+def client(base: str, dep: Dependency, **kw: Any) -> httpx.AsyncClient:
+    transport = BrownoutTransport(httpx.AsyncHTTPTransport(), dependency=dep, **kw)
+    return httpx.AsyncClient(base_url=base, transport=transport)
+
+
+async def test_sends_budget_priority_key_and_attempt(server: tuple[str, Seen]) -> None:
+    base, seen = server
+    dep = Dependency("echo", timeout=1.0, reserve=0.1)
+    async with client(base, dep) as http:
+        async with brownout.request(deadline=2.0, priority=Priority.SHEDDABLE):
+            r = await http.get("/echo")
+            assert r.status_code == 200 and r.json() == {"ok": True}
+        async with brownout.deadline(0.5):
+            r = await http.post("/echo", json={"amount": 1})
+    get, post = seen.headers
+    assert 900 < int(get["brownout-budget-ms"]) <= 1000  # min(timeout 1.0, 2.0 - 0.1) (D4)
+    assert get["brownout-priority"] == "sheddable"
+    assert "idempotency-key" not in get and "brownout-attempt" not in get
+    assert 300 < int(post["brownout-budget-ms"]) <= 400  # min(1.0, 0.5 - 0.1)
+    assert post["idempotency-key"]  # a mutation is keyed (R5)
+    assert "brownout-priority" not in post  # CRITICAL is the default, not sent
+
+
+async def test_no_deadline_sends_the_dependency_timeout(server: tuple[str, Seen]) -> None:
+    base, seen = server
+    async with client(base, Dependency("echo", timeout=0.75)) as http:
+        await http.get("/echo")
+    assert 700 < int(seen.headers[0]["brownout-budget-ms"]) <= 750
+
+
+async def test_refuses_before_sending_when_too_little_time_is_left(
+    server: tuple[str, Seen],
+) -> None:
+    base, seen = server
+    dep = Dependency("echo", timeout=1.0, reserve=0.02, min_useful=0.15)
+    async with client(base, dep) as http, brownout.deadline(0.1):
+        with pytest.raises(Rejected) as info:
+            await http.get("/echo")
+    assert info.value.reason is Reason.DEADLINE_TOO_SHORT
+    assert seen.headers == []  # nothing was sent (D4)
+
+
+async def test_retries_503_with_the_same_key_and_a_growing_attempt(
+    server: tuple[str, Seen],
+) -> None:
+    base, seen = server
+    seen.script = [(503, {"retry-after": "0"}), (502, {})]
+    dep = Dependency("echo", timeout=1.0, retry=fast_retries(3))
+    async with client(base, dep) as http:
+        r = await http.post("/echo", content=b"charge", headers={"idempotency-key": "k-1"})
+    assert r.status_code == 200
+    assert [h.get("brownout-attempt", "1") for h in seen.headers] == ["1", "2", "3"]
+    assert {h["idempotency-key"] for h in seen.headers} == {"k-1"}  # the caller's key (R5)
+    assert seen.bodies == [b"charge"] * 3
+
+
+async def test_streamed_request_body_is_replayed_on_retry(server: tuple[str, Seen]) -> None:
+    base, seen = server
+    seen.script = [(503, {})]
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"part-1,"
+        yield b"part-2"
+
+    async with client(base, Dependency("echo", retry=fast_retries(2))) as http:
+        r = await http.put("/echo", content=body())
+    assert r.status_code == 200
+    assert seen.bodies == [b"part-1,part-2"] * 2
+
+
+async def test_retry_after_is_honoured(server: tuple[str, Seen]) -> None:
+    base, seen = server
+    seen.script = [(429, {"retry-after": "1"})]
+    times: list[float] = []
+
+    class Clocked(httpx.AsyncHTTPTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            times.append(time.monotonic())
+            return await super().handle_async_request(request)
+
+    dep = Dependency("echo", retry=fast_retries(2))
+    async with httpx.AsyncClient(
+        base_url=base, transport=BrownoutTransport(Clocked(), dependency=dep)
+    ) as http:
+        r = await http.get("/echo")
+    assert r.status_code == 200
+    assert times[1] - times[0] >= 0.95  # waited for Retry-After, not the 5 ms backoff (S2)
+
+
+async def test_do_not_retry_marker_stops_retries_and_raises(server: tuple[str, Seen]) -> None:
+    base, seen = server
+    seen.script = [(503, {"brownout-retry": "never"})] * 3
+    async with client(base, Dependency("echo", retry=fast_retries(3))) as http:
+        with pytest.raises(RetriesExhausted) as info:
+            await http.get("/echo")
+    assert len(seen.headers) == 1  # R1: never retried
+    assert info.value.stopped_by is StopReason.DO_NOT_RETRY
+    response = info.value.response
+    assert isinstance(response, httpx.Response) and response.status_code == 503
+
+
+async def test_giving_up_raises_retries_exhausted_or_returns_the_last_answer(
+    server: tuple[str, Seen],
+) -> None:
+    base, seen = server
+    seen.script = [(503, {})] * 6
+    async with client(base, Dependency("echo", retry=fast_retries(3))) as http:
+        with pytest.raises(RetriesExhausted) as info:
+            await http.get("/echo")
+    assert info.value.attempts == 3 and info.value.reason is Reason.DO_NOT_RETRY
+    async with client(base, Dependency("e", retry=fast_retries(3)), return_exhausted=True) as http:
+        r = await http.get("/echo")
+    assert r.status_code == 503 and r.json() == {"status": 503}  # body still readable
+    assert len(seen.headers) == 6
+
+
+async def test_non_retryable_answers_are_returned_unretried(server: tuple[str, Seen]) -> None:
+    base, seen = server
+    seen.script = [(500, {}), (404, {}), (503, {})]
+    async with client(base, Dependency("echo", retry=fast_retries(3))) as http:
+        assert (await http.get("/echo")).status_code == 500
+        assert (await http.get("/echo")).status_code == 404
+    async with client(base, Dependency("no-retries")) as http:  # not a retry layer
+        r = await http.get("/echo")
+        assert r.status_code == 503 and r.json() == {"status": 503}
+    assert len(seen.headers) == 3
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_connection_refused_is_transient_and_not_sent() -> None:
+    dep = Dependency("down", timeout=1.0, retry=fast_retries(3, idempotency_keys=False))
+    async with client(f"http://127.0.0.1:{closed_port()}", dep) as http:
+        with pytest.raises(RetriesExhausted) as info:
+            await http.post("/echo", content=b"x")  # unkeyed mutation: resent, never left
+    assert info.value.attempts == 3
+    assert isinstance(info.value.error, TransientError) and info.value.error.sent is False
+
+
+async def test_attempt_is_cut_at_its_budget(server: tuple[str, Seen]) -> None:
+    base, seen = server
+    seen.delay = 2.0
+    async with client(base, Dependency("slow", timeout=0.2)) as http:
+        started = time.monotonic()
+        with pytest.raises((TimeoutError, TransientError)):  # DeadlineExceeded or ReadTimeout
+            await http.get("/echo")
+    assert time.monotonic() - started < 1.0  # D5: not the server's 2 s
+
+
+async def test_sent_mutation_that_times_out_is_an_unknown_outcome(
+    server: tuple[str, Seen],
+) -> None:
+    base, seen = server
+    seen.delay = 2.0
+    ledger = InMemoryOutcomeLedger()
+    dep = Dependency("slow", timeout=0.2, retry=fast_retries(2), ledger=ledger)
+    async with client(base, dep) as http:
+        with pytest.raises(UnknownOutcome) as info:
+            await http.post("/echo", json={"amount": 5})
+    key = info.value.idempotency_key
+    assert key is not None
+    assert [h["idempotency-key"] for h in seen.headers] == [key, key]  # keyed retry, same key
+    assert [r.key for r in await ledger.pending()] == [key]  # D6
+
+
+async def test_request_extension_marks_a_post_idempotent(server: tuple[str, Seen]) -> None:
+    base, seen = server
+    async with client(base, Dependency("echo")) as http:
+        await http.post("/echo", content=b"q", extensions={"brownout.idempotent": True})
+    assert "idempotency-key" not in seen.headers[0]
+
+
+async def test_wraps_any_object_with_handle_async_request(server: tuple[str, Seen]) -> None:
+    """Only the transport interface is used: a duck-typed transport (httpx2 style) works."""
+    base, seen = server
+    calls: list[str] = []
+
+    class Minimal:
+        def __init__(self) -> None:
+            self.inner = httpx.AsyncHTTPTransport()
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            calls.append(request.method)
+            return await self.inner.handle_async_request(request)
+
+    minimal = Minimal()
+    transport = BrownoutTransport(minimal, dependency=Dependency("echo", timeout=1.0))
+    async with httpx.AsyncClient(base_url=base, transport=transport) as http:
+        assert (await http.get("/echo")).status_code == 200
+    await minimal.inner.aclose()
+    assert calls == ["GET"] and "brownout-budget-ms" in seen.headers[0]

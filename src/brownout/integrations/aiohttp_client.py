@@ -1,0 +1,139 @@
+"""aiohttp client middleware: every request through a `Dependency` (D2, D4, D5, D6, R1-R5).
+
+::
+
+    session = aiohttp.ClientSession(middlewares=(BrownoutClientMiddleware(payments),))
+
+Uses aiohttp's client middlewares (aiohttp 3.12+). Behaves like the httpx adapter
+(`brownout.integrations.httpx`): each attempt gets its budget from the dependency
+(``min(timeout, remaining - reserve)``), refused with `brownout.Rejected`
+(``DEADLINE_TOO_SHORT``) before anything is sent when too little is left; it sends the budget
+(``brownout-budget-ms``), priority, attempt number and idempotency key; the dependency's
+deadline scope cancels the attempt at the end of its budget (a middleware cannot change the
+session's ``ClientTimeout``, whose timer is already running; cancellation is the stronger
+bound). 429/502/503/504 are retried with ``Retry-After`` honoured, ``brownout-retry: never``
+is never retried, connection failures before sending are transient, and a mutation (any
+method but GET, HEAD, OPTIONS, TRACE) that was sent and never answered raises
+`brownout.UnknownOutcome` with its idempotency key.
+
+The caller gets the response for answers this layer does not retry, and
+`brownout.retry.RetriesExhausted` when it retried and gave up (``return_exhausted=True``
+returns the last response instead). Error responses (5xx, 429) are read before they are
+returned, which frees their connection for the retry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from aiohttp import (
+    ClientConnectionError,
+    ClientConnectorError,
+    ClientHandlerType,
+    ClientPayloadError,
+    ClientRequest,
+    ClientResponse,
+    ConnectionTimeoutError,
+)
+
+from ..context import current
+from ..dependency import Dependency
+from ..priority import Priority
+from ..propagation import (
+    ATTEMPT_HEADER,
+    BUDGET_HEADER,
+    IDEMPOTENCY_HEADER,
+    PRIORITY_HEADER,
+    SIGNED_BUDGET_HEADER,
+    BudgetSigner,
+    encode_budget_ms,
+)
+from ..retry.classify import ResponseError, RetriesExhausted, TransientError, parse_pushback
+
+__all__ = ["SAFE_METHODS", "BrownoutClientMiddleware"]
+
+SAFE_METHODS: frozenset[str] = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+"""Methods without side effects (RFC 9110): retried freely, never an unknown outcome."""
+
+# Failures that prove the request never left this process: resending cannot apply it twice.
+_NOT_SENT = (ClientConnectorError, ConnectionTimeoutError)
+# Failures after the request may have reached the server (includes the socket read timeout).
+_MAYBE_SENT = (ClientConnectionError, ClientPayloadError)
+
+
+class BrownoutClientMiddleware:
+    """An aiohttp client middleware applying a `Dependency`'s budget, guards and retries.
+
+    ``dependency``: the downstream's `Dependency` (default: one named ``name`` with no timeout
+    and no retries, which still propagates deadlines and records unknown outcomes).
+    ``safe_methods``: methods treated as free of side effects. ``signer``: also send a signed
+    budget for a callee outside the trust boundary (D3).
+    """
+
+    __slots__ = ("dependency", "return_exhausted", "safe_methods", "signer")
+
+    def __init__(
+        self,
+        dependency: Dependency | None = None,
+        *,
+        name: str = "http",
+        safe_methods: Collection[str] = SAFE_METHODS,
+        signer: BudgetSigner | None = None,
+        return_exhausted: bool = False,
+    ) -> None:
+        self.dependency = dependency if dependency is not None else Dependency(name)
+        self.safe_methods = frozenset(m.upper() for m in safe_methods)
+        self.signer = signer
+        self.return_exhausted = return_exhausted
+
+    async def __call__(self, request: ClientRequest, handler: ClientHandlerType) -> ClientResponse:
+        try:
+            return await self.dependency.call(
+                self._attempt,
+                request,
+                handler,
+                idempotent=request.method in self.safe_methods,
+                idempotency_key=request.headers.get(IDEMPOTENCY_HEADER),
+            )
+        except ResponseError as answer:
+            # An answer this layer does not retry: the caller gets it as a response.
+            if isinstance(answer.response, ClientResponse):
+                return answer.response
+            raise
+        except RetriesExhausted as gave_up:
+            response = gave_up.response
+            if self.return_exhausted and isinstance(response, ClientResponse):
+                return response
+            raise
+
+    async def _attempt(self, request: ClientRequest, handler: ClientHandlerType) -> ClientResponse:
+        ctx = current()
+        headers = request.headers
+        deadline = ctx.deadline
+        if deadline is not None:
+            budget = deadline.remaining()
+            headers[BUDGET_HEADER] = encode_budget_ms(budget)
+            if self.signer is not None:
+                headers[SIGNED_BUDGET_HEADER] = self.signer.sign(budget)
+        if ctx.priority is not Priority.CRITICAL:
+            headers[PRIORITY_HEADER] = ctx.priority.label
+        if ctx.attempt != 1:
+            headers[ATTEMPT_HEADER] = str(ctx.attempt)
+        key = ctx.idempotency_key
+        if key is not None:
+            headers[IDEMPOTENCY_HEADER] = key
+        try:
+            response = await handler(request)
+        except _NOT_SENT as e:
+            raise TransientError(f"{type(e).__name__}: {e}", sent=False) from e
+        except _MAYBE_SENT as e:
+            raise TransientError(f"{type(e).__name__}: {e}", sent=True) from e
+        status = response.status
+        if status < 500 and status != 429:
+            return response
+        try:
+            await response.read()  # frees the connection; the body stays readable
+        finally:
+            response.release()
+        retry_after, never = parse_pushback(response.headers)
+        raise ResponseError(status, retry_after=retry_after, do_not_retry=never, response=response)

@@ -1,0 +1,348 @@
+"""The lab's report: a table per scenario (console, Markdown, HTML), PNG plots and raw JSON.
+
+Everything renders from the raw result dict of `brownout.lab.runner.run_lab`, so a report
+can be rebuilt from ``lab-report/report.json`` alone. Success latency and refusal latency sit
+in separate columns (O3); "expired" counts requests whose deadline ran out anywhere (client
+timeouts, sent or not, and 504s).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .verdict import evaluate, targets
+
+__all__ = [
+    "COLUMNS",
+    "markdown",
+    "scenario_rows",
+    "write_markdown",
+    "write_report",
+]
+
+COLUMNS = (
+    "configuration",
+    "step",
+    "offered/s",
+    "goodput/s",
+    "% cap",
+    "shed (reasons)",
+    "expired",
+    "ok p50/p99 ms",
+    "refusal p50 ms",
+    "by class: goodput/offered per s",
+    "conns opened",
+    "gen late p99 ms",
+)
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def _reasons(steady: dict[str, Any]) -> str:
+    parts = [f"{n} {k}" for k, n in steady["shed_reasons"].items()]
+    other = steady["other_status"] + steady["errors"]
+    if other:
+        parts.append(f"{other} other/errors")
+    return ", ".join(parts) if parts else "0"
+
+
+def _classes(step: dict[str, Any]) -> str:
+    out = []
+    for name, c in step["classes"].items():
+        text = f"{name} {c['goodput_per_s']:.0f}/{c['offered_per_s']:.0f}"
+        if name == "health" and c["success_p99_ms"] is not None:
+            text += f" (p99 {c['success_p99_ms']:.1f} ms)"
+        out.append(text)
+    return "; ".join(out)
+
+
+def _titles(lab: dict[str, Any]) -> dict[str, str]:
+    return {c["name"]: c["title"] for c in lab["configurations"]}
+
+
+def scenario_rows(lab: dict[str, Any], scenario: str) -> list[list[str]]:
+    """The table rows of one scenario, one per (configuration, step), in `COLUMNS` order."""
+    capacity = float(lab["calibration"]["capacity"]) or 1.0
+    titles = _titles(lab)
+    rows: list[list[str]] = []
+    for run in lab["runs"]:
+        if run["scenario"] != scenario:
+            continue
+        for step in run["steps"]:
+            s = step["steady"]
+            rows.append(
+                [
+                    titles.get(run["configuration"], run["configuration"]),
+                    step["label"],
+                    _num(s["offered_per_s"]),
+                    _num(s["goodput_per_s"]),
+                    f"{100 * s['goodput_per_s'] / capacity:.0f}%",
+                    f"{s['refused']:,} ({_reasons(s)})",
+                    f"{s['expired']:,}",
+                    f"{_num(s['success_p50_ms'], 1)} / {_num(s['success_p99_ms'], 1)}",
+                    _num(s["refusal_p50_ms"], 1),
+                    _classes(step),
+                    f"{step['connections_opened']:,}",
+                    f"{step['lateness_p99_ms']:.1f}" + ("" if step["valid"] else " (late!)"),
+                ]
+            )
+    return rows
+
+
+def _scenarios(lab: dict[str, Any]) -> list[dict[str, Any]]:
+    present = {r["scenario"] for r in lab["runs"]}
+    return [s for s in lab["scenarios"] if s["name"] in present]
+
+
+def print_tables(lab: dict[str, Any], console: Any) -> None:
+    """Print one rich table per scenario, then the verdict."""
+    from rich.table import Table
+
+    cal = lab["calibration"]
+    console.print(
+        f"[bold]capacity[/] {cal['capacity']:.0f} req/s (closed-loop calibration), "
+        f"service time {cal['service_time'] * 1000:.1f} ms, "
+        f"client deadline {lab['settings']['deadline'] * 1000:.0f} ms"
+    )
+    for sc in _scenarios(lab):
+        table = Table(title=f"{sc['title']}: {sc['description']}", title_justify="left")
+        for col in COLUMNS:
+            table.add_column(col, overflow="fold")
+        for row in scenario_rows(lab, sc["name"]):
+            table.add_row(*row)
+        console.print(table)
+    checks = evaluate(lab)
+    for c in checks:
+        mark = "[green]PASS[/]" if c["passed"] else "[red]FAIL[/]"
+        late = " [yellow](generator late)[/]" if c["generator_late"] else ""
+        console.print(
+            f"{mark} {c['configuration']} / {c['scenario']} / {c['step']}: {c['check']}: "
+            f"{c['value']} {c['unit']} (limit {c['limit']}){late}"
+        )
+    for c in targets(lab):
+        mark = "[green]met[/]" if c["passed"] else "[yellow]missed[/]"
+        console.print(
+            f"target {mark}: {c['configuration']} at {c['step']}: {c['check']}: "
+            f"{c['value']} {c['unit']} (target {c['limit']})"
+        )
+
+
+# -- plots ---------------------------------------------------------------------------------------
+
+
+def _plot(lab: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    titles = _titles(lab)
+    capacity = float(lab["calibration"]["capacity"])
+    written: list[str] = []
+    ramp = [r for r in lab["runs"] if r["scenario"] == "ramp"]
+    if ramp:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        top = max(s["steady"]["offered_per_s"] for r in ramp for s in r["steps"])
+        ax.plot([0, top], [0, top], color="0.85", linestyle=":", label="offered")
+        ax.axhline(capacity, color="0.6", linestyle="--", label="capacity")
+        for run in ramp:
+            xs = [s["steady"]["offered_per_s"] for s in run["steps"]]
+            ys = [s["steady"]["goodput_per_s"] for s in run["steps"]]
+            ax.plot(xs, ys, marker="o", label=titles.get(run["configuration"]))
+        ax.set_xscale("log")
+        ax.set_xlabel("offered load (requests/s, log)")
+        ax.set_ylabel("goodput (2xx within deadline, requests/s)")
+        ax.set_ylim(0, capacity * 1.3)
+        ax.set_title("Goodput vs offered load")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "goodput.png", dpi=110)
+        plt.close(fig)
+        written.append("goodput.png")
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for run in ramp:
+            pts = [
+                (s["steady"]["offered_per_s"], s["steady"]["success_p50_ms"], s)
+                for s in run["steps"]
+                if s["steady"]["success_p50_ms"] is not None
+            ]
+            if not pts:
+                continue
+            (line,) = ax.plot(
+                [p[0] for p in pts],
+                [p[2]["steady"]["success_p99_ms"] for p in pts],
+                marker="o",
+                label=f"{titles.get(run['configuration'])} p99",
+            )
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker=".",
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{titles.get(run['configuration'])} p50",
+            )
+        ax.axhline(
+            lab["settings"]["deadline"] * 1000, color="0.6", linestyle="--", label="deadline"
+        )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("offered load (requests/s, log)")
+        ax.set_ylabel("success latency (ms, log)")
+        ax.set_title("Success latency vs offered load (refusals excluded)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "latency.png", dpi=110)
+        plt.close(fig)
+        written.append("latency.png")
+
+    for sc in _scenarios(lab):
+        if sc["name"] == "ramp":
+            continue
+        runs = [r for r in lab["runs"] if r["scenario"] == sc["name"]]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for run in runs:
+            width = run["bin_seconds"]
+            xs = [i * width for i in range(len(run["timeline"]))]
+            ys = [b["ok"] / width for b in run["timeline"]]
+            ax.plot(xs, ys, label=titles.get(run["configuration"]))
+        ax.axhline(capacity, color="0.6", linestyle="--", label="capacity")
+        if runs:
+            for step in runs[0]["steps"]:
+                ax.axvline(step["start"], color="0.85", linewidth=0.8)
+                ax.text(step["start"], capacity * 1.22, step["label"], fontsize=7)
+        ax.set_ylim(0, capacity * 1.3)
+        ax.set_xlabel("seconds since the plan started")
+        ax.set_ylabel("goodput (requests/s)")
+        ax.set_title(f"{sc['title']}: goodput over time")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        name = f"timeline-{sc['name']}.png"
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+    return written
+
+
+# -- Markdown and HTML ---------------------------------------------------------------------------
+
+
+def _verdict_lines(lab: dict[str, Any]) -> list[str]:
+    lines = []
+    for c in evaluate(lab):
+        mark = "PASS" if c["passed"] else "**FAIL**"
+        late = " (generator late: measurement suspect)" if c["generator_late"] else ""
+        lines.append(
+            f"- {mark} {c['configuration']} / {c['scenario']} / {c['step']}: {c['check']}: "
+            f"{c['value']} {c['unit']} (limit {c['limit']}){late}"
+        )
+    for c in targets(lab):
+        mark = "met" if c["passed"] else "missed"
+        lines.append(
+            f"- target {mark}: {c['configuration']} at {c['step']}: {c['check']}: "
+            f"{c['value']} {c['unit']} (target {c['limit']})"
+        )
+    return lines
+
+
+def markdown(
+    lab: dict[str, Any],
+    images: list[str],
+    image_prefix: str = "",
+    command: str | None = None,
+) -> str:
+    """The report as Markdown (what `docs/lab.md` commits)."""
+    cal = lab["calibration"]
+    st = lab["settings"]
+    out = ["# The overload lab", ""]
+    if command:
+        out += ["Produced by:", "", "```", command, "```", ""]
+    out += [
+        f"Measured capacity: **{cal['capacity']:.0f} requests/s** (closed loop, concurrency "
+        f"doubled until throughput stopped growing); dependency service time "
+        f"{cal['service_time'] * 1000:.1f} ms; client deadline {st['deadline'] * 1000:.0f} ms; "
+        f"steps of {st['step_seconds']:g} s, the first {st['settle_seconds']:g} s of each left "
+        f"out of the figures; {st['arrivals']} arrivals.",
+        "",
+        "Columns: offered and goodput (2xx within the deadline) per second in steady state; "
+        "shed = 503/429 refusals with the reason the server named; expired = client timeouts "
+        "and 504s; success latency and refusal latency are separate; conns opened = new TCP "
+        "connections the client had to open; gen p99 late = how late the load generator itself "
+        "was (a step is suspect above 5 ms).",
+        "",
+    ]
+    for sc in _scenarios(lab):
+        out += [f"## {sc['title']}", "", sc["description"], ""]
+        out.append("| " + " | ".join(COLUMNS) + " |")
+        out.append("|" + "---|" * len(COLUMNS))
+        for row in scenario_rows(lab, sc["name"]):
+            out.append("| " + " | ".join(cell.replace("|", "/") for cell in row) + " |")
+        out.append("")
+        for img in images:
+            if (sc["name"] == "ramp" and not img.startswith("timeline-")) or img == (
+                f"timeline-{sc['name']}.png"
+            ):
+                out += [f"![{img}]({image_prefix}{img})", ""]
+    out += ["## Verdict", "", *_verdict_lines(lab), ""]
+    return "\n".join(out)
+
+
+def _html(lab: dict[str, Any], images: list[str]) -> str:
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>brownout lab</title>",
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;"
+        "font-size:12px}td,th{border:1px solid #ccc;padding:3px 6px}th{background:#eee}"
+        ".fail{color:#b00}</style></head><body><h1>brownout overload lab</h1>",
+    ]
+    cal = lab["calibration"]
+    parts.append(
+        f"<p>Capacity {cal['capacity']:.0f} req/s, service time "
+        f"{cal['service_time'] * 1000:.1f} ms, deadline "
+        f"{lab['settings']['deadline'] * 1000:.0f} ms.</p>"
+    )
+    for sc in _scenarios(lab):
+        parts.append(f"<h2>{html.escape(sc['title'])}</h2><p>{html.escape(sc['description'])}</p>")
+        parts.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS))
+        for row in scenario_rows(lab, sc["name"]):
+            parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
+        parts.append("</table>")
+        for img in images:
+            if (sc["name"] == "ramp" and not img.startswith("timeline-")) or img == (
+                f"timeline-{sc['name']}.png"
+            ):
+                parts.append(f"<p><img src='{html.escape(img)}'></p>")
+    parts.append("<h2>Verdict</h2><ul>")
+    for line in _verdict_lines(lab):
+        cls = " class='fail'" if "FAIL" in line else ""
+        parts.append(f"<li{cls}>{html.escape(line[2:].replace('**', ''))}</li>")
+    parts.append("</ul><p><a href='report.json'>raw JSON</a></p></body></html>")
+    return "\n".join(parts)
+
+
+def write_report(lab: dict[str, Any], out_dir: Path, command: str | None = None) -> list[Path]:
+    """Write report.json, the PNGs, index.html and report.md into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(lab, indent=1))
+    images = _plot(lab, out_dir)
+    (out_dir / "index.html").write_text(_html(lab, images))
+    (out_dir / "report.md").write_text(markdown(lab, images, command=command))
+    return [out_dir / n for n in ("report.json", "index.html", "report.md", *images)]
+
+
+def write_markdown(lab: dict[str, Any], report_dir: Path, path: Path, command: str) -> None:
+    """Write ``path`` (e.g. docs/lab.md) with the report's images copied beside it in lab/."""
+    images = sorted(p.name for p in report_dir.glob("*.png"))
+    image_dir = path.parent / path.stem
+    image_dir.mkdir(parents=True, exist_ok=True)
+    for name in images:
+        shutil.copyfile(report_dir / name, image_dir / name)
+    path.write_text(markdown(lab, images, image_prefix=f"{path.stem}/", command=command))

@@ -1,0 +1,336 @@
+"""Run the lab: calibrate, then every scenario against every configuration.
+
+The result is a plain, JSON-ready dict (see `run_lab`), so the report can be rendered, tested
+and re-rendered from the raw JSON without running anything.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .generator import (
+    AdminCall,
+    Calibration,
+    LoadPlan,
+    LoadStep,
+    PlanResult,
+    StepResult,
+    TrafficClass,
+)
+from .process import GeneratorProcess, usable_cpus
+from .protect import FIXED_LIMIT
+from .scenarios import SCENARIOS, Phase, Scenario
+from .servers import start_demo
+from .tally import Tally
+
+__all__ = [
+    "CONFIGURATIONS",
+    "Configuration",
+    "LabSettings",
+    "Target",
+    "plan_for",
+    "run_lab",
+    "summarize_plan",
+]
+
+UVICORN_LIMIT = 2 * FIXED_LIMIT
+"""``--limit-concurrency`` for the uvicorn configuration (counts connections, not requests)."""
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One way of running the front service."""
+
+    name: str
+    title: str
+    mode: str
+    limit_concurrency: int | None = None
+    brownout: bool = False
+    """True when brownout protects it: the lab's pass/fail invariants apply."""
+
+
+CONFIGURATIONS: dict[str, Configuration] = {
+    c.name: c
+    for c in (
+        Configuration("unprotected", "unprotected", "unprotected"),
+        Configuration(
+            "uvicorn-limit",
+            f"uvicorn --limit-concurrency {UVICORN_LIMIT}",
+            "unprotected",
+            limit_concurrency=UVICORN_LIMIT,
+        ),
+        Configuration("brownout-fixed", f"brownout FixedLimit({FIXED_LIMIT})", "fixed", None, True),
+        Configuration("brownout-adaptive", "brownout Gradient2Limit()", "adaptive", None, True),
+    )
+}
+
+
+@dataclass(frozen=True)
+class LabSettings:
+    """Timing of a run. The defaults fit a 2-core machine in under five minutes."""
+
+    deadline: float = 1.0
+    """Client deadline per request, seconds."""
+    step_seconds: float = 3.0
+    settle_seconds: float = 1.0
+    """Seconds at the start of each step excluded from steady-state figures."""
+    warmup_seconds: float = 1.5
+    calibration_seconds: float = 1.0
+    """Per concurrency level of the closed-loop calibration."""
+    arrivals: str = "constant"
+    max_connections: int = 1024
+    backend_concurrency: int = 8
+    backend_latency: float = 0.020
+    seed: int = 1
+
+    @classmethod
+    def quick(cls) -> LabSettings:
+        return cls(
+            deadline=0.5,
+            step_seconds=1.5,
+            settle_seconds=0.5,
+            warmup_seconds=0.5,
+            calibration_seconds=0.3,
+        )
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the traffic goes: the demo's front, or a user's own service (``--target``)."""
+
+    host: str
+    port: int
+    path: str
+    health_path: str | None = None
+
+
+def classes_for(target: Target) -> tuple[TrafficClass, ...]:
+    """Traffic classes: the demo has separate routes; a user's service gets one path."""
+    if target.path == "":
+        return (
+            TrafficClass("interactive", "/api/interactive"),
+            TrafficClass("batch", "/api/batch"),
+            TrafficClass("health", "/healthz"),
+        )
+    classes = [TrafficClass("interactive", target.path)]
+    if target.health_path:
+        classes.append(TrafficClass("health", target.health_path))
+    return tuple(classes)
+
+
+def plan_for(
+    scenario: Scenario,
+    settings: LabSettings,
+    capacity: float,
+    target: Target,
+    backend: tuple[str, int] | None,
+) -> LoadPlan:
+    """The generator's plan for ``scenario``: a warm-up, then each phase at its load."""
+    warmup = LoadStep(
+        "warm-up",
+        0.5 * capacity,
+        settings.warmup_seconds,
+        (("interactive", 1.0),),
+        measured=False,
+        arrivals=settings.arrivals,
+    )
+
+    def step(phase: Phase) -> LoadStep:
+        actions: tuple[AdminCall, ...] = ()
+        if phase.dependency is not None and backend is not None:
+            body = phase.dependency.body(settings.backend_latency, settings.backend_concurrency)
+            actions = (AdminCall(backend[0], backend[1], "/admin", dict(body)),)
+        return LoadStep(
+            phase.label,
+            phase.load * capacity,
+            settings.step_seconds * phase.steps,
+            phase.mix,
+            settle=settings.settle_seconds,
+            arrivals=settings.arrivals,
+            actions=actions,
+        )
+
+    return LoadPlan(
+        target.host,
+        target.port,
+        classes_for(target),
+        (warmup, *(step(p) for p in scenario.phases)),
+        settings.deadline,
+        max_connections=settings.max_connections,
+        seed=settings.seed,
+    )
+
+
+def summarize_step(step: StepResult, load: float) -> dict[str, Any]:
+    """A step as JSON: steady-state figures overall and per class, whole-step accounting."""
+    seconds = step.steady_seconds
+    steady = Tally.merged(step.steady.values())
+    whole = Tally.merged(step.whole.values())
+    return {
+        "label": step.label,
+        "load": load,
+        "rate": round(step.rate, 1),
+        "duration": step.duration,
+        "settle": step.settle,
+        "start": round(step.start, 3),
+        "steady_seconds": round(seconds, 3),
+        "valid": step.valid,
+        "lateness_p99_ms": round(step.lateness_p99 * 1000, 2),
+        "connections_opened": step.connections_opened,
+        "steady": steady.summary(seconds),
+        "classes": {name: t.summary(seconds) for name, t in sorted(step.steady.items())},
+        "whole": whole.summary(step.duration),
+    }
+
+
+def summarize_plan(result: PlanResult, scenario: Scenario) -> dict[str, Any]:
+    """The measured steps of a plan, each labelled with its load, plus the timeline."""
+    measured = [s for s in result.steps if s.measured]
+    steps = [summarize_step(s, p.load) for s, p in zip(measured, scenario.phases)]
+    return {
+        "steps": steps,
+        "timeline": result.timeline,
+        "bin_seconds": result.bin_seconds,
+        "connections_opened": result.connections_opened,
+        "unresolved": result.unresolved,
+    }
+
+
+def _backend_stats(url: str) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(url + "/admin/stats", timeout=2) as r:
+            stats: dict[str, Any] = json.loads(r.read())
+            return stats
+    except (OSError, ValueError):
+        return {}
+
+
+def cpu_layout() -> tuple[list[int], list[int], list[int]]:
+    """(generator, front, backend) cores: the generator alone on one core where possible."""
+    cpus = usable_cpus()
+    if len(cpus) >= 3:
+        return [cpus[0]], [cpus[1]], cpus[2:]
+    if len(cpus) == 2:
+        return [cpus[0]], [cpus[1]], [cpus[1]]
+    return cpus, cpus, cpus
+
+
+ProgressHook = Callable[[str, str, float, float], None]
+"""(configuration, scenario, seconds of schedule done, seconds of schedule in the plan)."""
+
+
+def run_lab(
+    settings: LabSettings,
+    configurations: Sequence[Configuration],
+    scenarios: Sequence[Scenario],
+    *,
+    target: Target | None = None,
+    on_progress: ProgressHook | None = None,
+    on_stage: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Calibrate, run every scenario on every configuration, and return the raw results.
+
+    With ``target`` (a user's service) there is one configuration, ``target``, and no demo.
+    """
+    gen_cpus, front_cpus, backend_cpus = cpu_layout()
+    stage = on_stage or (lambda _msg: None)
+    runs: list[dict[str, Any]] = []
+    with GeneratorProcess(gen_cpus) as gen:
+        stage("calibrating capacity (closed loop, doubling concurrency)")
+        if target is None:
+            with start_demo(
+                "unprotected",
+                concurrency=settings.backend_concurrency,
+                latency=settings.backend_latency,
+                backend_cpus=backend_cpus,
+                front_cpus=front_cpus,
+            ) as demo:
+                calibration = gen.calibrate(
+                    host="127.0.0.1",
+                    port=demo.front.port,
+                    path="/api/interactive",
+                    level_seconds=settings.calibration_seconds,
+                )
+        else:
+            calibration = gen.calibrate(
+                host=target.host,
+                port=target.port,
+                path=target.path,
+                level_seconds=settings.calibration_seconds,
+            )
+        if calibration.capacity <= 0:
+            raise RuntimeError("calibration saw no successful response: is the service up?")
+        capacity = calibration.capacity
+        stage(f"capacity {capacity:.0f} requests/s, service time {calibration.service_time:.4f}s")
+        for config in configurations:
+            for scenario in scenarios:
+                stage(f"{config.title}: {scenario.title}")
+
+                def execute(
+                    plan: LoadPlan,
+                    config: Configuration = config,
+                    scenario: Scenario = scenario,
+                ) -> PlanResult:
+                    starts = [0.0]
+                    for st in plan.steps:
+                        starts.append(starts[-1] + st.duration)
+
+                    def progress(index: int, elapsed: float, counts: dict[str, int]) -> None:
+                        if on_progress is not None:
+                            done = starts[index] + min(elapsed, plan.steps[index].duration)
+                            on_progress(config.name, scenario.name, done, starts[-1])
+
+                    return gen.run(plan, progress)
+
+                if target is not None:
+                    result = execute(plan_for(scenario, settings, capacity, target, None))
+                    backend_stats: dict[str, Any] = {}
+                else:
+                    with start_demo(
+                        config.mode,
+                        limit_concurrency=config.limit_concurrency,
+                        concurrency=settings.backend_concurrency,
+                        latency=settings.backend_latency,
+                        backend_cpus=backend_cpus,
+                        front_cpus=front_cpus,
+                    ) as demo:
+                        demo_target = Target("127.0.0.1", demo.front.port, "")
+                        backend = ("127.0.0.1", demo.backend.port)
+                        result = execute(
+                            plan_for(scenario, settings, capacity, demo_target, backend)
+                        )
+                        backend_stats = _backend_stats(demo.backend.url)
+                run: dict[str, Any] = {"configuration": config.name, "scenario": scenario.name}
+                run |= summarize_plan(result, scenario)
+                run["backend"] = backend_stats
+                runs.append(run)
+    return {
+        "settings": asdict(settings),
+        "target": asdict(target) if target is not None else None,
+        "calibration": _calibration_dict(calibration),
+        "configurations": [asdict(c) for c in configurations],
+        "scenarios": [
+            {"name": s.name, "title": s.title, "description": s.description} for s in scenarios
+        ],
+        "runs": runs,
+    }
+
+
+def _calibration_dict(c: Calibration) -> dict[str, Any]:
+    return {
+        "capacity": round(c.capacity, 1),
+        "service_time": round(c.service_time, 5),
+        "levels": [
+            {"concurrency": n, "throughput": round(t, 1), "p50_ms": round(p * 1000, 2)}
+            for n, t, p in c.levels
+        ],
+    }
+
+
+def pick_scenarios(names: Sequence[str]) -> list[Scenario]:
+    """Scenarios by name, in the order given; `KeyError` names the unknown one."""
+    return [SCENARIOS[n] for n in names]

@@ -1,0 +1,149 @@
+"""Scenarios as data: sequences of phases in units of the measured capacity.
+
+A `Scenario` is a tuple of `Phase` objects; the runner turns each phase into a generator
+`LoadStep` once capacity is known (``load=4.0`` means four times the calibrated capacity),
+prepends a warm-up and resolves `DependencyChange` into calls to the demo backend's admin
+endpoint. New scenarios are new data: `register` adds one to `SCENARIOS` (the outbound issue
+adds retry storms, partial errors and outage-recovery this way; `Phase.client` is reserved for
+client behaviour such as retries, which the generator ignores until it supports them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+__all__ = [
+    "DEFAULT_SCENARIOS",
+    "QUICK_SCENARIOS",
+    "SCENARIOS",
+    "DependencyChange",
+    "Phase",
+    "Scenario",
+    "quick_variant",
+    "register",
+]
+
+INTERACTIVE = (("interactive", 1.0),)
+
+
+@dataclass(frozen=True)
+class DependencyChange:
+    """Change the demo dependency when a phase starts, relative to its original shape."""
+
+    latency_factor: float = 1.0
+    concurrency_factor: float = 1.0
+
+    def body(self, base_latency: float, base_concurrency: int) -> dict[str, float | int]:
+        return {
+            "latency": base_latency * self.latency_factor,
+            "concurrency": max(1, round(base_concurrency * self.concurrency_factor)),
+        }
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One step of a scenario."""
+
+    label: str
+    load: float
+    """Offered load as a multiple of the measured capacity."""
+    mix: tuple[tuple[str, float], ...] = INTERACTIVE
+    """Traffic classes (``interactive``, ``batch``, ``health``) and their shares."""
+    steps: float = 1.0
+    """Length in units of the run's step length (at least 3x the client deadline)."""
+    dependency: DependencyChange | None = None
+    """Applied to the demo backend as the phase starts (demo only)."""
+    client: Mapping[str, Any] = field(default_factory=dict)
+    """Reserved for client behaviour (retries, backoff) in later scenarios."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A named sequence of phases, run on a fresh demo system per configuration."""
+
+    name: str
+    title: str
+    description: str
+    phases: tuple[Phase, ...]
+    needs_dependency: bool = False
+    """True when a phase changes the demo's dependency (not possible against ``--target``)."""
+
+
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def register(scenario: Scenario) -> Scenario:
+    """Add ``scenario`` to `SCENARIOS` (by name; a later one replaces an earlier one)."""
+    SCENARIOS[scenario.name] = scenario
+    return scenario
+
+
+RAMP_LOADS = (0.5, 0.8, 1.0, 2.0, 4.0, 10.0)
+
+register(
+    Scenario(
+        "ramp",
+        "Ramp past the breaking point",
+        "Offered load from 0.5x to 10x of the measured capacity (T1): goodput should "
+        "plateau at capacity and stay flat.",
+        tuple(Phase(f"{x:g}x", x) for x in RAMP_LOADS),
+    )
+)
+register(
+    Scenario(
+        "priority",
+        "Priority mix at 4x",
+        "4x capacity offered: interactive (CRITICAL) at half the capacity, batch (SHEDDABLE) "
+        "the rest; interactive goodput must hold (S3).",
+        (Phase("4x mix", 4.0, (("interactive", 0.125), ("batch", 0.875)), steps=1.5),),
+    )
+)
+register(
+    Scenario(
+        "slow-dependency",
+        "Slow dependency",
+        "Constant load at 0.8x; the dependency's latency rises 4x, then recovers (T2).",
+        (
+            Phase("before", 0.8),
+            Phase("4x latency", 0.8, dependency=DependencyChange(latency_factor=4.0)),
+            Phase("recovered", 0.8, dependency=DependencyChange()),
+        ),
+        needs_dependency=True,
+    )
+)
+register(
+    Scenario(
+        "capacity-loss",
+        "Capacity loss",
+        "Constant load at 0.8x; half of the dependency's capacity disappears (T2).",
+        (
+            Phase("before", 0.8),
+            Phase("half capacity", 0.8, dependency=DependencyChange(concurrency_factor=0.5)),
+        ),
+        needs_dependency=True,
+    )
+)
+register(
+    Scenario(
+        "health",
+        "Health checks under a 10x flood",
+        "10x capacity of interactive work plus a trickle of health checks: the health "
+        "endpoint must keep answering quickly (S7).",
+        (Phase("10x + health", 10.0, (("interactive", 0.99), ("health", 0.01))),),
+    )
+)
+
+QUICK_RAMP_LOADS = (0.8, 2.0, 4.0, 10.0)
+
+
+def quick_variant(scenario: Scenario) -> Scenario:
+    """The ``--quick`` form of a scenario: the ramp keeps only the steps the verdict checks."""
+    if scenario.name != "ramp":
+        return scenario
+    return replace(scenario, phases=tuple(p for p in scenario.phases if p.load in QUICK_RAMP_LOADS))
+
+
+DEFAULT_SCENARIOS = ("ramp", "priority", "slow-dependency", "capacity-loss", "health")
+QUICK_SCENARIOS = ("ramp", "priority")

@@ -1,0 +1,245 @@
+"""grpc.aio client interceptor: calls through a `Dependency` (D3, D4, D5, D6, R1-R5).
+
+::
+
+    channel = grpc.aio.insecure_channel(
+        target, interceptors=brownout_interceptors(payments, idempotent_methods={...})
+    )
+
+(grpc.aio files each interceptor object under one call kind only, so
+`brownout_interceptors` returns one per kind: `BrownoutClientInterceptor` for unary-unary and
+the three streaming ones, sharing the dependency.)
+
+Unary-unary calls run as one `Dependency.call` each; every attempt:
+
+- gets its budget from the dependency (``min(timeout, remaining - reserve)``); too little time
+  left raises `brownout.Rejected` (``DEADLINE_TOO_SHORT``) before anything is sent;
+- is sent with the call's timeout set to that budget (gRPC carries it as ``grpc-timeout``,
+  D3) and metadata ``brownout-priority``, ``brownout-attempt`` and ``idempotency-key``;
+- is classified: ``UNAVAILABLE`` is retried, honouring ``grpc-retry-pushback-ms`` from the
+  trailing metadata (negative: never retry, R1); ``DEADLINE_EXCEEDED`` is a sent, unanswered
+  attempt (retried only for idempotent or keyed calls; a mutation ending so raises
+  `brownout.UnknownOutcome`); every other code (``FAILED_PRECONDITION``,
+  ``INVALID_ARGUMENT``, ...) is raised unchanged as the `grpc.aio.AioRpcError` it was.
+
+gRPC has no safe methods: a call is a mutation (keyed, and an unknown outcome when sent and
+unanswered) unless its full name (``/pkg.Service/Method``) is in ``idempotent_methods``.
+When this layer retried and gave up, the call raises `brownout.retry.RetriesExhausted`; the
+edge interceptor turns it into ``UNAVAILABLE`` with ``grpc-retry-pushback-ms: -1`` so callers
+upstream do not retry again.
+
+Streaming calls get the budget, timeout and metadata (and are refused before sending when too
+little time is left) but are neither retried nor counted by the breaker or bulkhead: a stream
+cannot be replayed, and it outlives the interceptor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from ..context import RequestContext, current
+from ..deadline import call_budget
+from ..dependency import Dependency
+from ..priority import Priority
+from ..propagation import ATTEMPT_HEADER, GRPC_PUSHBACK_KEY, IDEMPOTENCY_HEADER, PRIORITY_HEADER
+from ..retry.classify import ResponseError, TransientError, parse_pushback
+
+__all__ = [
+    "BrownoutClientInterceptor",
+    "BrownoutStreamStreamInterceptor",
+    "BrownoutStreamUnaryInterceptor",
+    "BrownoutUnaryStreamInterceptor",
+    "brownout_interceptors",
+]
+
+_OURS = frozenset({ATTEMPT_HEADER, IDEMPOTENCY_HEADER, PRIORITY_HEADER})
+_UNBOUNDED = float("inf")
+
+
+def _method_name(method: str | bytes) -> str:
+    return method.decode("ascii", "replace") if isinstance(method, bytes) else method
+
+
+def _metadata_value(metadata: Iterable[Any] | None, key: str) -> str | None:
+    if metadata is None:
+        return None
+    for item in metadata:
+        if item[0] == key:
+            value = item[1]
+            return value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+    return None
+
+
+def _rpc_failure(error: grpc.aio.AioRpcError) -> Exception:
+    """Translate a finished call's error for the retry policy."""
+    code = error.code()
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TransientError(f"DEADLINE_EXCEEDED: {error.details()}", sent=True)
+    pushback = _metadata_value(error.trailing_metadata(), GRPC_PUSHBACK_KEY)
+    retry_after, never = (
+        parse_pushback({GRPC_PUSHBACK_KEY: pushback}) if pushback is not None else (None, False)
+    )
+    return ResponseError(
+        grpc_code=code.name,
+        retry_after=retry_after,
+        do_not_retry=never,
+        response=error,
+        detail=error.details() or "",
+    )
+
+
+def _details(
+    details: grpc.aio.ClientCallDetails, ctx: RequestContext, timeout: float | None
+) -> grpc.aio.ClientCallDetails:
+    """The call details of one attempt: timeout capped at the budget, brownout metadata."""
+    if details.timeout is not None and (timeout is None or details.timeout < timeout):
+        timeout = details.timeout
+    metadata = grpc.aio.Metadata()
+    if details.metadata is not None:
+        for k, v in details.metadata:
+            if k not in _OURS:
+                metadata.add(k, v)
+    if ctx.priority is not Priority.CRITICAL:
+        metadata.add(PRIORITY_HEADER, ctx.priority.label)
+    if ctx.attempt != 1:
+        metadata.add(ATTEMPT_HEADER, str(ctx.attempt))
+    if ctx.idempotency_key is not None:
+        metadata.add(IDEMPOTENCY_HEADER, ctx.idempotency_key)
+    return grpc.aio.ClientCallDetails(
+        details.method, timeout, metadata, details.credentials, details.wait_for_ready
+    )
+
+
+class BrownoutClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
+    """Runs each unary-unary call through a `Dependency`: budget, guards, retries (R1-R5).
+
+    ``dependency``: the downstream's `Dependency` (default: one named ``name``, no timeout,
+    no retries). ``idempotent_methods``: full method names safe to repeat without a key.
+    """
+
+    def __init__(
+        self,
+        dependency: Dependency | None = None,
+        *,
+        name: str = "grpc",
+        idempotent_methods: Collection[str] = (),
+    ) -> None:
+        self.dependency = dependency if dependency is not None else Dependency(name)
+        self.idempotent_methods = frozenset(idempotent_methods)
+
+    async def intercept_unary_unary(
+        self,
+        continuation: Callable[[grpc.aio.ClientCallDetails, Any], Any],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request: Any,
+    ) -> Any:
+        method = _method_name(client_call_details.method)
+        try:
+            return await self.dependency.call(
+                self._attempt,
+                continuation,
+                client_call_details,
+                request,
+                idempotent=method in self.idempotent_methods,
+                idempotency_key=_metadata_value(client_call_details.metadata, IDEMPOTENCY_HEADER),
+            )
+        except ResponseError as answer:
+            # An answer this layer does not retry: the caller sees gRPC's own error.
+            if isinstance(answer.response, grpc.aio.AioRpcError):
+                raise answer.response from None
+            raise
+        except TransientError as lost:
+            if isinstance(lost.__cause__, grpc.aio.AioRpcError):
+                raise lost.__cause__ from None
+            raise
+
+    @staticmethod
+    async def _attempt(
+        continuation: Callable[[grpc.aio.ClientCallDetails, Any], Any],
+        details: grpc.aio.ClientCallDetails,
+        request: Any,
+    ) -> Any:
+        ctx = current()
+        deadline = ctx.deadline
+        timeout = deadline.remaining() if deadline is not None else None
+        call = await continuation(_details(details, ctx, timeout), request)
+        try:
+            await call
+        except grpc.aio.AioRpcError as error:
+            raise _rpc_failure(error) from error
+        return call  # finished: awaiting it again gives the response; metadata stays readable
+
+
+class _StreamingBudget:
+    """Streaming calls: the dependency's budget as timeout, metadata, refusal before sending."""
+
+    def __init__(self, dependency: Dependency) -> None:
+        self.dependency = dependency
+
+    def _stream_details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        dep = self.dependency
+        ctx = current()
+        budget = call_budget(
+            _UNBOUNDED if dep.timeout is None else dep.timeout,
+            reserve=dep.reserve,
+            min_useful=dep.min_useful,
+            deadline=ctx.deadline,
+        )
+        return _details(details, ctx, None if budget == _UNBOUNDED else budget)
+
+
+class BrownoutUnaryStreamInterceptor(_StreamingBudget, grpc.aio.UnaryStreamClientInterceptor):
+    """Unary-stream calls: budget as timeout, brownout metadata; not retried."""
+
+    async def intercept_unary_stream(
+        self,
+        continuation: Callable[[grpc.aio.ClientCallDetails, Any], Any],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request: Any,
+    ) -> Any:
+        return await continuation(self._stream_details(client_call_details), request)
+
+
+class BrownoutStreamUnaryInterceptor(_StreamingBudget, grpc.aio.StreamUnaryClientInterceptor):
+    """Stream-unary calls: budget as timeout, brownout metadata; not retried."""
+
+    async def intercept_stream_unary(
+        self,
+        continuation: Callable[[grpc.aio.ClientCallDetails, Any], Any],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request_iterator: Any,
+    ) -> Any:
+        return await continuation(self._stream_details(client_call_details), request_iterator)
+
+
+class BrownoutStreamStreamInterceptor(_StreamingBudget, grpc.aio.StreamStreamClientInterceptor):
+    """Stream-stream calls: budget as timeout, brownout metadata; not retried."""
+
+    async def intercept_stream_stream(
+        self,
+        continuation: Callable[[grpc.aio.ClientCallDetails, Any], Any],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request_iterator: Any,
+    ) -> Any:
+        return await continuation(self._stream_details(client_call_details), request_iterator)
+
+
+def brownout_interceptors(
+    dependency: Dependency | None = None,
+    *,
+    name: str = "grpc",
+    idempotent_methods: Collection[str] = (),
+) -> list[grpc.aio.ClientInterceptor]:
+    """One interceptor per call kind, sharing ``dependency``: pass them all to the channel."""
+    unary = BrownoutClientInterceptor(dependency, name=name, idempotent_methods=idempotent_methods)
+    dep = unary.dependency
+    return [
+        unary,
+        BrownoutUnaryStreamInterceptor(dep),
+        BrownoutStreamUnaryInterceptor(dep),
+        BrownoutStreamStreamInterceptor(dep),
+    ]

@@ -1,0 +1,211 @@
+"""`BrownoutClientInterceptor` on a real grpc.aio channel against a real grpc.aio server.
+
+Generic handlers with bytes in and out (no protoc). Requirements: D3 (the budget travels as
+``grpc-timeout``), D4 (refused before sending), D6 (unknown outcome for a sent mutation that
+timed out), R1 (``grpc-retry-pushback-ms: -1`` is never retried), R2 (UNAVAILABLE retried;
+FAILED_PRECONDITION and INVALID_ARGUMENT never), R5 (same key, growing attempt), pushback
+honoured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+
+import brownout
+from brownout import Dependency, Priority, Reason, Rejected, RetryPolicy, UnknownOutcome
+from brownout.integrations.grpc_client import brownout_interceptors
+from brownout.retry import ExponentialBackoff, InMemoryOutcomeLedger, RetriesExhausted, StopReason
+
+pytestmark = pytest.mark.integration
+
+ECHO = "/test.Client/Echo"
+READ = "/test.Client/Read"
+
+
+@dataclass
+class Seen:
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    script: list[tuple[grpc.StatusCode, tuple[tuple[str, str], ...]]] = field(default_factory=list)
+    delay: float = 0.0
+
+
+def _ident(b: bytes) -> bytes:
+    return b
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[str, Seen]]:
+    seen = Seen()
+
+    async def echo(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        seen.times.append(time.monotonic())
+        md = {k: v for k, v in context.invocation_metadata() or ()}
+        md["time_remaining"] = context.time_remaining()
+        seen.calls.append(md)
+        if seen.delay:
+            await asyncio.sleep(seen.delay)
+        if seen.script:
+            code, trailers = seen.script.pop(0)
+            await context.abort(code, code.name, trailing_metadata=trailers)
+        return request
+
+    async def numbers(
+        request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> AsyncIterator[bytes]:
+        md = {k: v for k, v in context.invocation_metadata() or ()}
+        md["time_remaining"] = context.time_remaining()
+        seen.calls.append(md)
+        for i in range(3):
+            yield str(i).encode()
+
+    handlers = grpc.method_handlers_generic_handler(
+        "test.Client",
+        {
+            "Echo": grpc.unary_unary_rpc_method_handler(echo, _ident, _ident),
+            "Read": grpc.unary_unary_rpc_method_handler(echo, _ident, _ident),
+            "Numbers": grpc.unary_stream_rpc_method_handler(numbers, _ident, _ident),
+        },
+    )
+    srv = grpc.aio.server()
+    srv.add_generic_rpc_handlers((handlers,))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    try:
+        yield f"127.0.0.1:{port}", seen
+    finally:
+        await srv.stop(0)
+
+
+def fast_retries(attempts: int = 3, **kw: Any) -> RetryPolicy:
+    return RetryPolicy(attempts, backoff=ExponentialBackoff(0.001, cap=0.005), **kw)
+
+
+def channel(target: str, dep: Dependency) -> grpc.aio.Channel:
+    interceptors = brownout_interceptors(dep, idempotent_methods={READ})
+    return grpc.aio.insecure_channel(target, interceptors=interceptors)
+
+
+async def test_budget_is_the_call_timeout_and_metadata_travels(server: tuple[str, Seen]) -> None:
+    target, seen = server
+    async with channel(target, Dependency("svc", timeout=1.0, reserve=0.1)) as ch:
+        echo = ch.unary_unary(ECHO)
+        read = ch.unary_unary(READ)
+        async with brownout.request(deadline=0.5, priority=Priority.SHEDDABLE):
+            assert await echo(b"hi") == b"hi"
+            call = read(b"r")
+            assert await call == b"r"
+            assert await call.code() is grpc.StatusCode.OK
+    mutation, query = seen.calls
+    assert 0.3 < mutation["time_remaining"] <= 0.4  # min(1.0, 0.5 - 0.1) as grpc-timeout (D3)
+    assert mutation["brownout-priority"] == "sheddable"
+    assert mutation["idempotency-key"]  # a mutation is keyed
+    assert "idempotency-key" not in query and "brownout-attempt" not in query
+
+
+async def test_refuses_before_sending(server: tuple[str, Seen]) -> None:
+    target, seen = server
+    dep = Dependency("svc", timeout=1.0, reserve=0.02, min_useful=0.2)
+    async with channel(target, dep) as ch, brownout.deadline(0.1):
+        with pytest.raises(Rejected) as info:
+            await ch.unary_unary(READ)(b"x")
+        with pytest.raises(Rejected):
+            async for _ in ch.unary_stream("/test.Client/Numbers")(b"x"):
+                pass
+    assert info.value.reason is Reason.DEADLINE_TOO_SHORT
+    assert seen.calls == []
+
+
+async def test_unavailable_is_retried_with_pushback_same_key_growing_attempt(
+    server: tuple[str, Seen],
+) -> None:
+    target, seen = server
+    seen.script = [
+        (grpc.StatusCode.UNAVAILABLE, (("grpc-retry-pushback-ms", "1000"),)),
+        (grpc.StatusCode.UNAVAILABLE, ()),
+    ]
+    async with channel(target, Dependency("svc", retry=fast_retries(3))) as ch:
+        reply = await ch.unary_unary(ECHO)(b"pay", metadata=(("idempotency-key", "k-7"),))
+    assert reply == b"pay"
+    assert [c.get("brownout-attempt", "1") for c in seen.calls] == ["1", "2", "3"]
+    assert {c["idempotency-key"] for c in seen.calls} == {"k-7"}
+    assert seen.times[1] - seen.times[0] >= 0.95  # pushback honoured
+
+
+async def test_negative_pushback_is_never_retried(server: tuple[str, Seen]) -> None:
+    target, seen = server
+    seen.script = [(grpc.StatusCode.UNAVAILABLE, (("grpc-retry-pushback-ms", "-1"),))] * 3
+    async with channel(target, Dependency("svc", retry=fast_retries(3))) as ch:
+        with pytest.raises(RetriesExhausted) as info:
+            await ch.unary_unary(READ)(b"x")
+    assert len(seen.calls) == 1
+    assert info.value.stopped_by is StopReason.DO_NOT_RETRY
+
+
+@pytest.mark.parametrize(
+    "code", [grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT]
+)
+async def test_non_retryable_codes_raise_the_grpc_error_unretried(
+    server: tuple[str, Seen], code: grpc.StatusCode
+) -> None:
+    target, seen = server
+    seen.script = [(code, ())] * 3
+    async with channel(target, Dependency("svc", retry=fast_retries(3))) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await ch.unary_unary(READ)(b"x")
+    assert info.value.code() is code
+    assert len(seen.calls) == 1
+
+
+async def test_giving_up_on_unavailable_raises_retries_exhausted(
+    server: tuple[str, Seen],
+) -> None:
+    target, seen = server
+    seen.script = [(grpc.StatusCode.UNAVAILABLE, ())] * 4
+    async with channel(target, Dependency("svc", retry=fast_retries(3))) as ch:
+        with pytest.raises(RetriesExhausted) as info:
+            await ch.unary_unary(READ)(b"x")
+        assert info.value.attempts == 3
+        assert isinstance(info.value.response, grpc.aio.AioRpcError)
+    async with channel(target, Dependency("no-retries")) as ch:  # not a retry layer
+        with pytest.raises(grpc.aio.AioRpcError) as plain:
+            await ch.unary_unary(READ)(b"x")
+    assert plain.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert len(seen.calls) == 4
+
+
+async def test_sent_mutation_that_times_out_is_an_unknown_outcome(
+    server: tuple[str, Seen],
+) -> None:
+    target, seen = server
+    seen.delay = 2.0
+    ledger = InMemoryOutcomeLedger()
+    dep = Dependency("slow", timeout=0.2, retry=fast_retries(2), ledger=ledger)
+    started = time.monotonic()
+    async with channel(target, dep) as ch:
+        with pytest.raises(UnknownOutcome) as info:
+            await ch.unary_unary(ECHO)(json.dumps({"amount": 5}).encode())
+    assert time.monotonic() - started < 1.5
+    key = info.value.idempotency_key
+    assert key is not None
+    assert [c["idempotency-key"] for c in seen.calls] == [key, key]
+    assert [r.key for r in await ledger.pending()] == [key]
+
+
+async def test_streaming_call_gets_budget_and_metadata(server: tuple[str, Seen]) -> None:
+    target, seen = server
+    async with channel(target, Dependency("svc", timeout=0.8)) as ch:
+        async with brownout.request(deadline=5.0, priority=Priority.SHEDDABLE_PLUS):
+            got = [m async for m in ch.unary_stream("/test.Client/Numbers")(b"x")]
+    assert got == [b"0", b"1", b"2"]
+    assert 0.6 < seen.calls[0]["time_remaining"] <= 0.8
+    assert seen.calls[0]["brownout-priority"] == "sheddable_plus"

@@ -1,0 +1,205 @@
+"""One retry layer (R1, R3, T3): a chain of three real services where the bottom one fails.
+
+driver -> A -> B -> C, each a uvicorn server on loopback with brownout's ASGI edge; C answers
+every request with 503. The same chain is driven twice, counting requests *at C*:
+
+- **naive**: every calling layer (driver, A, B) retries with tenacity, 3 attempts, no budget,
+  and a hop that gives up answers a plain 503. Each layer multiplies by 3: C sees exactly
+  3 x 3 x 3 = 27 requests per original.
+- **brownout**: every calling layer uses a `Dependency` with the same 3 attempts through
+  `BrownoutTransport`, plus a `RetryBudget(ratio, min_per_second, window)`. B gives up on C
+  (attempts or budget) and raises `RetriesExhausted`; B's edge answers 503 with
+  ``brownout-retry: never``; A's client does not retry that, and A's edge passes the marker on
+  to the driver, which does not retry either. So only B retries, and within its budget: C sees
+  at most (1 + ratio) x originals + min_per_second x window.
+
+Counts, not time: the test is deterministic apart from scheduling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+import tenacity
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import brownout
+from brownout import Dependency, Reason, RetryBudget, RetryPolicy, Trust
+from brownout.edge import EdgePolicy
+from brownout.integrations.asgi import BrownoutMiddleware
+from brownout.integrations.httpx import BrownoutTransport
+from brownout.retry import ExponentialBackoff, RetriesExhausted, StopReason
+
+pytestmark = pytest.mark.integration
+
+ORIGINALS = 20
+ATTEMPTS = 3  # per calling layer, the original included
+RATIO = 0.1
+MIN_PER_SECOND = 0.1
+WINDOW = 10.0
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Any) -> AsyncIterator[str]:
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        for _ in range(500):
+            if server.started:
+                break
+            await asyncio.sleep(0.01)
+        assert server.started, "uvicorn did not start"
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        server.force_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+def with_edge(routes: list[Route]) -> Starlette:
+    app = Starlette(routes=routes)
+    app.add_middleware(BrownoutMiddleware, policy=EdgePolicy(trust=Trust.TRUSTED))
+    return app
+
+
+def brownout_dependency(name: str) -> Dependency:
+    return Dependency(
+        name,
+        timeout=2.0,
+        retry=RetryPolicy(
+            ATTEMPTS,
+            budget=RetryBudget(ratio=RATIO, min_per_second=MIN_PER_SECOND, window=WINDOW),
+            backoff=ExponentialBackoff(0.001, cap=0.002),
+        ),
+    )
+
+
+async def naive_get(client: httpx.AsyncClient, path: str) -> httpx.Response:
+    """Retry 503 up to ATTEMPTS attempts in total, no budget, no marker: the usual setup."""
+    retrying = tenacity.AsyncRetrying(
+        stop=tenacity.stop_after_attempt(ATTEMPTS),
+        retry=tenacity.retry_if_result(lambda r: r.status_code >= 500),
+        wait=tenacity.wait_none(),
+        retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
+    )
+    response: httpx.Response = await retrying(client.get, path)
+    return response
+
+
+class Hop:
+    """A middle service: ``/brownout`` calls downstream through a Dependency, ``/naive``
+    through tenacity, both answering what they got."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.received: Counter[str] = Counter()
+        self.brownout_client: httpx.AsyncClient | None = None
+        self.naive_client: httpx.AsyncClient | None = None
+
+    def connect(self, downstream: str) -> None:
+        transport = BrownoutTransport(
+            httpx.AsyncHTTPTransport(), dependency=brownout_dependency(f"{self.name}->down")
+        )
+        self.brownout_client = httpx.AsyncClient(base_url=downstream, transport=transport)
+        self.naive_client = httpx.AsyncClient(base_url=downstream)
+
+    def app(self) -> Starlette:
+        async def with_brownout(request: Request) -> Response:
+            self.received["brownout"] += 1
+            assert self.brownout_client is not None
+            # RetriesExhausted propagates: the edge answers 503 + brownout-retry: never.
+            r = await self.brownout_client.get("/brownout")
+            return Response(r.content, status_code=r.status_code)
+
+        async def naive(request: Request) -> Response:
+            self.received["naive"] += 1
+            assert self.naive_client is not None
+            r = await naive_get(self.naive_client, "/naive")
+            return Response(r.content, status_code=r.status_code)
+
+        return with_edge([Route("/brownout", with_brownout), Route("/naive", naive)])
+
+    async def close(self) -> None:
+        for c in (self.brownout_client, self.naive_client):
+            if c is not None:
+                await c.aclose()
+
+
+def failing_bottom(received: Counter[str]) -> Starlette:
+    def handler(kind: str) -> Callable[[Request], Awaitable[Response]]:
+        async def fail(request: Request) -> Response:
+            received[kind] += 1
+            received[f"{kind}-budget-header"] += "brownout-budget-ms" in request.headers
+            return JSONResponse({"error": "unavailable"}, status_code=503)
+
+        return fail
+
+    return with_edge([Route("/brownout", handler("brownout")), Route("/naive", handler("naive"))])
+
+
+async def test_only_one_layer_retries_within_budget_vs_naive_27x() -> None:
+    at_c: Counter[str] = Counter()
+    a, b = Hop("A"), Hop("B")
+    async with (
+        serve(failing_bottom(at_c)) as c_url,
+        serve(b.app()) as b_url,
+        serve(a.app()) as a_url,
+    ):
+        b.connect(c_url)
+        a.connect(b_url)
+        driver_transport = BrownoutTransport(
+            httpx.AsyncHTTPTransport(), dependency=brownout_dependency("driver->A")
+        )
+        try:
+            async with (
+                httpx.AsyncClient(base_url=a_url, transport=driver_transport) as driver,
+                httpx.AsyncClient(base_url=a_url) as naive_driver,
+            ):
+                gave_up: Counter[tuple[StopReason, int]] = Counter()
+                for _ in range(ORIGINALS):
+                    async with brownout.deadline(5.0):
+                        with pytest.raises(RetriesExhausted) as info:
+                            await driver.get("/brownout")
+                    gave_up[(info.value.stopped_by, info.value.attempts)] += 1
+                    response = info.value.response
+                    assert isinstance(response, httpx.Response)
+                    assert response.headers["brownout-retry"] == "never"
+                    assert response.status_code == 503
+                    assert info.value.reason is Reason.DO_NOT_RETRY
+
+                for _ in range(ORIGINALS):
+                    r = await naive_get(naive_driver, "/naive")
+                    assert r.status_code == 503
+        finally:
+            await a.close()
+            await b.close()
+
+    # brownout: the driver and A never retried (the marker), B retried within its budget.
+    assert gave_up == Counter({(StopReason.DO_NOT_RETRY, 1): ORIGINALS})
+    assert a.received["brownout"] == ORIGINALS
+    assert b.received["brownout"] == ORIGINALS
+    bound = (1 + RATIO) * ORIGINALS + MIN_PER_SECOND * WINDOW
+    assert ORIGINALS < at_c["brownout"] <= bound, at_c
+    assert at_c["brownout-budget-header"] == at_c["brownout"]  # the deadline travelled (D2)
+
+    # naive: every layer multiplies by ATTEMPTS.
+    assert a.received["naive"] == ORIGINALS * ATTEMPTS
+    assert b.received["naive"] == ORIGINALS * ATTEMPTS**2
+    assert at_c["naive"] == ORIGINALS * ATTEMPTS**3  # 27x
+    print(
+        f"\nrequests reaching C for {ORIGINALS} originals: naive {at_c['naive']} "
+        f"({at_c['naive'] / ORIGINALS:.0f}x), brownout {at_c['brownout']} "
+        f"({at_c['brownout'] / ORIGINALS:.2f}x, bound {bound:.0f})"
+    )

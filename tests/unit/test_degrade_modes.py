@@ -364,3 +364,39 @@ def test_property_dwell_duration_and_demand(steps: list[tuple[int, float]]) -> N
         stay = left.at - entered.at
         if left.trigger != "max_duration":
             assert stay >= 10 - 1e-9
+
+
+def test_follows_the_real_overload_manager() -> None:
+    """Issue 3's OverloadManager drives the modes through its subscribe hook; unfollowing
+    unsubscribes."""
+    from brownout.overload.manager import OverloadManager
+    from brownout.overload.signals import FunctionSignal
+
+    pressure = {"p": 0.0}
+    clock = ManualClock()
+    manager = OverloadManager(
+        [FunctionSignal("memory", lambda: pressure["p"])],
+        min_dwell=1.0,
+        clock=clock,
+        events=EventHub(),
+    )
+    modes, _, rec = make(RECS, SEARCH, clock=clock)
+    modes.follow(manager)
+    pressure["p"] = 0.85
+    manager.update()
+    assert modes.active_names() == ("recommendations",)
+    pressure["p"] = 0.95
+    manager.update()
+    assert modes.active_names() == ("recommendations", "search-small-corpus")
+    pressure["p"] = 0.1
+    clock.advance(2)
+    manager.update()
+    assert manager.level == 0
+    assert modes.active_names() == ("recommendations",)  # dwelling
+    clock.advance(30)
+    assert modes.active_names() == ()
+    modes.unfollow()
+    pressure["p"] = 0.95
+    manager.update()
+    assert modes.active_names() == ()  # no longer subscribed
+    assert [c[2] for c in rec.changes()] == ["level 1", "level 2", "level 0", "level 0"]

@@ -171,6 +171,7 @@ class DegradedModes:
         self._level = 0
         self._level_trigger = "level 0"
         self._source: LevelSource | None = None
+        self._unsubscribe: Callable[[], Any] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._reschedule(self._clock.now())
 
@@ -255,19 +256,28 @@ class DegradedModes:
         Modes with ``enter_at_level`` enter and leave as the level moves. Following a new
         source replaces the previous one (whose callbacks are then ignored).
         """
+        self._drop_source()
         self._source = source
 
         def on_change(*_args: Any, **_kwargs: Any) -> None:
             if self._source is source:
                 self.set_level(source.level)
 
-        source.subscribe(on_change)
+        handle = source.subscribe(on_change)
+        # The overload manager returns an unsubscribe function; other sources may not.
+        self._unsubscribe = handle if callable(handle) else None
         self.set_level(source.level)
 
     def unfollow(self) -> None:
         """Stop following the level source; level-driven modes see level 0 from now on."""
-        self._source = None
+        self._drop_source()
         self.set_level(0)
+
+    def _drop_source(self) -> None:
+        self._source = None
+        unsubscribe, self._unsubscribe = self._unsubscribe, None
+        if unsubscribe is not None:
+            unsubscribe()
 
     def set_level(self, level: int) -> None:
         """Feed an overload level by hand (what `follow` does on every change)."""

@@ -63,7 +63,7 @@ def test_render_totals_then_rates():
     second = parse(generate_latest(registry).decode(), at=102.0)
     out = text_of(render(second, first))
     assert "rates per second" in out
-    assert "10.0/s" in out  # 20 offered in 2 s
+    assert " 10.0 " in out  # 20 offered in 2 s
 
 
 def test_quantile_matches_prometheus_interpolation():

@@ -124,7 +124,7 @@ def render(now: Scrape, before: Scrape | None = None, *, title: str = "") -> Ren
     def value(name: str, group: tuple[str, ...], by: tuple[str, ...]) -> str:
         v = now.sum(name, by).get(group, 0.0)
         if rates and before is not None:
-            return f"{(v - before.sum(name, by).get(group, 0.0)) / elapsed:.1f}/s"
+            return f"{(v - before.sum(name, by).get(group, 0.0)) / elapsed:.1f}"
         return _fmt(v)
 
     parts: list[RenderableType] = []

@@ -110,12 +110,11 @@ class BrownoutTransport(httpx.AsyncBaseTransport):
         idempotent = bool(flag) if flag is not None else request.method in self.safe_methods
         if dep.retry.attempts > 1:
             await request.aread()  # a streamed body must be replayable before a retry
+        # A safe request needs no key; skipping the header lookup keeps GETs cheap.
+        key = None if idempotent else request.headers.get(IDEMPOTENCY_HEADER)
         try:
             return await dep.call(
-                self._attempt,
-                request,
-                idempotent=idempotent,
-                idempotency_key=request.headers.get(IDEMPOTENCY_HEADER),
+                self._attempt, request, idempotent=idempotent, idempotency_key=key
             )
         except ResponseError as answer:
             # An answer this layer does not retry: the caller gets it as a response.

@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 from .clock import Clock, default_clock
 from .context import DeadlineScope, current_deadline
 from .deadline import call_budget
+from .degrade.drill import dependency_call, fallback_scope
 from .errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
 from .events import EventHub, RequestShed, hub
 from .retry.breaker import CircuitBreaker
@@ -155,7 +156,9 @@ class Dependency:
                 and breaker is not None
                 and breaker.fallback is not None
             ):
-                result: T = await breaker.fallback(refused)
+                # Drills check that the fallback never calls the dependency it replaces (G3).
+                with fallback_scope(f"breaker:{self.name}"):
+                    result: T = await breaker.fallback(refused)
                 return result
             raise
 
@@ -167,6 +170,7 @@ class Dependency:
         number: int,
         key: str | None,
     ) -> T:
+        dependency_call(self.name)  # a drill marks this dependency failed (G3); free otherwise
         budget: float | None
         deadline = current_deadline()
         if deadline is None:

@@ -4,6 +4,7 @@ retries (R1-R5) and unknown outcomes (D6), composed. Virtual time (looptime)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from typing import Any
 
@@ -427,3 +428,40 @@ def test_property_attempts_stay_within_budget_and_inside_the_deadline_minus_rese
     assert violations == []
     assert attempts - calls <= ratio * calls + minimum * window
     assert attempts <= 4 * calls
+
+
+async def test_drills_reach_every_dependency_call_and_check_breaker_fallbacks() -> None:
+    """G3: a drill marks a dependency failed; a breaker fallback that calls it fails the drill."""
+    import brownout
+    from brownout.degrade.drill import DrillFailed, DrillOutage, drill
+
+    calls: list[str] = []
+
+    async def fetch() -> str:
+        calls.append("fetch")
+        return "live"
+
+    dep = brownout.Dependency("recs", timeout=1.0)
+    with drill(failed=["recs"]):
+        with pytest.raises(DrillOutage):
+            await dep.call(fetch, idempotent=True)
+    assert calls == []
+    assert await dep.call(fetch, idempotent=True) == "live"
+
+    async def bad_fallback(refused: brownout.Rejected) -> str:
+        return await dep.call(fetch, idempotent=True)  # the mistake G3 warns about
+
+    opened = brownout.CircuitBreaker(failure_rate=0.5, window=2, minimum_calls=1)
+    guarded = brownout.Dependency("recs-front", timeout=1.0, breaker=opened)
+    opened.fallback = bad_fallback
+
+    async def boom() -> str:
+        raise ConnectionError("down")
+
+    for _ in range(3):  # trip the breaker
+        with contextlib.suppress(Exception):
+            await guarded.call(boom, idempotent=True)
+    with pytest.raises(DrillFailed):
+        with drill(failed=["recs"]):
+            with contextlib.suppress(Exception):
+                await guarded.call(fetch, idempotent=True)

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import random
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -367,9 +368,9 @@ class _Pool:
             value = doc.get("reason")
             if not isinstance(value, str):
                 value = doc.get("type")
-                value = value.rstrip("/").rsplit("/", 1)[-1] if isinstance(value, str) else None
+                value = value.rstrip("/") if isinstance(value, str) else None
             if value:
-                reason = value[:40]
+                reason = re.split(r"[/:#]", value)[-1][:40] or reason
         if len(self._reasons) < 256:
             self._reasons[body] = reason
         return reason
@@ -535,8 +536,12 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
         end = start + step.duration
         steady_from = start + step.settle
         poisson = step.arrivals == "poisson"
-        gap = 1.0 / step.rate if step.rate > 0 else step.duration
+        # Constant arrivals are computed from their index, so float drift never adds one.
+        count = round(step.rate * step.duration) if not poisson else -1
+        n = 0
         next_t = start + (rng.expovariate(step.rate) if poisson and step.rate > 0 else 0.0)
+        if count == 0:
+            next_t = end
         lateness = result.lateness
         single = payloads[names[0]] if len(names) == 1 else None
         next_progress = start
@@ -563,7 +568,13 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
                 lateness.append(now - next_t)
                 bin_index = int((next_t - origin) / bin_width) if step.measured else -1
                 pool.submit(_Req(next_t, next_t + deadline, payload, w, s, bin_index))
-                next_t += rng.expovariate(step.rate) if poisson else gap
+                n += 1
+                if poisson:
+                    next_t += rng.expovariate(step.rate)
+                elif n < count:
+                    next_t = start + n / step.rate
+                else:
+                    next_t = end
             if now >= next_progress and progress is not None:
                 next_progress = now + 0.25
                 counts = {"offered": sum(t.offered for t in whole.values())}

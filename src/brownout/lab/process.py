@@ -34,10 +34,8 @@ def pin_to(cpus: list[int] | None) -> None:
     """Pin the calling process to ``cpus`` (ignored where unsupported or not allowed)."""
     if not cpus:
         return
-    try:
+    with contextlib.suppress(AttributeError, OSError, ValueError):
         os.sched_setaffinity(0, set(cpus))
-    except (AttributeError, OSError, ValueError):  # pragma: no cover
-        pass
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

@@ -4,7 +4,8 @@ This is the whole difference between the ``unprotected`` and the protected confi
 it is what a user adds to their own Starlette or FastAPI app:
 
 - ``fixed``: a `FixedLimit` chosen by load test (the dependency serves 8 at a time; a couple
-  more keeps it busy while the front's own hop is in flight) and a FIFO queue as long as the limit, 100 ms age bound;
+  more keep it busy while the front's own hop is in flight) and a FIFO queue as long as the
+  limit with a 100 ms age bound;
 - ``adaptive``: a `Gradient2Limit` with its defaults and the bulkhead's default queue
   (FIFO, as long as the limit, 1 s age bound): no number tuned for this demo.
 

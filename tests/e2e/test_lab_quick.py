@@ -1,0 +1,78 @@
+"""``brownout lab --quick`` end to end: real uvicorn processes, the real generator, the report.
+
+The machine running the suite is shared and noisy, so this test asserts what must hold on
+any machine (the report exists, every offered request is accounted for exactly once, the
+figures are self-consistent) and treats the performance invariants leniently: a slow CI
+host must not turn a correct lab into a red build. The strict invariants are the lab's own
+exit status, checked on a quiet machine (docs/lab.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+OUTCOMES = (
+    "ok",
+    "ok_late",
+    "r429",
+    "r503",
+    "r504",
+    "other_status",
+    "errors",
+    "timeouts_sent",
+    "timeouts_unsent",
+)
+
+
+@pytest.mark.timeout(300)
+def test_quick_lab_produces_a_consistent_report(tmp_path: Path) -> None:
+    out = tmp_path / "lab-report"
+    proc = subprocess.run(
+        [sys.executable, "-m", "brownout.cli", "lab", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
+    )
+    # 0: every invariant held; 1: one failed (possible on a loaded machine); 2+: broken.
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("report.json", "index.html", "report.md", "goodput.png", "latency.png"):
+        assert (out / name).stat().st_size > 0, name
+    lab = json.loads((out / "report.json").read_text())
+    capacity = lab["calibration"]["capacity"]
+    assert 50 < capacity < 2000, lab["calibration"]  # the demo's dependency: ~400/s
+    configs = {c["name"] for c in lab["configurations"]}
+    assert configs == {"unprotected", "uvicorn-limit", "brownout-fixed", "brownout-adaptive"}
+    assert {(r["configuration"], r["scenario"]) for r in lab["runs"]} == {
+        (c, s) for c in configs for s in ("ramp", "priority")
+    }
+    for run in lab["runs"]:
+        assert run["unresolved"] == 0, run["configuration"]
+        for step in run["steps"]:
+            for figures in (step["whole"], step["steady"], *step["classes"].values()):
+                # every offered request ended in exactly one outcome
+                assert figures["offered"] == sum(figures[o] for o in OUTCOMES), step["label"]
+                assert figures["sent"] + figures["timeouts_unsent"] <= figures["offered"] + 0
+                assert figures["refused"] == figures["r503"] + figures["r429"]
+                assert sum(figures["shed_reasons"].values()) == figures["refused"]
+            per_class = step["classes"].values()
+            assert sum(c["offered"] for c in per_class) == step["steady"]["offered"]
+            assert step["steady"]["offered"] <= step["whole"]["offered"]
+    # Lenient sanity: brownout keeps serving under overload on any machine, and the report
+    # says whether the strict invariants held (the exit status).
+    adaptive_2x = next(
+        s
+        for r in lab["runs"]
+        if r["configuration"] == "brownout-adaptive" and r["scenario"] == "ramp"
+        for s in r["steps"]
+        if s["load"] == 2.0
+    )
+    assert adaptive_2x["steady"]["goodput_per_s"] > 0.25 * capacity
+    assert ("all invariants held" in proc.stdout) == (proc.returncode == 0)

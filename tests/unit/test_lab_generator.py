@@ -1,0 +1,280 @@
+"""The open-loop generator's accounting against a scripted fake server (T4, O1, O3).
+
+The fake server is a real asyncio server on loopback whose answer depends on the path:
+statuses, delays, chunked bodies, closed connections. Every offered request must end in
+exactly one outcome; refusals carry the reason the server named; latency counts from the
+scheduled send time, so time spent waiting for a connection is not hidden.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+
+from brownout.lab.generator import (
+    AdminCall,
+    LoadPlan,
+    LoadStep,
+    TrafficClass,
+    admin_call,
+    calibrate,
+    run_plan,
+)
+from brownout.lab.tally import OUTCOMES, Tally, percentile
+
+
+def _response(status: int, body: bytes = b"", *headers: str) -> bytes:
+    head = [f"HTTP/1.1 {status} X", f"content-length: {len(body)}", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+SHED = json.dumps({"type": "urn:brownout:reason:queue_full", "reason": "queue_full"}).encode()
+QUOTA = json.dumps({"type": "urn:brownout:reason:quota"}).encode()
+
+
+class FakeServer:
+    """Answers by path; counts connections and admin bodies."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.admin_bodies: list[bytes] = []
+        self.active = 0
+        self.server: asyncio.Server | None = None
+        self.capacity = asyncio.Semaphore(2)
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        port: int = self.server.sockets[0].getsockname()[1]
+        return port
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode().split("\r\n")
+                path = lines[0].split()[1]
+                length = 0
+                for line in lines[1:]:
+                    if line.lower().startswith("content-length:"):
+                        length = int(line.split(":")[1])
+                body = await reader.readexactly(length) if length else b""
+                if not await self.answer(path, body, writer):
+                    break
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except asyncio.CancelledError:
+            pass  # torn down mid-answer: end quietly (3.11 streams log cancelled handlers)
+        finally:
+            writer.close()
+
+    async def answer(self, path: str, body: bytes, writer: asyncio.StreamWriter) -> bool:
+        if path == "/ok":
+            writer.write(_response(200, b"ok"))
+        elif path == "/slow":
+            await asyncio.sleep(0.05)
+            writer.write(_response(200, b"ok"))
+        elif path == "/late":
+            await asyncio.sleep(1.0)
+            writer.write(_response(200, b"ok"))
+        elif path == "/shed":
+            writer.write(_response(503, SHED, "content-type: application/problem+json"))
+        elif path == "/quota":
+            writer.write(_response(429, QUOTA, "content-type: application/problem+json"))
+        elif path == "/close":
+            writer.write(_response(503, b"Service Unavailable", "connection: close"))
+            return False
+        elif path == "/chunked":
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"
+            )
+        elif path == "/boom":
+            writer.write(_response(500, b"boom"))
+        elif path == "/expired":
+            writer.write(_response(504, b"deadline"))
+        elif path == "/drop":
+            return False
+        elif path == "/capacity":
+            async with self.capacity:
+                await asyncio.sleep(0.01)
+            writer.write(_response(200, b"ok"))
+        elif path == "/admin":
+            self.admin_bodies.append(body)
+            writer.write(_response(200, b"{}", "connection: close"))
+            return False
+        else:
+            writer.write(_response(404))
+        return True
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeServer]:
+    server = FakeServer()
+    server.server = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+    yield server
+    server.server.close()
+    await server.server.wait_closed()
+
+
+PATHS = ("ok", "slow", "late", "shed", "quota", "close", "chunked", "boom", "expired", "drop")
+EXPECTED = {
+    "ok": "ok",
+    "slow": "ok",
+    "late": "timeouts_sent",
+    "shed": "r503",
+    "quota": "r429",
+    "close": "r503",
+    "chunked": "ok",
+    "boom": "other_status",
+    "expired": "r504",
+    "drop": "errors",
+}
+
+
+def _plan(port: int, classes: tuple[str, ...], *steps: LoadStep, **kw: object) -> LoadPlan:
+    return LoadPlan(
+        "127.0.0.1",
+        port,
+        tuple(TrafficClass(c, f"/{c}") for c in classes),
+        steps,
+        deadline=kw.pop("deadline", 0.2),  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def test_every_offered_request_ends_in_exactly_the_scripted_outcome(
+    fake: FakeServer,
+) -> None:
+    mix = tuple((p, 1.0) for p in PATHS)
+    plan = _plan(fake.port, PATHS, LoadStep("s", 300, 1.0, mix, settle=0.3))
+    result = await run_plan(plan)
+    assert result.unresolved == 0
+    [step] = result.steps
+    for name, tally in step.whole.items():
+        assert tally.offered > 0, name
+        expected = EXPECTED[name]
+        assert getattr(tally, expected) == tally.offered, (name, tally)
+        assert tally.resolved == tally.offered
+        others = [o for o in OUTCOMES if o != expected]
+        assert all(getattr(tally, o) == 0 for o in others), (name, tally)
+        assert tally.sent == tally.offered  # plenty of connections: nothing waited unsent
+    total = Tally.merged(step.whole.values())
+    assert total.offered == 300
+    # the steady window leaves out the first 0.3 s
+    steady = Tally.merged(step.steady.values())
+    assert 180 <= steady.offered <= 230
+    assert steady.resolved == steady.offered
+    # refusal reasons come from the problem body (or the status when there is none)
+    assert set(step.whole["shed"].shed_reasons) == {"queue_full"}
+    assert set(step.whole["quota"].shed_reasons) == {"quota"}
+    assert set(step.whole["close"].shed_reasons) == {"http_503"}
+    # success latency and refusal latency are kept apart (O3)
+    assert len(step.whole["shed"].success_latency) == 0
+    assert len(step.whole["shed"].refusal_latency) == step.whole["shed"].offered
+    assert min(step.whole["slow"].success_latency) >= 0.045
+    # closing servers, dropped connections and abandoned requests all cost new connections
+    churn = sum(step.whole[c].offered for c in ("close", "drop", "late"))
+    assert step.connections_opened >= churn
+    assert fake.connections == result.connections_opened
+    # the timeline holds the same outcomes, bucketed by scheduled time
+    bins = result.timeline
+    assert sum(b["ok"] for b in bins) == total.ok
+    assert sum(b["refused"] for b in bins) == total.r503 + total.r429
+    assert sum(b["expired"] for b in bins) == total.expired + total.ok_late
+
+
+async def test_a_full_pool_makes_requests_wait_and_expire_unsent(fake: FakeServer) -> None:
+    # 200 requests within 20 ms on one connection held for longer than the deadline: the
+    # connection frees only when the request on it expires, by which time most waiters have
+    # expired too, never having been sent.
+    plan = _plan(
+        fake.port,
+        ("late",),
+        LoadStep("s", 10_000, 0.02, (("late", 1.0),)),
+        max_connections=1,
+    )
+    result = await run_plan(plan)
+    [step] = result.steps
+    t = step.whole["late"]
+    assert t.resolved == t.offered == 200
+    assert t.timeouts_unsent > 0
+    assert t.timeouts_sent >= 1
+    assert t.sent + t.timeouts_unsent == t.offered
+    assert fake.connections <= result.connections_opened
+
+
+async def test_latency_counts_from_the_scheduled_time(fake: FakeServer) -> None:
+    """One connection, 50 ms per request, a request every 25 ms: the backlog is measured."""
+    plan = _plan(
+        fake.port,
+        ("slow",),
+        LoadStep("s", 40, 0.5, (("slow", 1.0),)),
+        max_connections=1,
+        deadline=3.0,
+    )
+    result = await run_plan(plan)
+    t = result.steps[0].whole["slow"]
+    assert t.ok == t.offered == 20
+    # a closed-loop client would report ~50 ms for every request; the open loop sees the queue
+    assert max(t.success_latency) >= 0.35
+    assert percentile(t.success_latency, 0.5) is not None
+
+
+async def test_steps_run_back_to_back_and_actions_fire_at_step_start(fake: FakeServer) -> None:
+    admin = AdminCall("127.0.0.1", fake.port, "/admin", {"latency": 0.08})
+    plan = _plan(
+        fake.port,
+        ("ok",),
+        LoadStep("warm", 100, 0.2, (("ok", 1.0),), measured=False),
+        LoadStep("a", 100, 0.3, (("ok", 1.0),), actions=(admin,)),
+        LoadStep("b", 200, 0.3, (("ok", 1.0),), arrivals="poisson"),
+    )
+    result = await run_plan(plan)
+    assert [s.label for s in result.steps] == ["warm", "a", "b"]
+    assert [s.measured for s in result.steps] == [False, True, True]
+    assert json.loads(fake.admin_bodies[0]) == {"latency": 0.08}
+    assert result.steps[1].whole["ok"].offered == 30
+    assert 30 <= result.steps[2].whole["ok"].offered <= 110  # Poisson, seeded
+    assert all(s.whole["ok"].ok == s.whole["ok"].offered for s in result.steps)
+    assert result.steps[2].start > result.steps[1].start > result.steps[0].start
+    # unmeasured steps stay out of the timeline
+    assert sum(b["ok"] for b in result.timeline) == sum(s.whole["ok"].ok for s in result.steps[1:])
+
+
+async def test_admin_call_reports_an_unreachable_server(fake: FakeServer) -> None:
+    assert await admin_call(AdminCall("127.0.0.1", fake.port, "/admin", {"a": 1})) == 200
+    assert await admin_call(AdminCall("127.0.0.1", 1, "/admin")) == 0
+
+
+async def test_calibration_finds_the_knee(fake: FakeServer) -> None:
+    """2 slots x 10 ms: about 200 requests/s, no-load latency about 10 ms (wide margins)."""
+    cal = await calibrate("127.0.0.1", fake.port, "/capacity", level_seconds=0.25)
+    assert 80 <= cal.capacity <= 260
+    assert 0.009 <= cal.service_time <= 0.05
+    assert cal.levels[0][0] == 1
+    assert len(cal.levels) >= 3
+
+
+def test_tally_summary_and_percentile() -> None:
+    t = Tally(offered=4, sent=4, ok=2, r503=1, timeouts_sent=1)
+    t.success_latency += [0.010, 0.030]
+    t.refusal_latency.append(0.001)
+    t.shed_reasons["queue_full"] = 1
+    s = t.summary(2.0)
+    assert s["goodput_per_s"] == 1.0
+    assert s["offered_per_s"] == 2.0
+    assert s["success_p50_ms"] == 10.0
+    assert s["success_p99_ms"] == 30.0
+    assert s["refusal_p50_ms"] == 1.0
+    assert s["expired"] == 1
+    assert t.resolved == 4
+    merged = Tally.merged([t, t])
+    assert merged.offered == 8
+    assert merged.shed_reasons == {"queue_full": 2}
+    assert percentile([], 0.5) is None
+    assert percentile([3.0, 1.0, 2.0], 1.0) == 3.0

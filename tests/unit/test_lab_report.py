@@ -1,0 +1,248 @@
+"""The lab's report, verdict and command line, on synthetic results (T1, S3, S8, O3)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from brownout.cli import TargetError, main, parse_target
+from brownout.lab.generator import PlanResult, StepResult
+from brownout.lab.report import COLUMNS, markdown, scenario_rows, write_markdown, write_report
+from brownout.lab.runner import CONFIGURATIONS, LabSettings, summarize_plan
+from brownout.lab.scenarios import SCENARIOS, quick_variant
+from brownout.lab.tally import Tally
+from brownout.lab.verdict import evaluate, targets
+
+CAPACITY = 400.0
+
+
+def _tally(
+    offered: int, ok: int, refused: int, latency: float, reason: str = "queue_full"
+) -> Tally:
+    expired = offered - ok - refused
+    t = Tally(offered=offered, sent=offered, ok=ok, r503=refused, timeouts_sent=expired)
+    t.success_latency += [latency] * ok
+    t.refusal_latency += [0.0005] * refused
+    if refused:
+        t.shed_reasons[reason] = refused
+    return t
+
+
+def _step(label: str, load: float, classes: dict[str, Tally], late: bool = False) -> StepResult:
+    return StepResult(
+        label,
+        load * CAPACITY,
+        3.0,
+        1.0,
+        True,
+        0.0,
+        whole=classes,
+        steady=classes,
+        lateness=[0.02 if late else 0.001] * 10,
+        connections_opened=5,
+    )
+
+
+def _ramp(goodput_at_overload: float, p99: float, refused_at_08: int) -> PlanResult:
+    steps = []
+    for phase in SCENARIOS["ramp"].phases:
+        offered = int(phase.load * CAPACITY * 2)  # 2 s of steady state
+        if phase.load <= 1:
+            ok = offered - refused_at_08 if phase.load == 0.8 else offered
+            t = _tally(offered, ok, offered - ok, p99)
+        else:
+            ok = int(goodput_at_overload * 2)
+            t = _tally(offered, ok, offered - ok, p99)
+        steps.append(_step(phase.label, phase.load, {"interactive": t}, late=phase.load == 10))
+    return PlanResult(steps, 0.5, [{"ok": 10, "refused": 0, "expired": 0, "failed": 0}], 30)
+
+
+def _priority(interactive_ok_share: float) -> PlanResult:
+    interactive_offered = 400
+    interactive = _tally(
+        interactive_offered, int(interactive_offered * interactive_ok_share), 0, 0.03
+    )
+    interactive.timeouts_sent = interactive.offered - interactive.ok
+    batch = _tally(2800, 400, 2400, 0.05)
+    return PlanResult(
+        [_step("4x mix", 4.0, {"interactive": interactive, "batch": batch})],
+        0.5,
+        [],
+        12,
+    )
+
+
+def make_lab(
+    *,
+    goodput: float = 390.0,
+    p99: float = 0.06,
+    refused_at_08: int = 0,
+    interactive: float = 1.0,
+) -> dict[str, Any]:
+    configs = [CONFIGURATIONS["unprotected"], CONFIGURATIONS["brownout-adaptive"]]
+    runs = []
+    for config in configs:
+        protected = config.brownout
+        ramp = _ramp(goodput if protected else 20.0, p99 if protected else 0.9, refused_at_08)
+        prio = _priority(interactive if protected else 0.1)
+        for name, result in (("ramp", ramp), ("priority", prio)):
+            run = {"configuration": config.name, "scenario": name}
+            run |= summarize_plan(result, SCENARIOS[name])
+            run["backend"] = {}
+            runs.append(run)
+    from dataclasses import asdict
+
+    return {
+        "settings": asdict(LabSettings()),
+        "target": None,
+        "calibration": {"capacity": CAPACITY, "service_time": 0.021, "levels": []},
+        "configurations": [asdict(c) for c in configs],
+        "scenarios": [
+            {"name": s.name, "title": s.title, "description": s.description}
+            for s in (SCENARIOS["ramp"], SCENARIOS["priority"])
+        ],
+        "runs": runs,
+    }
+
+
+def test_healthy_protection_passes_every_invariant() -> None:
+    lab = make_lab()
+    checks = evaluate(lab)
+    assert checks
+    assert all(c["passed"] for c in checks), [c for c in checks if not c["passed"]]
+    # only brownout configurations are judged
+    assert {c["configuration"] for c in checks} == {"brownout-adaptive"}
+    names = {c["check"] for c in checks}
+    assert any("goodput >= 90%" in n for n in names)
+    assert any("half the deadline" in n for n in names)
+    assert any("refusals <= 0.1%" in n for n in names)
+    assert any("interactive goodput" in n for n in names)
+    # the generator was late at 10x: those checks say so
+    assert all(c["generator_late"] == (c["step"] == "10x") for c in checks)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "failing"),
+    [
+        ({"goodput": 300.0}, "goodput >= 90% of capacity"),
+        ({"p99": 0.6}, "success p99 <= half the deadline"),
+        ({"refused_at_08": 5}, "refusals <= 0.1% below capacity"),
+        ({"interactive": 0.95}, "interactive goodput >= 99% of its demand"),
+    ],
+)
+def test_each_broken_invariant_fails_the_lab(kwargs: dict[str, Any], failing: str) -> None:
+    failed = {c["check"] for c in evaluate(make_lab(**kwargs)) if not c["passed"]}
+    assert failed == {failing}
+
+
+def test_targets_are_reported_not_enforced() -> None:
+    t = targets(make_lab(p99=0.2))
+    assert {c["check"] for c in t} == {
+        "goodput >= 95% of capacity",
+        "success p50 <= 1.5x service time",
+        "success p99 <= 3x service time",
+    }
+    assert not all(c["passed"] for c in t)
+
+
+def test_rows_keep_success_and_refusal_latency_apart() -> None:
+    lab = make_lab()
+    rows = scenario_rows(lab, "ramp")
+    assert len(rows) == 2 * len(SCENARIOS["ramp"].phases)
+    assert all(len(r) == len(COLUMNS) for r in rows)
+    adaptive_10x = next(r for r in rows if r[0] == "brownout Gradient2Limit()" and r[1] == "10x")
+    assert adaptive_10x[COLUMNS.index("ok p50/p99 ms")] == "60.0 / 60.0"
+    assert adaptive_10x[COLUMNS.index("refusal p50 ms")] == "0.5"
+    assert "queue_full" in adaptive_10x[COLUMNS.index("shed (reasons)")]
+    assert adaptive_10x[COLUMNS.index("% cap")] == "98%"
+    assert "(late!)" in adaptive_10x[-1]
+    prio = scenario_rows(lab, "priority")
+    assert "interactive 200/200" in prio[1][COLUMNS.index("by class: goodput/offered per s")]
+
+
+def test_write_report_produces_json_pngs_html_and_markdown(tmp_path: Path) -> None:
+    lab = make_lab()
+    files = write_report(lab, tmp_path / "out", command="brownout lab --quick")
+    names = {f.name for f in files}
+    assert {"report.json", "index.html", "report.md", "goodput.png", "latency.png"} <= names
+    assert "timeline-priority.png" in names
+    for f in files:
+        assert f.exists() and f.stat().st_size > 0
+        if f.suffix == ".png":
+            assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "out" / "report.json").read_text()) == lab
+    page = (tmp_path / "out" / "index.html").read_text()
+    assert "<table>" in page and "goodput.png" in page and "PASS" in page
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "brownout lab --quick" in md and "| configuration |" in md
+
+    doc = tmp_path / "docs" / "lab.md"
+    doc.parent.mkdir()
+    write_markdown(lab, tmp_path / "out", doc, "brownout lab")
+    assert "![goodput.png](lab/goodput.png)" in doc.read_text()
+    assert (tmp_path / "docs" / "lab" / "goodput.png").exists()
+
+
+def test_markdown_names_a_failure() -> None:
+    md = markdown(make_lab(goodput=100.0), [])
+    assert "**FAIL** brownout-adaptive / ramp / 2x" in md
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://127.0.0.1:8000/api", ("127.0.0.1", 8000, "/api")),
+        ("http://localhost:81", ("127.0.0.1", 81, "/")),
+        ("http://127.3.2.1:9/x?y=1", ("127.3.2.1", 9, "/x?y=1")),
+        ("http://[::1]:8080/p", ("::1", 8080, "/p")),
+    ],
+)
+def test_targets_on_loopback_are_accepted(url: str, expected: tuple[str, int, str]) -> None:
+    assert parse_target(url) == expected
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://10.0.0.1:80/",
+        "http://192.168.1.2:8000/",
+        "http://example.com:80/",
+        "https://127.0.0.1:443/",
+        "http://127.0.0.1/",
+        "127.0.0.1:8000",
+    ],
+)
+def test_targets_off_this_machine_are_refused(url: str) -> None:
+    with pytest.raises(TargetError):
+        parse_target(url)
+
+
+def test_cli_refuses_a_remote_target_before_sending_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["lab", "--target", "http://10.1.2.3:80/"]) == 2
+    assert "not a loopback address" in capsys.readouterr().out
+    assert main(["nope"]) == 2
+    assert main([]) == 2
+
+
+def test_cli_top_is_dispatched_lazily(capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        import brownout.export.top  # noqa: F401
+    except ImportError:
+        assert main(["top"]) == 2
+        assert "not available" in capsys.readouterr().err
+    else:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["top", "--help"])
+        assert exit_info.value.code == 0
+        assert "brownout top" in capsys.readouterr().out
+
+
+def test_quick_ramp_keeps_the_checked_steps() -> None:
+    quick = quick_variant(SCENARIOS["ramp"])
+    assert [p.load for p in quick.phases] == [0.8, 2.0, 4.0, 10.0]
+    assert quick_variant(SCENARIOS["priority"]) is SCENARIOS["priority"]

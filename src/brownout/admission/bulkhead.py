@@ -161,7 +161,9 @@ class Permit(QueueItem):
             self.in_flight_at_admit = n
             self.queue_wait = 0.0
             self._state = _ADMITTED
-            if b._estimator is None:
+            tick = b._tick - 1
+            if tick:
+                b._tick = tick
                 self.admitted_at = _UNTIMED
             else:
                 b._time_sample(self)
@@ -242,7 +244,9 @@ class Bulkhead:
         self._estimator = estimator
         self._overload = overload
         self._plain = overload is None and not self._adaptive
-        self._sample_every = estimate_every
+        if estimate_every < 1:
+            raise ValueError("estimate_every must be at least 1")
+        self._sample_every = estimate_every if estimator is not None else 1 << 62
         self._tick = 1
         self._in_flight = 0
         self._sweep: asyncio.TimerHandle | None = None
@@ -414,21 +418,20 @@ class Bulkhead:
             )
         elif self._adaptive:
             p.admitted_at = self._clock.now()
-        elif self._estimator is not None:
-            self._time_sample(p)
         else:
-            p.admitted_at = _UNTIMED
+            tick = self._tick - 1
+            if tick:
+                self._tick = tick
+                p.admitted_at = _UNTIMED
+            else:
+                self._time_sample(p)
 
     def _time_sample(self, p: Permit) -> None:
         # The estimator needs a sample now and then, not every request: timing one admission
-        # in ``estimate_every`` keeps two clock reads off most fast paths.
-        tick = self._tick - 1
-        if tick <= 0:
-            self._tick = self._sample_every
-            p.admitted_at = self._clock.now()
-        else:
-            self._tick = tick
-            p.admitted_at = _UNTIMED
+        # in ``estimate_every`` keeps two clock reads off most fast paths. Without an
+        # estimator the countdown is so long it never reaches zero in practice.
+        self._tick = self._sample_every
+        p.admitted_at = _UNTIMED if self._estimator is None else self._clock.now()
 
     async def _wait(self, p: Permit) -> None:
         q = self._queue

@@ -13,6 +13,9 @@ every request with 503. The same chain is driven twice, counting requests *at C*
   to the driver, which does not retry either. So only B retries, and within its budget: C sees
   at most (1 + ratio) x originals + min_per_second x window.
 
+The same brownout chain over gRPC (grpc.aio servers with the edge interceptor, clients with
+`brownout_interceptors`) shows the gRPC marker, ``grpc-retry-pushback-ms: -1``, doing the same.
+
 Counts, not time: the test is deterministic apart from scheduling.
 """
 
@@ -24,6 +27,8 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import grpc
+import grpc.aio
 import httpx
 import pytest
 import tenacity
@@ -37,6 +42,8 @@ import brownout
 from brownout import Dependency, Reason, RetryBudget, RetryPolicy, Trust
 from brownout.edge import EdgePolicy
 from brownout.integrations.asgi import BrownoutMiddleware
+from brownout.integrations.grpc_client import brownout_interceptors
+from brownout.integrations.grpc_server import BrownoutServerInterceptor
 from brownout.integrations.httpx import BrownoutTransport
 from brownout.retry import ExponentialBackoff, RetriesExhausted, StopReason
 
@@ -203,3 +210,81 @@ async def test_only_one_layer_retries_within_budget_vs_naive_27x() -> None:
         f"({at_c['naive'] / ORIGINALS:.0f}x), brownout {at_c['brownout']} "
         f"({at_c['brownout'] / ORIGINALS:.2f}x, bound {bound:.0f})"
     )
+
+
+# -- the same chain over gRPC: the marker is grpc-retry-pushback-ms: -1 -------------------------
+CALL = "/chain.Hop/Call"
+
+
+def _ident(b: bytes) -> bytes:
+    return b
+
+
+async def grpc_server(
+    behavior: Callable[[bytes, grpc.aio.ServicerContext[bytes, bytes]], Awaitable[bytes]],
+) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server(interceptors=[BrownoutServerInterceptor(EdgePolicy())])
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "chain.Hop", {"Call": grpc.unary_unary_rpc_method_handler(behavior, _ident, _ident)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def grpc_channel(target: str, name: str) -> grpc.aio.Channel:
+    interceptors = brownout_interceptors(brownout_dependency(name), idempotent_methods={CALL})
+    return grpc.aio.insecure_channel(target, interceptors=interceptors)
+
+
+async def test_grpc_chain_only_one_layer_retries_within_budget() -> None:
+    received: Counter[str] = Counter()
+    servers: list[grpc.aio.Server] = []
+    channels: list[grpc.aio.Channel] = []
+
+    async def bottom(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        received["C"] += 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "down")
+        raise AssertionError("unreachable")
+
+    def hop(name: str, downstream: grpc.aio.Channel) -> Any:
+        stub = downstream.unary_unary(CALL)
+
+        async def forward(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+            received[name] += 1
+            reply: bytes = await stub(request)  # RetriesExhausted -> UNAVAILABLE + pushback -1
+            return reply
+
+        return forward
+
+    try:
+        c_server, c_target = await grpc_server(bottom)
+        servers.append(c_server)
+        channels.append(grpc_channel(c_target, "B->C"))
+        b_server, b_target = await grpc_server(hop("B", channels[-1]))
+        servers.append(b_server)
+        channels.append(grpc_channel(b_target, "A->B"))
+        a_server, a_target = await grpc_server(hop("A", channels[-1]))
+        servers.append(a_server)
+        channels.append(grpc_channel(a_target, "driver->A"))
+        driver = channels[-1].unary_unary(CALL)
+        for _ in range(ORIGINALS):
+            async with brownout.deadline(5.0):
+                with pytest.raises(RetriesExhausted) as info:
+                    await driver(b"x")
+            assert info.value.stopped_by is StopReason.DO_NOT_RETRY and info.value.attempts == 1
+            error = info.value.response
+            assert isinstance(error, grpc.aio.AioRpcError)
+            assert error.code() is grpc.StatusCode.UNAVAILABLE
+            assert ("grpc-retry-pushback-ms", "-1") in tuple(error.trailing_metadata() or ())
+    finally:
+        for ch in channels:
+            await ch.close()
+        for s in servers:
+            await s.stop(0)
+    assert received["A"] == ORIGINALS and received["B"] == ORIGINALS
+    assert ORIGINALS < received["C"] <= (1 + RATIO) * ORIGINALS + MIN_PER_SECOND * WINDOW

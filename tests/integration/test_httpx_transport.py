@@ -27,7 +27,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import brownout
-from brownout import Dependency, Priority, Reason, Rejected, RetryPolicy, UnknownOutcome
+from brownout import (
+    BudgetSigner,
+    CircuitBreaker,
+    Dependency,
+    Priority,
+    Reason,
+    Rejected,
+    RetryPolicy,
+    UnknownOutcome,
+)
 from brownout.integrations.httpx import BrownoutTransport
 from brownout.retry import (
     ExponentialBackoff,
@@ -290,3 +299,29 @@ async def test_wraps_any_object_with_handle_async_request(server: tuple[str, See
         assert (await http.get("/echo")).status_code == 200
     await minimal.inner.aclose()
     assert calls == ["GET"] and "brownout-budget-ms" in seen.headers[0]
+
+
+async def test_open_breaker_refuses_without_sending(server: tuple[str, Seen]) -> None:
+    """R6 through the adapter: 503s open the dependency's breaker; then nothing is sent."""
+    base, seen = server
+    seen.script = [(503, {})] * 4
+    breaker = CircuitBreaker(failure_rate=0.5, window=4, minimum_calls=4, open_for=60.0)
+    async with client(base, Dependency("flaky", breaker=breaker)) as http:
+        for _ in range(4):
+            assert (await http.get("/echo")).status_code == 503  # no retries: answers returned
+        with pytest.raises(Rejected) as info:
+            await http.get("/echo")
+    assert info.value.reason is Reason.BREAKER_OPEN
+    assert len(seen.headers) == 4
+
+
+async def test_signed_budget_for_a_callee_outside_the_trust_boundary(
+    server: tuple[str, Seen],
+) -> None:
+    """D3: with a signer, the budget also travels signed, and verifies on the other side."""
+    base, seen = server
+    signer = BudgetSigner({"k1": b"0123456789abcdef0123"})
+    async with client(base, Dependency("partner", timeout=0.6), signer=signer) as http:
+        await http.get("/echo")
+    signed = signer.verify(seen.headers[0]["brownout-signed-budget"])
+    assert 0.5 < signed <= 0.6

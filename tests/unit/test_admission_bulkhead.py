@@ -526,3 +526,37 @@ async def test_adaptive_limit_finds_the_knee_through_the_bulkhead(make: type) ->
     assert 16 <= statistics.median(late) <= 30
     throughput = len(late) / (stop - 6.0)
     assert throughput >= 0.8 * 20 / 0.05
+
+
+async def test_priority_share_borrows_only_idle_capacity() -> None:
+    b, _ = make(4, shares={Priority.SHEDDABLE: 0.5})
+    held = [b.try_admit(priority=Priority.SHEDDABLE) for _ in range(4)]
+    assert b.in_flight == 4  # nothing else active: sheddable work borrows the whole limit
+    for p in held:
+        p.success()
+    critical = b.try_admit(priority=Priority.CRITICAL)
+    batch = [b.try_admit(priority=Priority.SHEDDABLE) for _ in range(2)]
+    with pytest.raises(Rejected):  # at its share while CRITICAL is active: no borrowing
+        b.try_admit(priority=Priority.SHEDDABLE)
+    assert b.in_flight == 3
+    extra = b.try_admit(priority=Priority.CRITICAL)  # the kept slot serves CRITICAL at once
+    assert b.in_flight == 4
+    for p in (critical, extra, *batch):
+        p.success()
+    assert b.in_flight == 0
+
+
+async def test_priority_share_waiter_does_not_take_a_slot_kept_for_higher_work() -> None:
+    b, _ = make(4, shares={Priority.SHEDDABLE: 0.5})
+    critical = b.try_admit(priority=Priority.CRITICAL)
+    batch = [b.try_admit(priority=Priority.SHEDDABLE) for _ in range(2)]
+    waiter = asyncio.create_task(b.admit(priority=Priority.SHEDDABLE).__aenter__())
+    await asyncio.sleep(0.01)
+    assert b.queue_depth == 1 and b.in_flight == 3
+    batch[0].success()  # a sheddable slot frees: the waiter takes it (back at its share)
+    await asyncio.sleep(0)
+    assert waiter.done() and b.in_flight == 3
+    critical.success()  # CRITICAL gone: sheddable may borrow again
+    assert b.try_admit(priority=Priority.SHEDDABLE).priority is Priority.SHEDDABLE
+    with pytest.raises(ValueError):
+        Bulkhead("bad", FixedLimit(1), shares={Priority.SHEDDABLE: 1.5})

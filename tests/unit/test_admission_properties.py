@@ -80,15 +80,28 @@ class Watcher:
     reserve=st.integers(0, 2),
     max_size=st.integers(1, 5),
     kind=st.sampled_from([FifoQueue, LifoQueue, CoDelQueue, AdaptiveLifoQueue]),
+    shares=st.sampled_from([None, {Priority.SHEDDABLE: 0.5, Priority.SHEDDABLE_PLUS: 0.75}]),
     ops=OPS,
 )
 def test_bulkhead_invariants(
-    limit: int, reserve: int, max_size: int, kind: type, ops: list[tuple]
+    limit: int,
+    reserve: int,
+    max_size: int,
+    kind: type,
+    shares: dict[Priority, float] | None,
+    ops: list[tuple],
 ) -> None:
-    asyncio.run(_run(limit, reserve, max_size, kind, ops))
+    asyncio.run(_run(limit, reserve, max_size, kind, shares, ops))
 
 
-async def _run(limit: int, reserve: int, max_size: int, kind: type, ops: list[tuple]) -> None:
+async def _run(
+    limit: int,
+    reserve: int,
+    max_size: int,
+    kind: type,
+    shares: dict[Priority, float] | None,
+    ops: list[tuple],
+) -> None:
     clock = ManualClock(100.0)
     events = EventHub()
     ref: list[Bulkhead] = []
@@ -101,6 +114,7 @@ async def _run(limit: int, reserve: int, max_size: int, kind: type, ops: list[tu
         reserve=reserve,
         clock=clock,
         events=events,
+        shares=shares,
     )
     ref.append(b)
     running: list[asyncio.Event] = []

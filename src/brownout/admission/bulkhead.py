@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import ParamSpec, Protocol, TypeVar
 
@@ -60,6 +60,7 @@ R = TypeVar("R")
 _INF = math.inf
 _new = object.__new__
 _UNTIMED = -math.inf
+_UNTIMED_SHARED = -1e300  # untimed, but must take the full release path (share accounting)
 _NEW, _QUEUED, _ADMITTED, _DONE = 0, 1, 2, 3
 _SUCCESS, _FAILED, _DROPPED, _IGNORED = 0, 1, 2, 3
 _CRITICAL_PLUS = Priority.CRITICAL_PLUS
@@ -202,15 +203,23 @@ class Permit(QueueItem):
 
 
 class Bulkhead:
-    """A concurrency budget for one dependency or class of work.
+    """A concurrency budget for one dependency or class of work (A1).
 
-    ``limit``: a `Limit` (e.g. ``FixedLimit(8)``, an adaptive one); ``queue``: a `WaitQueue`
-    (default ``FifoQueue(max_size=limit, max_wait=1.0)``); ``reserve``: extra slots above the
-    limit only CRITICAL_PLUS work (health checks, control traffic) may use, so it is admitted
-    while lower work saturates the bulkhead; ``estimator``: a `LatencyEstimator` for
-    deadline-aware refusals (a private one is made when not given; pass ``None``-able
-    ``deadline_aware=False`` to disable); ``overload``: an `OverloadManager` (anything with
-    ``shed_below``) whose level sheds low priorities.
+    - ``limit``: a `Limit` (``FixedLimit(8)``, or an adaptive one that learns from outcomes).
+    - ``queue``: a `WaitQueue` (default ``FifoQueue(max_size=limit, max_wait=1.0)``).
+    - ``reserve``: slots above the limit that only CRITICAL_PLUS work (health checks, control
+      traffic) may use, so it is admitted while lower work saturates the bulkhead (default 1).
+    - ``shares``: optional per-priority fractions of the limit, e.g.
+      ``{Priority.SHEDDABLE: 0.5}``. A priority at its share may *borrow* beyond it only while
+      no higher priority holds permits or waits (the capacity is idle); otherwise it waits
+      and the slot is kept for higher work. Priorities not named have share 1.0.
+    - ``estimator``: a `LatencyEstimator` for deadline-aware refusals (D7). With
+      ``deadline_aware=True`` (default) the bulkhead makes a private one when none is given;
+      it samples one admission in ``estimate_every`` (16) to keep clock reads off the hot
+      path.
+    - ``overload``: an `OverloadManager` (anything with ``shed_below``): priorities below it
+      are refused with `Reason.OVERLOADED`.
+    - ``clock`` (default the loop's clock) and ``events`` (default ``brownout.hub``).
     """
 
     def __init__(
@@ -226,9 +235,14 @@ class Bulkhead:
         overload: OverloadState | None = None,
         deadline_aware: bool = True,
         estimate_every: int = 16,
+        shares: Mapping[Priority, float] | None = None,
     ) -> None:
         if reserve < 0:
             raise ValueError("reserve must be >= 0")
+        if shares and not all(0.0 < v <= 1.0 for v in shares.values()):
+            raise ValueError("shares must be fractions of the limit in (0, 1]")
+        self._shares = [shares.get(p, 1.0) for p in Priority] if shares else None
+        self._held: list[int] | None = [0] * len(Priority) if shares else None
         self.name = name
         self._limit = limit
         self._limit_value = max(1, int(limit.limit))
@@ -243,7 +257,7 @@ class Bulkhead:
             estimator = LatencyEstimator()
         self._estimator = estimator
         self._overload = overload
-        self._plain = overload is None and not self._adaptive
+        self._plain = overload is None and not self._adaptive and self._held is None
         if estimate_every < 1:
             raise ValueError("estimate_every must be at least 1")
         self._sample_every = estimate_every if estimator is not None else 1 << 62
@@ -286,7 +300,7 @@ class Bulkhead:
     @overload.setter
     def overload(self, value: OverloadState | None) -> None:
         self._overload = value
-        self._plain = value is None and not self._adaptive
+        self._plain = value is None and not self._adaptive and self._held is None
 
     def oldest_queue_age(self) -> float:
         """Seconds the oldest waiter has waited (0.0 when none) (O2, O5)."""
@@ -345,6 +359,11 @@ class Bulkhead:
         )
         if self._admit_now(permit):
             return permit
+        if self._held is not None and self._share_blocks(permit.priority):
+            # capacity kept for higher priorities is not free capacity: not a false positive
+            raise self._refuse(
+                permit, Reason.OVERLOADED, "this priority holds its share", 0.0, reserved=True
+            )
         raise self._refuse(permit, Reason.OVERLOADED, "at the concurrency limit", 0.0)
 
     def __call__(self, fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
@@ -396,6 +415,8 @@ class Bulkhead:
                         0.0,
                     )
         n = self._in_flight
+        if self._held is not None and self._share_blocks(p.priority):
+            return False
         if n < self._limit_value and self._queue.size == 0:
             self._grant(p, n, 0.0)
             return True
@@ -403,6 +424,20 @@ class Bulkhead:
             self._grant(p, n, 0.0)
             return True
         return False
+
+    def _share_blocks(self, priority: int) -> bool:
+        """True when ``priority`` holds its share and may not borrow: a higher priority is
+        active (holds permits or waits), so the capacity above the share is not idle."""
+        held = self._held
+        shares = self._shares
+        assert held is not None
+        assert shares is not None
+        if held[priority] < shares[priority] * self._limit_value:
+            return False
+        for higher in range(priority + 1, len(held)):
+            if held[higher]:
+                return True
+        return self._queue.peek_rank() // 2 > priority
 
     def _grant(self, p: Permit, n: int, queue_wait: float) -> None:
         n += 1
@@ -425,6 +460,11 @@ class Bulkhead:
                 p.admitted_at = _UNTIMED
             else:
                 self._time_sample(p)
+        held = self._held
+        if held is not None:
+            held[p.priority] += 1
+            if p.admitted_at == _UNTIMED:
+                p.admitted_at = _UNTIMED_SHARED
 
     def _time_sample(self, p: Permit) -> None:
         # The estimator needs a sample now and then, not every request: timing one admission
@@ -563,6 +603,8 @@ class Bulkhead:
                 n < self._limit_value + self._reserve and q.peek_rank() >= CRITICAL_PLUS_RANK
             ):
                 return
+            if self._held is not None and self._share_blocks(q.peek_rank() // 2):
+                return  # the best waiter holds its share and may not borrow: keep the slot
             item, reason = q.pop(now)
             p: Permit = item  # type: ignore[assignment]
             if p._state != _QUEUED:  # pragma: no cover - defensive
@@ -596,7 +638,10 @@ class Bulkhead:
         self._in_flight -= 1
         events = self._events
         start = p.admitted_at
-        if start != _UNTIMED:
+        held = self._held
+        if held is not None:
+            held[p.priority] -= 1
+        if start > _UNTIMED_SHARED:
             now = self._clock.now()
             rtt = now - start
             if self._adaptive and outcome != _IGNORED:
@@ -650,7 +695,9 @@ class Bulkhead:
         if self._events.enabled:
             self._events.emit(LimitChanged(now, self.name, old, new))
 
-    def _refuse(self, p: Permit, reason: Reason, detail: str, waited: float) -> Rejected:
+    def _refuse(
+        self, p: Permit, reason: Reason, detail: str, waited: float, *, reserved: bool = False
+    ) -> Rejected:
         """Build the refusal (and its event); the caller raises or delivers it."""
         p._state = _DONE
         retry_after: float | None = None
@@ -674,6 +721,7 @@ class Bulkhead:
                     None if d_at == _INF else max(0.0, d_at - now),
                     waited,
                     reason in _CAPACITY_REASONS
+                    and not reserved
                     and self._in_flight < self._limit_value
                     and self._queue.size == 0,
                 )

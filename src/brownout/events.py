@@ -1,5 +1,8 @@
 """Typed, immutable events: every decision brownout makes is one of these (O1).
 
+Events are read-only by contract, checked statically (see `_event`): building them is on the
+request path, so they carry no runtime frozen guard.
+
 Primitives emit events to an `EventHub`; sinks (the in-memory `Stats`, Prometheus,
 OpenTelemetry, shed logs) subscribe to it. No primitive imports an exporter. When nothing is
 subscribed, primitives skip building the event at all (``hub.enabled`` is false), so the hot
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, dataclass_transform, runtime_checkable
 
 from .errors import Reason
 from .priority import Priority
@@ -48,8 +51,24 @@ __all__ = [
 
 _log = logging.getLogger("brownout.events")
 
+_E = TypeVar("_E")
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass_transform(frozen_default=True)
+def _event(cls: type[_E]) -> type[_E]:
+    """Declare an event: immutable to the type checker, a plain slotted dataclass at runtime.
+
+    Events are built on the request path, several per request. A runtime-frozen dataclass sets
+    every field through ``object.__setattr__`` and costs ~7x more to build (~800 ns against
+    ~110 ns for nine fields), which made an observed bulkhead 6x slower. So immutability is
+    enforced where it costs nothing: mypy (strict, in CI) rejects any assignment to an event
+    field, because ``dataclass_transform(frozen_default=True)`` declares these classes frozen.
+    Sinks must treat events as read-only; they are shared by every sink on a hub.
+    """
+    return dataclass(slots=True, unsafe_hash=True)(cls)
+
+
+@_event
 class Event:
     """Base of every event: when it happened, and which component decided."""
 
@@ -57,7 +76,7 @@ class Event:
     source: str
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class RequestEvent(Event):
     """An event about one unit of work: who asked, for what, and how much it matters."""
 
@@ -66,28 +85,28 @@ class RequestEvent(Event):
     caller: str
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class RequestOffered(RequestEvent):
     """Work arrived and asked to be admitted."""
 
     remaining: float | None
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class RequestQueued(RequestEvent):
     """Work had to wait; ``depth`` is the queue length after it joined."""
 
     depth: int
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class RequestAdmitted(RequestEvent):
     """Work got a permit; ``queue_wait`` is how long it waited for it (0 if it did not)."""
 
     queue_wait: float
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class RequestShed(RequestEvent):
     """Work refused, with the reason.
 
@@ -101,7 +120,7 @@ class RequestShed(RequestEvent):
     false_positive: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class RequestExpired(RequestEvent):
     """Work whose deadline passed: dropped at the queue head (``stage="queue"``) or cancelled
     while running (``stage="running"``). Never run late."""
@@ -110,7 +129,7 @@ class RequestExpired(RequestEvent):
     queue_wait: float
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class RequestCompleted(RequestEvent):
     """Work finished. ``useful`` is true when it finished within its deadline (goodput)."""
 
@@ -118,7 +137,7 @@ class RequestCompleted(RequestEvent):
     useful: bool
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class RequestFailed(RequestEvent):
     """Work admitted and run, but it failed; ``error`` is the exception type name."""
 
@@ -126,14 +145,14 @@ class RequestFailed(RequestEvent):
     error: str
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class RequestAbandoned(RequestEvent):
     """The caller went away (client disconnect) before the answer; not a success."""
 
     latency: float
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class AttemptRetried(RequestEvent):
     """An outbound call is being retried: ``attempt`` is the number of the next attempt."""
 
@@ -142,21 +161,21 @@ class AttemptRetried(RequestEvent):
     backoff: float
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class RetryBudgetExhausted(RequestEvent):
     """A retry was wanted but the budget had no tokens; the original error was returned."""
 
     attempt: int
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class OutcomeUnknown(RequestEvent):
     """A mutation was sent but its result is unknown; reconcile by ``idempotency_key`` (D6)."""
 
     idempotency_key: str | None
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class BreakerStateChanged(Event):
     """A circuit breaker moved between ``closed``, ``open`` and ``half_open``."""
 
@@ -164,7 +183,7 @@ class BreakerStateChanged(Event):
     new: str
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class LimitChanged(Event):
     """A concurrency limit changed (adaptive limits)."""
 
@@ -172,7 +191,7 @@ class LimitChanged(Event):
     new: int
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class OverloadLevelChanged(Event):
     """The overload manager changed level; ``signals`` names what drove it."""
 
@@ -181,7 +200,7 @@ class OverloadLevelChanged(Event):
     signals: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class DegradedModeChanged(Event):
     """A declared degraded mode was entered (``active``) or left; ``trigger`` says why."""
 
@@ -190,7 +209,7 @@ class DegradedModeChanged(Event):
     trigger: str
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class QuotaBackendChanged(Event):
     """A shared quota store became unreachable (``fallback`` active) or came back."""
 
@@ -198,7 +217,7 @@ class QuotaBackendChanged(Event):
     detail: str
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class DeadlineHeaderIgnored(Event):
     """An inbound deadline/priority header was malformed, forged or untrusted and ignored."""
 
@@ -261,7 +280,7 @@ hub = EventHub()
 # -- appended by the degradation area (issue 8) ------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class StaleServed(Event):
     """A `StaleCache` served content older than its freshness bound (G1); ``age`` in seconds,
     ``refreshing`` is true when a refresh is in flight. Keys are never labels (unbounded)."""
@@ -270,7 +289,7 @@ class StaleServed(Event):
     refreshing: bool
 
 
-@dataclass(frozen=True, slots=True)
+@_event
 class GuardFailedClosed(Event):
     """A `FailClosedGuard` refused to answer because its authoritative source failed (G4);
     ``what`` is the guarded data (e.g. ``authorization``), ``cause`` the failure's type name."""

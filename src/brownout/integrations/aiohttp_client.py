@@ -87,13 +87,11 @@ class BrownoutClientMiddleware:
         self.return_exhausted = return_exhausted
 
     async def __call__(self, request: ClientRequest, handler: ClientHandlerType) -> ClientResponse:
+        idempotent = request.method in self.safe_methods
+        key = None if idempotent else request.headers.get(IDEMPOTENCY_HEADER)
         try:
             return await self.dependency.call(
-                self._attempt,
-                request,
-                handler,
-                idempotent=request.method in self.safe_methods,
-                idempotency_key=request.headers.get(IDEMPOTENCY_HEADER),
+                self._attempt, request, handler, idempotent=idempotent, idempotency_key=key
             )
         except ResponseError as answer:
             # An answer this layer does not retry: the caller gets it as a response.

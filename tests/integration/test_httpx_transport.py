@@ -325,3 +325,15 @@ async def test_signed_budget_for_a_callee_outside_the_trust_boundary(
         await http.get("/echo")
     signed = signer.verify(seen.headers[0]["brownout-signed-budget"])
     assert 0.3 < signed <= 0.6
+
+
+async def test_unkeyed_mutation_is_not_resent_after_it_was_sent(server: tuple[str, Seen]) -> None:
+    """R2: without an idempotency key, a sent mutation is never resent; its outcome is unknown."""
+    base, seen = server
+    seen.delay = 2.0
+    dep = Dependency("slow", timeout=0.2, retry=fast_retries(3, idempotency_keys=False))
+    async with client(base, dep) as http:
+        with pytest.raises(UnknownOutcome) as info:
+            await http.post("/echo", json={"amount": 5})
+    assert info.value.idempotency_key is None
+    assert len(seen.headers) == 1 and "idempotency-key" not in seen.headers[0]

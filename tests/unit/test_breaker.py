@@ -252,3 +252,15 @@ def test_fleet_recovery_is_spread_not_a_synchronized_wave() -> None:
     every instance probes in the same instant and load jumps from nothing to full."""
     assert _fleet_largest_jump(open_jitter=0.0) >= 40
     assert _fleet_largest_jump(open_jitter=0.2) <= 8  # ~50 clients over ~40 slots
+
+
+def test_server_errors_count_as_failures_but_validation_errors_do_not() -> None:
+    from brownout.retry.breaker import default_is_failure
+    from brownout.retry.classify import ResponseError
+
+    assert default_is_failure(ResponseError(status=500)) is True
+    assert default_is_failure(ResponseError(status=503)) is True
+    assert default_is_failure(ResponseError(grpc_code="INTERNAL")) is True
+    assert default_is_failure(ResponseError(status=404)) is False
+    assert default_is_failure(ResponseError(status=422)) is False
+    assert default_is_failure(ResponseError(grpc_code="FAILED_PRECONDITION")) is False

@@ -30,7 +30,7 @@ from ..clock import Clock, default_clock
 from ..context import current
 from ..errors import Reason, Rejected
 from ..events import BreakerStateChanged, EventHub, RequestShed, hub
-from .classify import classify
+from .classify import ResponseError, classify
 from .window import SlidingCounters
 
 __all__ = ["BreakerState", "CircuitBreaker", "default_is_failure"]
@@ -46,15 +46,23 @@ class BreakerState(StrEnum):
     HALF_OPEN = "half_open"
 
 
+_SERVER_FAULT_CODES = frozenset({"INTERNAL", "UNKNOWN", "DATA_LOSS"})
+
+
 def default_is_failure(error: BaseException) -> bool | None:
     """Does ``error`` count against the dependency? ``None``: ignore it entirely.
 
-    Transient failures and anything unrecognised count; answers that show the dependency is
-    healthy (validation errors, 404, FAILED_PRECONDITION) count as successes; local refusals
-    (`Rejected`, other than a lower layer's do-not-retry) never reached it and are ignored.
+    Transient failures, server errors (HTTP 5xx; gRPC INTERNAL, UNKNOWN, DATA_LOSS) and anything
+    unrecognised count; answers that show the dependency is healthy (validation errors, 404,
+    FAILED_PRECONDITION) count as successes; local refusals (`Rejected`, other than a lower
+    layer's do-not-retry) never reached it and are ignored.
     """
     if isinstance(error, Rejected) and error.reason is not Reason.DO_NOT_RETRY:
         return None
+    if isinstance(error, ResponseError) and (
+        (error.status is not None and error.status >= 500) or error.grpc_code in _SERVER_FAULT_CODES
+    ):
+        return True  # answered, but the dependency is broken: not retryable, still a failure
     failure = classify(error)
     if failure.transient or failure.do_not_retry:
         return True

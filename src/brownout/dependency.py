@@ -19,7 +19,7 @@ A mutation whose outcome is unknown raises `UnknownOutcome` and is written to th
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, TypeVar
 
@@ -112,6 +112,24 @@ class Dependency:
     def active(self) -> int:
         """Attempts in flight right now (counted whether or not ``max_active`` is set)."""
         return self._active
+
+    def gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
+        """Live state for exporters (`brownout.Stats.watch`): retry-budget balance, breaker
+        state and the bulkhead's gauges. Read at scrape time, never on the request path."""
+        labels = {"source": self.name}
+        budget = self.retry.budget
+        available = getattr(budget, "available", None)
+        if callable(available):
+            yield ("retry_budget_balance", labels, float(available()))
+        else:
+            tokens = getattr(budget, "tokens", None)
+            if callable(tokens):
+                yield ("retry_budget_balance", labels, float(tokens()))
+        if self.breaker is not None:
+            yield from self.breaker.gauges()
+        bulkhead_gauges = getattr(self.bulkhead, "gauges", None)
+        if callable(bulkhead_gauges):
+            yield from bulkhead_gauges()
 
     async def call(
         self,

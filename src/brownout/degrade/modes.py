@@ -229,6 +229,17 @@ class DegradedModes:
         """The manual override of mode ``name``: True (on), False (off) or None (automatic)."""
         return self._state(name).forced
 
+    def gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
+        """Per mode: active (0/1), seconds active, and the declared maximum, for exporters."""
+        self.evaluate()
+        now = self._clock.now()
+        for name, s in self._states.items():
+            labels = {"mode": name}
+            yield ("degraded_mode_active", labels, 1.0 if s.active else 0.0)
+            yield ("degraded_mode_active_seconds", labels, now - s.since if s.active else 0.0)
+            if s.decl.max_duration is not None:
+                yield ("degraded_mode_max_seconds", labels, s.decl.max_duration)
+
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Every mode's declaration and state (JSON-able), for reports, runbooks and debugging."""
         self.evaluate()

@@ -22,7 +22,7 @@ the breaker lives on one event loop.
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -263,6 +263,15 @@ class CircuitBreaker:
         self.release(token, failed=self.is_failure(error), duration=duration)
 
     # -- convenience ----------------------------------------------------------------------
+
+    def gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
+        """One ``breaker_state`` gauge per state (1 for the current one), for exporters."""
+        for state in BreakerState:
+            yield (
+                "breaker_state",
+                {"source": self.name, "state": state.value},
+                1.0 if self.state is state else 0.0,
+            )
 
     async def call(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         """Await ``fn(*args, **kwargs)`` through the breaker (fallback when open, if set)."""

@@ -560,3 +560,57 @@ async def test_priority_share_waiter_does_not_take_a_slot_kept_for_higher_work()
     assert b.try_admit(priority=Priority.SHEDDABLE).priority is Priority.SHEDDABLE
     with pytest.raises(ValueError):
         Bulkhead("bad", FixedLimit(1), shares={Priority.SHEDDABLE: 1.5})
+
+
+async def test_gauges_for_exporters() -> None:
+    b, _ = make(2)
+    b.try_admit()
+    assert {name: value for name, _, value in b.gauges()} == {
+        "in_flight": 1.0,
+        "limit": 2.0,
+        "queue_depth": 0.0,
+        "queue_oldest_age": 0.0,
+    }
+    assert all(labels == {"source": "backend"} for _, labels, _ in b.gauges())
+    stats = brownout.Stats()
+    stats.watch(b)
+    assert ("in_flight", {"source": "backend"}, 1.0) in [
+        (n, dict(lab), v) for n, lab, v in stats.gauges()
+    ]
+
+
+def test_age_bound_enforced_across_event_loops() -> None:
+    # a module-level bulkhead outlives asyncio.run(); its sweep timer must re-arm (real time,
+    # 50 ms bounds)
+    b = Bulkhead("shared", FixedLimit(1), FifoQueue(max_size=4, max_wait=0.05))
+
+    async def one_round() -> Reason:
+        hold = asyncio.Event()
+
+        async def occupy() -> None:
+            async with b.admit():
+                await hold.wait()
+
+        runner = asyncio.create_task(occupy())
+        await asyncio.sleep(0)
+        try:
+            async with b.admit():
+                return Reason.OVERLOADED  # not expected
+        except Rejected as e:
+            return e.reason
+        finally:
+            hold.set()
+            await runner
+
+    async def leave_a_sweep_pending() -> None:
+        p = b.try_admit()
+        waiter = asyncio.create_task(b.admit().__aenter__())
+        await asyncio.sleep(0)
+        waiter.cancel()  # leaves the queue; the sweep timer stays armed on this loop
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        p.success()
+
+    asyncio.run(leave_a_sweep_pending())
+    assert asyncio.run(asyncio.wait_for(one_round(), 2.0)) is Reason.QUEUE_TIMEOUT
+    assert asyncio.run(asyncio.wait_for(one_round(), 2.0)) is Reason.QUEUE_TIMEOUT

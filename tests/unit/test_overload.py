@@ -225,3 +225,12 @@ async def test_manager_runs_periodically() -> None:
         await asyncio.sleep(0.3)
         assert m.level == 2
     assert m._task is None
+
+
+def test_manager_gauges() -> None:
+    m, _ = make_manager({"memory": 0.85})
+    m.update()
+    assert list(m.gauges()) == [
+        ("overload_level", {"source": "overload"}, 1.0),
+        ("overload_pressure", {"source": "overload", "signal": "memory"}, 0.85),
+    ]

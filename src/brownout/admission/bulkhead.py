@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from types import TracebackType
 from typing import ParamSpec, Protocol, TypeVar
 
@@ -264,6 +264,7 @@ class Bulkhead:
         self._tick = 1
         self._in_flight = 0
         self._sweep: asyncio.TimerHandle | None = None
+        self._sweep_loop: asyncio.AbstractEventLoop | None = None
 
     # -- public state ----------------------------------------------------------------------
     @property
@@ -305,6 +306,15 @@ class Bulkhead:
     def oldest_queue_age(self) -> float:
         """Seconds the oldest waiter has waited (0.0 when none) (O2, O5)."""
         return self._queue.oldest_age(self._clock.now())
+
+    def gauges(self) -> Iterator[tuple[str, Mapping[str, str], float]]:
+        """Live state for exporters (`brownout.Stats.watch`): in-flight, limit, queue depth
+        and the age of the oldest waiter, labelled with this bulkhead's name (O2, O5)."""
+        labels = {"source": self.name}
+        yield ("in_flight", labels, float(self._in_flight))
+        yield ("limit", labels, float(self._limit_value))
+        yield ("queue_depth", labels, float(self._queue.size))
+        yield ("queue_oldest_age", labels, self.oldest_queue_age())
 
     def utilization(self) -> float:
         """In-flight over limit (may exceed 1.0 with the CRITICAL_PLUS reserve)."""
@@ -512,7 +522,8 @@ class Bulkhead:
             p._timer = loop.call_later(max(0.0, d_at - now), self._expire, p)
         else:
             p._timer = None
-        if self._sweep is None:
+        if self._sweep is None or self._sweep_loop is not loop:
+            # (a bulkhead outliving its loop, e.g. across asyncio.run calls, re-arms here)
             self._schedule_sweep(loop, now)
         events = self._events
         if events.enabled:
@@ -537,6 +548,9 @@ class Bulkhead:
             raise
 
     def _schedule_sweep(self, loop: asyncio.AbstractEventLoop, now: float) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+        self._sweep_loop = loop
         at = self._queue.next_expiry(now)
         if at is None:
             self._sweep = None

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..clock import Clock, default_clock
@@ -164,6 +164,12 @@ class OverloadManager:
         """Make ``bulkheads`` shed by this manager's level (sets their ``overload``)."""
         for b in bulkheads:
             b.overload = self  # type: ignore[attr-defined]
+
+    def gauges(self) -> Iterator[tuple[str, Mapping[str, str], float]]:
+        """Live state for exporters: the level and each signal's latest pressure."""
+        yield ("overload_level", {"source": self.name}, float(self.level))
+        for signal, value in self.pressures.items():
+            yield ("overload_pressure", {"source": self.name, "signal": signal}, value)
 
     def sheds(self, priority: Priority) -> bool:
         """Whether work of ``priority`` is refused at the current level."""

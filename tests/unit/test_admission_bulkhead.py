@@ -614,3 +614,22 @@ def test_age_bound_enforced_across_event_loops() -> None:
     asyncio.run(leave_a_sweep_pending())
     assert asyncio.run(asyncio.wait_for(one_round(), 2.0)) is Reason.QUEUE_TIMEOUT
     assert asyncio.run(asyncio.wait_for(one_round(), 2.0)) is Reason.QUEUE_TIMEOUT
+
+
+async def test_slot_kept_by_shares_goes_to_an_arriving_higher_priority() -> None:
+    b, _ = make(4, shares={Priority.SHEDDABLE: 0.5})
+    critical = b.try_admit(priority=Priority.CRITICAL)
+    batch = [b.try_admit(priority=Priority.SHEDDABLE) for _ in range(2)]
+    waiter = asyncio.create_task(b.admit(priority=Priority.SHEDDABLE).__aenter__())
+    await asyncio.sleep(0.01)
+    assert b.queue_depth == 1 and b.in_flight == 3
+    async with b.admit(priority=Priority.CRITICAL):  # not queued behind the held-back waiter
+        assert b.in_flight == 4
+    assert not waiter.done()
+    critical.success()  # nothing higher is active any more: the waiter borrows
+    await asyncio.sleep(0)
+    assert waiter.done()
+    (await waiter).success()
+    for p in batch:
+        p.success()
+    assert b.in_flight == 0

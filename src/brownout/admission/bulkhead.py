@@ -50,7 +50,7 @@ from ..events import hub as default_hub
 from ..priority import Priority
 from .estimator import LatencyEstimator
 from .limits import Limit
-from .queues import CRITICAL_PLUS_RANK, FifoQueue, QueueItem, WaitQueue
+from .queues import CRITICAL_PLUS_RANK, FifoQueue, QueueItem, WaitQueue, rank_of
 
 __all__ = ["Bulkhead", "OverloadState", "Permit"]
 
@@ -427,7 +427,11 @@ class Bulkhead:
         n = self._in_flight
         if self._held is not None and self._share_blocks(p.priority):
             return False
-        if n < self._limit_value and self._queue.size == 0:
+        if n < self._limit_value and (
+            self._queue.size == 0
+            # waiters held back by their share keep slots free for work that outranks them
+            or self._queue.peek_rank() < rank_of(p.priority, p.in_progress)
+        ):
             self._grant(p, n, 0.0)
             return True
         if p.priority is _CRITICAL_PLUS and n < self._limit_value + self._reserve:

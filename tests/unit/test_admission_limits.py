@@ -167,3 +167,12 @@ def test_bounds_are_respected(make: type) -> None:
     assert lim.limit >= 5
     with pytest.raises(ValueError):
         make(10, min_limit=20)
+
+
+@pytest.mark.parametrize("make", [Gradient2Limit, VegasLimit])
+def test_probe_during_warm_up_keeps_the_baseline_right(make: type) -> None:
+    # very little traffic: the first probe comes before the warm-up has enough samples
+    lim = make(40, probe_interval=1.0, probe_jitter=0.0, probe_samples=5)
+    for i in range(200):
+        lim.on_sample(i * 0.1, 0.05, 1, False)
+    assert lim.no_load_rtt == pytest.approx(0.05)

@@ -165,7 +165,8 @@ class _ProbingLimit:
       samples (whole round trips, so the fastest completions do not bias it low). Between
       probes it follows ``long_rtt`` *down* only: a faster service is noticed at once, a
       slower one at the next probe. A probe that finds the service much slower (baseline up
-      1.5x) restores the limit held before the probe, which the stale baseline had squeezed.
+      1.5x) restores the limit held after the previous probe (when the baseline was last
+      known right), which the stale baseline had squeezed since.
     - Probes start every ``probe_interval`` seconds (of sample start times) times a uniform
       jitter ``1 +/- probe_jitter``, so a fleet does not probe in step.
     - Each algorithm's ``_update`` gives the change over one *round trip*; a round trip
@@ -216,6 +217,7 @@ class _ProbingLimit:
         self._slow_start = True
         self._value_before_probe = float(initial)
         self._warmup = 0
+        self._warm_sum = 0.0
         # Whole round trips of samples: the first completions of a batch started together are
         # its fastest ones, and averaging only those would bias the baseline low.
         self._warmup_samples = max(probe_samples, 2 * initial)
@@ -256,6 +258,7 @@ class _ProbingLimit:
                     new = self.no_load_rtt = self._probe_sum / self._probe_count
                     self.short_rtt = self.long_rtt = new
                     self._probe_limit = 0
+                    self._warmup = self._warmup_samples  # a probe completes any warm-up
                     if old is not None and new > 1.5 * old:
                         # The service got slower, and the stale baseline read the slowdown as
                         # queueing and squeezed the limit. Return to the limit held before
@@ -287,8 +290,8 @@ class _ProbingLimit:
         if self._warmup < self._warmup_samples:
             # Warm-up: the first samples (at the initial, low limit) are the first probe.
             self._warmup += 1
-            self._probe_sum += rtt
-            base = self.no_load_rtt = self._probe_sum / self._warmup
+            self._warm_sum += rtt
+            base = self.no_load_rtt = self._warm_sum / self._warmup
         elif base is None or self.long_rtt < base:
             # Follow a faster service down at once (on the slow average, so noise in single
             # samples does not drag the baseline below the true no-load rtt).

@@ -68,7 +68,9 @@ def _lab_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="a short run (under a minute)")
     p.add_argument("--target", help="your own service: http://127.0.0.1:PORT/path (ramp only)")
-    p.add_argument("--health-path", help="with --target: also probe this health path")
+    p.add_argument(
+        "--health-path", help="with --target: also flood at 10x and time this health path"
+    )
     p.add_argument(
         "--configs",
         help=f"comma-separated configurations (default all: {','.join(CONFIGURATIONS)})",
@@ -123,7 +125,7 @@ def lab_main(argv: list[str]) -> int:
             host, port, path = parse_target(args.target)
             target = Target(host, port, path, args.health_path)
             configs = [Configuration("target", args.target, "target", None, True)]
-            names = ["ramp"]
+            names = ["ramp", "health"] if args.health_path else ["ramp"]
         else:
             configs = [
                 CONFIGURATIONS[n]

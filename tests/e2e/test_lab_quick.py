@@ -59,11 +59,11 @@ def test_quick_lab_produces_a_consistent_report(tmp_path: Path) -> None:
             for figures in (step["whole"], step["steady"], *step["classes"].values()):
                 # every offered request ended in exactly one outcome
                 assert figures["offered"] == sum(figures[o] for o in OUTCOMES), step["label"]
-                assert figures["sent"] + figures["timeouts_unsent"] <= figures["offered"] + 0
+                assert figures["sent"] + figures["timeouts_unsent"] <= figures["offered"]
                 assert figures["refused"] == figures["r503"] + figures["r429"]
                 assert sum(figures["shed_reasons"].values()) == figures["refused"]
-            per_class = step["classes"].values()
-            assert sum(c["offered"] for c in per_class) == step["steady"]["offered"]
+            work = [c for name, c in step["classes"].items() if name != "health"]
+            assert sum(c["offered"] for c in work) == step["steady"]["offered"]
             assert step["steady"]["offered"] <= step["whole"]["offered"]
     # Lenient sanity: brownout keeps serving under overload on any machine, and the report
     # says whether the strict invariants held (the exit status).

@@ -349,9 +349,9 @@ class _Pool:
             else:
                 outcome = "other_status"
             self.finish(req, outcome, latency)
-        if response.keep_alive and not conn.closed:
+        if req is not None and response.keep_alive and not conn.closed:
             self.release(conn)
-        else:
+        else:  # the server closes, or sent a response nobody asked for
             conn.close()
 
     def _reason(self, status: int, body: bytes) -> str:

@@ -199,7 +199,7 @@ def _plot(lab: dict[str, Any], out: Path) -> list[str]:
         ax.set_xlabel("offered load (requests/s, log)")
         ax.set_ylabel("success latency (ms, log)")
         ax.set_title("Success latency vs offered load (refusals excluded)")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left")
         fig.tight_layout()
         fig.savefig(out / "latency.png", dpi=110)
         plt.close(fig)
@@ -209,12 +209,13 @@ def _plot(lab: dict[str, Any], out: Path) -> list[str]:
         if sc["name"] == "ramp":
             continue
         runs = [r for r in lab["runs"] if r["scenario"] == sc["name"]]
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, ax = plt.subplots(figsize=(9, 4))
         for run in runs:
             width = run["bin_seconds"]
-            xs = [i * width for i in range(len(run["timeline"]))]
-            ys = [b["ok"] / width for b in run["timeline"]]
-            ax.plot(xs, ys, label=titles.get(run["configuration"]))
+            bins = run["timeline"][:-1]  # the last bin is cut short by the end of the plan
+            xs = [i * width for i in range(len(bins))]
+            ys = [b["ok"] / width for b in bins]
+            ax.step(xs, ys, where="post", label=titles.get(run["configuration"]))
         ax.axhline(capacity, color="0.6", linestyle="--", label="capacity")
         if runs:
             for step in runs[0]["steps"]:
@@ -223,8 +224,8 @@ def _plot(lab: dict[str, Any], out: Path) -> list[str]:
         ax.set_ylim(0, capacity * 1.3)
         ax.set_xlabel("seconds since the plan started")
         ax.set_ylabel("goodput (requests/s)")
-        ax.set_title(f"{sc['title']}: goodput over time")
-        ax.legend(fontsize=8)
+        ax.set_title(f"{sc['title']}: goodput over time (by scheduled send time)")
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         fig.tight_layout()
         name = f"timeline-{sc['name']}.png"
         fig.savefig(out / name, dpi=110)
@@ -254,6 +255,51 @@ def _verdict_lines(lab: dict[str, Any]) -> list[str]:
     return lines
 
 
+PREAMBLE = """\
+`brownout lab` proves, on your own machine and with no setup, that a service protected by
+brownout keeps its goodput (responses that arrive while the caller still wants them) at
+capacity past the breaking point, while the same service unprotected collapses (T1, T2, T4).
+
+```console
+$ python3 dev.py lab                  # creates .venv, then runs `brownout lab`
+$ brownout lab --quick                # under a minute: ramp + priority mix
+$ brownout lab --target http://127.0.0.1:8000/api/items --health-path /healthz
+```
+
+**The demo system** is real: a dependency (uvicorn, 8 concurrent x 20 ms, about 400
+requests/s, queueing beyond that) and a front service (uvicorn + Starlette) whose endpoints
+call it through a pooled aiohttp client, passing the remaining budget. Both run in their own
+processes, pinned to a different core than the load generator where the machine allows.
+The same front runs in four configurations, side by side, each on fresh processes per
+scenario:
+
+- **unprotected**: the app as most services ship;
+- **uvicorn --limit-concurrency**: uvicorn's own guard, which counts connections and answers
+  503 by *closing* the connection (watch "conns opened");
+- **brownout FixedLimit**: brownout's ASGI middleware with a fixed limit chosen by load test;
+- **brownout Gradient2Limit()**: the same with an adaptive limit and library defaults (no
+  number tuned for this demo).
+
+The only difference between unprotected and protected is `brownout.lab.protect`: a
+`Bulkhead` in an `EdgePolicy` given to `BrownoutMiddleware`, public API only.
+
+**The load generator** is open loop (arrivals on a schedule that never waits for responses),
+runs in its own process on raw uvloop transports with HTTP/1.1 keep-alive, measures latency
+from each request's *scheduled* time (no coordinated omission), abandons a request at its
+client deadline (closing the connection, as an HTTP client with a timeout does) and counts
+every offered request into exactly one outcome. It measures its own lateness: a step where
+its p99 lateness exceeds 5 ms is flagged "late!" and its checks are marked suspect.
+Capacity is measured first, closed loop, by doubling concurrency until throughput stops
+growing; loads are multiples of it.
+
+**Pass/fail** (the exit status, so CI can run it): for brownout configurations (or your
+`--target`), goodput at 2x, 4x and 10x >= 90% of capacity; success p99 <= half the client
+deadline; at 0.8x, refusals <= 0.1% (no false positives, S8); in the priority mix,
+interactive goodput >= 99% of interactive demand (S3). `lab-report/` gets the plots, the raw
+JSON, an HTML page and this Markdown.
+"""
+
+
 def markdown(
     lab: dict[str, Any],
     images: list[str],
@@ -263,9 +309,9 @@ def markdown(
     """The report as Markdown (what `docs/lab.md` commits)."""
     cal = lab["calibration"]
     st = lab["settings"]
-    out = ["# The overload lab", ""]
+    out = ["# The overload lab", "", *PREAMBLE.splitlines(), ""]
     if command:
-        out += ["Produced by:", "", "```", command, "```", ""]
+        out += ["## This run", "", "Produced by:", "", "```console", f"$ {command}", "```", ""]
     out += [
         f"Measured capacity: **{cal['capacity']:.0f} requests/s** (closed loop, concurrency "
         f"doubled until throughput stopped growing); dependency service time "
@@ -274,6 +320,7 @@ def markdown(
         f"out of the figures; {st['arrivals']} arrivals.",
         "",
         "Columns: offered and goodput (2xx within the deadline) per second in steady state; "
+        "health checks are shown per class and left out of goodput; "
         "shed = 503/429 refusals with the reason the server named; expired = client timeouts "
         "and 504s; success latency and refusal latency are separate; conns opened = new TCP "
         "connections the client had to open; gen p99 late = how late the load generator itself "

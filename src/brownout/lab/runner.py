@@ -37,6 +37,8 @@ __all__ = [
     "summarize_plan",
 ]
 
+HEALTH = "health"
+"""The traffic class of health checks, reported apart from the work."""
 UVICORN_LIMIT = 2 * FIXED_LIMIT
 """``--limit-concurrency`` for the uvicorn configuration (counts connections, not requests)."""
 
@@ -168,8 +170,9 @@ def plan_for(
 def summarize_step(step: StepResult, load: float) -> dict[str, Any]:
     """A step as JSON: steady-state figures overall and per class, whole-step accounting."""
     seconds = step.steady_seconds
-    steady = Tally.merged(step.steady.values())
-    whole = Tally.merged(step.whole.values())
+    # Health checks are not work: they appear per class, never in goodput or % of capacity.
+    steady = Tally.merged(t for name, t in step.steady.items() if name != HEALTH)
+    whole = Tally.merged(t for name, t in step.whole.items() if name != HEALTH)
     return {
         "label": step.label,
         "load": load,

@@ -120,7 +120,12 @@ register(
         "Constant load at 0.8x; half of the dependency's capacity disappears (T2).",
         (
             Phase("before", 0.8),
-            Phase("half capacity", 0.8, dependency=DependencyChange(concurrency_factor=0.5)),
+            Phase(
+                "half capacity",
+                0.8,
+                steps=1.5,
+                dependency=DependencyChange(concurrency_factor=0.5),
+            ),
         ),
         needs_dependency=True,
     )

@@ -163,8 +163,8 @@ class _ProbingLimit:
       ``max(probe_samples, 2 * initial)`` samples; then the mean rtt measured while the limit
       is pinned to ``probe_ratio * limit`` for ``max(probe_samples, 2 * pinned limit)``
       samples (whole round trips, so the fastest completions do not bias it low). Between
-      probes it follows ``long_rtt`` *down* only: a faster service is noticed at once, a
-      slower one at the next probe. A probe that finds the service much slower (baseline up
+      probes it follows ``long_rtt`` *down* only, and only when it is 10% faster: a faster
+      service is noticed at once, a slower one at the next probe. A probe that finds the service much slower (baseline up
       1.5x) restores the limit held after the previous probe (when the baseline was last
       known right), which the stale baseline had squeezed since.
     - Probes start every ``probe_interval`` seconds (of sample start times) times a uniform
@@ -292,9 +292,10 @@ class _ProbingLimit:
             self._warmup += 1
             self._warm_sum += rtt
             base = self.no_load_rtt = self._warm_sum / self._warmup
-        elif base is None or self.long_rtt < base:
-            # Follow a faster service down at once (on the slow average, so noise in single
-            # samples does not drag the baseline below the true no-load rtt).
+        elif base is None or self.long_rtt < 0.9 * base:
+            # Follow a clearly faster service down at once, on the slow average and only past
+            # a 10% margin: tracking every dip (a running minimum) would drag the baseline
+            # below the true no-load rtt by the noise, and read that noise as queueing.
             base = self.no_load_rtt = self.long_rtt
         value = self._value
         delta = self._update(value, short, base)

@@ -633,3 +633,22 @@ async def test_slot_kept_by_shares_goes_to_an_arriving_higher_priority() -> None
     for p in batch:
         p.success()
     assert b.in_flight == 0
+
+
+async def test_aged_out_at_dequeue_is_not_a_false_positive() -> None:
+    # a slot frees just as the waiter is found too old: shed for age, not for lack of room
+    clock = brownout.ManualClock(100.0)
+    events = EventHub()
+    rec = Recorder()
+    events.subscribe(rec)
+    b = Bulkhead("x", FixedLimit(1), FifoQueue(4, 0.5), clock=clock, events=events)
+    p = b.try_admit()
+    t = asyncio.create_task(b.admit().__aenter__())
+    await asyncio.sleep(0)
+    clock.advance(0.6)
+    p.success()
+    with pytest.raises(Rejected) as info:
+        await t
+    assert info.value.reason is Reason.QUEUE_TIMEOUT
+    shed = rec.of(RequestShed)
+    assert len(shed) == 1 and not shed[0].false_positive

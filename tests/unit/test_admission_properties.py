@@ -68,6 +68,8 @@ class Watcher:
             best = max(self.queued_ranks(), default=-1)
             if best // 2 > event.priority:
                 self.violations.append(f"admitted {event.priority} over waiting rank {best}")
+        if isinstance(event, RequestShed) and event.false_positive:
+            self.violations.append(f"false positive shed: {event.reason}")  # S8
         if isinstance(event, RequestShed) and event.reason is Reason.QUEUE_FULL:
             lowest = min(self.queued_ranks(), default=99)
             if lowest // 2 < event.priority:

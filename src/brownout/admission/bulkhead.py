@@ -607,7 +607,7 @@ class Bulkhead:
             Reason.OVERLOADED: "shedding this priority under overload",
             Reason.DEADLINE_TOO_SHORT: "too little time left to run after queueing",
         }.get(reason, reason.value)
-        fut.set_exception(self._refuse(p, reason, detail, waited))
+        fut.set_exception(self._refuse(p, reason, detail, waited, reserved=True))
 
     def _drain(self) -> None:
         """Hand freed slots to waiters, best class first, dropping dead work at the head."""
@@ -716,7 +716,12 @@ class Bulkhead:
     def _refuse(
         self, p: Permit, reason: Reason, detail: str, waited: float, *, reserved: bool = False
     ) -> Rejected:
-        """Build the refusal (and its event); the caller raises or delivers it."""
+        """Build the refusal (and its event); the caller raises or delivers it.
+
+        ``reserved``: the refusal cannot be a false positive even if slots look free: they are
+        kept for higher priorities (shares), or the work already waited its turn out (aged out
+        or evicted from the queue; a slot freeing at that instant does not make it fresh).
+        """
         p._state = _DONE
         retry_after: float | None = None
         est = self._estimator

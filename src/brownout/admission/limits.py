@@ -164,9 +164,10 @@ class _ProbingLimit:
       is pinned to ``probe_ratio * limit`` for ``max(probe_samples, 2 * pinned limit)``
       samples (whole round trips, so the fastest completions do not bias it low). Between
       probes it follows ``long_rtt`` *down* only, and only when it is 10% faster: a faster
-      service is noticed at once, a slower one at the next probe. A probe that finds the service much slower (baseline up
-      1.5x) restores the limit held after the previous probe (when the baseline was last
-      known right), which the stale baseline had squeezed since.
+      service is noticed at once, a slower one at the next probe. A probe that finds the
+      service much slower (baseline up 1.5x) restores the limit held after the previous
+      probe (when the baseline was last known right), which the stale baseline had squeezed
+      since.
     - Probes start every ``probe_interval`` seconds (of sample start times) times a uniform
       jitter ``1 +/- probe_jitter``, so a fleet does not probe in step.
     - Each algorithm's ``_update`` gives the change over one *round trip*; a round trip

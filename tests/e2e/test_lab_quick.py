@@ -75,4 +75,21 @@ def test_quick_lab_produces_a_consistent_report(tmp_path: Path) -> None:
         if s["load"] == 2.0
     )
     assert adaptive_2x["steady"]["goodput_per_s"] > 0.25 * capacity
+
+    def ramp_step(config: str, load: float) -> dict[str, object]:
+        return next(
+            s
+            for r in lab["runs"]
+            if r["configuration"] == config and r["scenario"] == "ramp"
+            for s in r["steps"]
+            if s["load"] == load
+        )
+
+    # brownout names its reasons and keeps connections open (S2); uvicorn's guard closes them
+    for config in ("brownout-fixed", "brownout-adaptive"):
+        reasons = ramp_step(config, 10.0)["steady"]["shed_reasons"]  # type: ignore[index]
+        assert reasons and all(not r.startswith("http_") for r in reasons), reasons
+    churn = ramp_step("uvicorn-limit", 10.0)["connections_opened"]
+    kept = ramp_step("brownout-adaptive", 10.0)["connections_opened"]
+    assert churn > 2 * kept, (churn, kept)  # type: ignore[operator]
     assert ("all invariants held" in proc.stdout) == (proc.returncode == 0)

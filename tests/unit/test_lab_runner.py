@@ -1,0 +1,84 @@
+"""Turning scenarios (data) into generator plans (T1, T2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from brownout.lab.runner import CONFIGURATIONS, LabSettings, Target, classes_for, plan_for
+from brownout.lab.scenarios import (
+    DEFAULT_SCENARIOS,
+    SCENARIOS,
+    DependencyChange,
+    Phase,
+    Scenario,
+    register,
+)
+
+
+def test_plans_start_with_a_warm_up_and_scale_loads_by_capacity() -> None:
+    settings = LabSettings()
+    demo = Target("127.0.0.1", 1234, "")
+    plan = plan_for(SCENARIOS["ramp"], settings, 400.0, demo, ("127.0.0.1", 99))
+    warm, *steps = plan.steps
+    assert not warm.measured
+    assert warm.rate == 200.0
+    assert [s.rate for s in steps] == [200.0, 320.0, 400.0, 800.0, 1600.0, 4000.0]
+    assert all(s.duration >= 3 * settings.deadline for s in steps)
+    assert all(s.settle == settings.settle_seconds for s in steps)
+    assert plan.deadline == settings.deadline
+    assert {c.name for c in plan.classes} == {"interactive", "batch", "health"}
+
+
+def test_dependency_changes_become_admin_calls_on_the_demo_backend() -> None:
+    plan = plan_for(
+        SCENARIOS["slow-dependency"],
+        LabSettings(),
+        400.0,
+        Target("127.0.0.1", 1, ""),
+        ("127.0.0.1", 2),
+    )
+    bodies = [s.actions[0].body if s.actions else None for s in plan.steps]
+    assert bodies == [
+        None,
+        None,
+        {"latency": 0.08, "concurrency": 8},
+        {"latency": 0.02, "concurrency": 8},
+    ]
+    assert all(a.port == 2 and a.path == "/admin" for s in plan.steps for a in s.actions)
+    assert DependencyChange(concurrency_factor=0.5).body(0.02, 8) == {
+        "latency": 0.02,
+        "concurrency": 4,
+    }
+
+
+def test_a_user_target_gets_one_path_and_no_dependency_actions() -> None:
+    target = Target("127.0.0.1", 8000, "/api/items", health_path="/healthz")
+    assert [(c.name, c.path) for c in classes_for(target)] == [
+        ("interactive", "/api/items"),
+        ("health", "/healthz"),
+    ]
+    plan = plan_for(SCENARIOS["capacity-loss"], LabSettings(), 100.0, target, None)
+    assert not any(s.actions for s in plan.steps)
+
+
+def test_scenarios_are_data_that_can_be_registered() -> None:
+    assert set(DEFAULT_SCENARIOS) <= set(SCENARIOS)
+    custom = Scenario(
+        "test-only-burst",
+        "Burst",
+        "a test scenario",
+        (Phase("burst", 3.0, steps=0.5, client={"retries": 3}),),
+    )
+    try:
+        assert register(custom) is custom
+        assert SCENARIOS["test-only-burst"].phases[0].client == {"retries": 3}
+    finally:
+        del SCENARIOS["test-only-burst"]
+
+
+@pytest.mark.parametrize("name", list(CONFIGURATIONS))
+def test_configurations_differ_only_in_protection(name: str) -> None:
+    c = CONFIGURATIONS[name]
+    assert c.brownout == name.startswith("brownout-")
+    assert (c.limit_concurrency is not None) == (name == "uvicorn-limit")
+    assert c.mode in ("unprotected", "fixed", "adaptive")

@@ -109,6 +109,7 @@ class WaitQueue:
         self._per_caller: dict[str, int] = {}
         self._classes: list[deque[QueueItem]] = [deque() for _ in range(_RANKS)]
         self._stored = 0  # live + lazily deleted items held in the deques
+        self._top = -1  # no class above this one holds anything (scan start)
         self.size = 0
         """Items waiting now."""
         self.busy_since: float | None = None
@@ -149,14 +150,17 @@ class WaitQueue:
             self.refused_fair += 1
             return Reason.FAIR_SHARE, None
         victim: QueueItem | None = None
+        rank = item.priority * 2 + (1 if item.in_progress else 0)
         if self.size >= self.max_size:
-            victim = self._evict_below(rank_of(item.priority, item.in_progress), now)
+            victim = self._evict_below(rank, now)
             if victim is None:
                 self.refused_full += 1
                 return Reason.QUEUE_FULL, None
         item.enqueued_at = now
         item.queued = True
-        self._classes[rank_of(item.priority, item.in_progress)].append(item)
+        self._classes[rank].append(item)
+        if rank > self._top:
+            self._top = rank
         self._stored += 1
         if self.size == 0:
             self.busy_since = now
@@ -194,13 +198,15 @@ class WaitQueue:
         """Rank of the class that would be served next (-1 when empty)."""
         if self.size == 0:
             return -1
-        for r in range(_RANKS - 1, -1, -1):
+        for r in range(self._top, -1, -1):
             d = self._classes[r]
             while d:
                 if d[0].queued:
                     return r
                 d.popleft()
                 self._stored -= 1
+            if r == self._top:
+                self._top = r - 1
         return -1  # pragma: no cover - size > 0 guarantees a live item
 
     def pop(self, now: float) -> tuple[QueueItem | None, Reason | None]:
@@ -209,15 +215,28 @@ class WaitQueue:
         ``(None, None)``: empty."""
         if self.size == 0:
             return None, None
-        lifo = self._lifo(now)
-        for r in range(_RANKS - 1, -1, -1):
-            d = self._classes[r]
+        lifo = self.lifo_policy if type(self)._lifo is WaitQueue._lifo else self._lifo(now)
+        classes = self._classes
+        for r in range(self._top, -1, -1):
+            d = classes[r]
             while d:
                 item = d.pop() if lifo else d.popleft()
                 self._stored -= 1
                 if not item.queued:
                     continue
-                self._leave(item, now)
+                # leave the queue (inlined _leave: this is the hand-off path)
+                item.queued = False
+                size = self.size - 1
+                self.size = size
+                if size == 0:
+                    self.busy_since = None
+                self.wait_times.observe(now - item.enqueued_at)
+                if self._fair:
+                    n = self._per_caller[item.caller] - 1
+                    if n:
+                        self._per_caller[item.caller] = n
+                    else:
+                        del self._per_caller[item.caller]
                 if item.deadline_at <= now:
                     self.expired += 1
                     return item, Reason.DEADLINE_EXPIRED
@@ -226,6 +245,8 @@ class WaitQueue:
                     return item, Reason.QUEUE_TIMEOUT
                 self.served += 1
                 return item, None
+            if r == self._top:
+                self._top = r - 1
         return None, None  # pragma: no cover
 
     def remove(self, item: QueueItem, now: float, reason: Reason | None = None) -> bool:

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 
+import brownout
 from brownout import Bulkhead, FifoQueue, FixedLimit, Rejected
 
 REPS = 7
@@ -43,6 +44,14 @@ def bulkhead_loop(**kw: object) -> Callable[[int], Awaitable[None]]:
                 pass
 
     return run
+
+
+async def bulkhead_deadline_loop(n: int) -> None:
+    b = Bulkhead("bench", FixedLimit(8), FifoQueue(32, 0.5))
+    with brownout.deadline(3600.0):  # as at an edge: every request carries a deadline
+        for _ in range(n):
+            async with b.admit():
+                pass
 
 
 async def hyx_loop(n: int) -> None:
@@ -107,6 +116,7 @@ async def main() -> None:
         "semaphore": semaphore_loop,
         "bulkhead": bulkhead_loop(),
         "bulkhead_no_estimator": bulkhead_loop(deadline_aware=False),
+        "bulkhead_deadline": bulkhead_deadline_loop,
         "hyx": hyx_loop,
         "refusal": refusal_loop,
     }
@@ -135,6 +145,11 @@ async def main() -> None:
         f"Bulkhead admit+release (no estim.)  {best['bulkhead_no_estimator'] * 1e9:8.0f} ns"
         f"  {best['bulkhead_no_estimator'] / sem:5.2f}x semaphore"
         f" (median round {median_ratio('bulkhead_no_estimator'):.2f}x)"
+    )
+    print(
+        f"Bulkhead admit+release, deadline    {best['bulkhead_deadline'] * 1e9:8.0f} ns"
+        f"  {best['bulkhead_deadline'] / sem:5.2f}x semaphore"
+        f" (median round {median_ratio('bulkhead_deadline'):.2f}x; one clock read + estimate)"
     )
     print(
         f"hyx bulkhead async-with             {best['hyx'] * 1e9:8.0f} ns"

@@ -150,25 +150,23 @@ class Permit(QueueItem):
         n = b._in_flight
         # Fast path, inlined: a plain bulkhead (no adaptive limit, no overload manager) with
         # room, nothing queued, no deadline to check and nobody listening.
-        if (
-            n < b._limit_value
-            and b._plain
-            and self.deadline_at == _INF
-            and not b._queue.size
-            and not b._events.enabled
-        ):
-            n += 1
-            b._in_flight = n
-            self.in_flight_at_admit = n
-            self.queue_wait = 0.0
-            self._state = _ADMITTED
-            tick = b._tick - 1
-            if tick:
-                b._tick = tick
-                self.admitted_at = _UNTIMED
-            else:
-                b._time_sample(self)
-            return self
+        if n < b._limit_value and b._plain and not b._queue.size and not b._events.enabled:
+            d_at = self.deadline_at
+            # With a deadline, only work that clearly fits stays on the fast path; refusals
+            # (expired, too short) take the full path below, which reports them.
+            if d_at == _INF or b._fits(self.operation, d_at):
+                n += 1
+                b._in_flight = n
+                self.in_flight_at_admit = n
+                self.queue_wait = 0.0
+                self._state = _ADMITTED
+                tick = b._tick - 1
+                if tick:
+                    b._tick = tick
+                    self.admitted_at = _UNTIMED
+                else:
+                    b._time_sample(self)
+                return self
         if not b._admit_now(self):
             await b._wait(self)
         return self
@@ -345,7 +343,12 @@ class Bulkhead:
         p.operation = ctx.operation if operation is None else operation
         if deadline is None:
             deadline = ctx.deadline
-        p.deadline_at = _INF if deadline is None else self._deadline_at(deadline)
+        if deadline is None:
+            p.deadline_at = _INF
+        elif deadline.clock is self._clock:
+            p.deadline_at = deadline.at
+        else:
+            p.deadline_at = self._deadline_at(deadline)
         p.in_progress = ctx.in_progress if in_progress is None else in_progress
         p._state = _NEW
         return p
@@ -386,6 +389,17 @@ class Bulkhead:
 
         return guarded
 
+    def _fits(self, operation: str, deadline_at: float) -> bool:
+        """The deadline has not passed and leaves at least the expected service time."""
+        left = deadline_at - self._clock.now()
+        if left <= 0.0:
+            return False
+        est = self._estimator
+        if est is None:
+            return True
+        need = est.estimates.get(operation)
+        return need is None or left >= need
+
     def _deadline_at(self, deadline: Deadline) -> float:
         if deadline.clock is self._clock:
             return deadline.at
@@ -416,7 +430,7 @@ class Bulkhead:
                 raise self._refuse(p, Reason.DEADLINE_EXPIRED, "the deadline already passed", 0.0)
             est = self._estimator
             if est is not None:
-                need = est.estimate(p.operation)
+                need = est.estimates.get(p.operation)
                 if need is not None and left < need:
                     raise self._refuse(
                         p,
@@ -493,7 +507,7 @@ class Bulkhead:
         est = self._estimator
         d_at = p.deadline_at
         if d_at != _INF and est is not None:
-            service = est.estimate(p.operation)
+            service = est.estimates.get(p.operation)
             if service is not None:
                 wait = (q.size + 1) * service / self._limit_value
                 if d_at - now < wait + service:
@@ -637,7 +651,7 @@ class Bulkhead:
                 if ov is not None and p.priority < ov.shed_below:
                     reason = Reason.OVERLOADED
                 elif est is not None and p.deadline_at != _INF:
-                    need = est.estimate(p.operation)
+                    need = est.estimates.get(p.operation)
                     if need is not None and p.deadline_at - now < need:
                         reason = Reason.DEADLINE_TOO_SHORT
             if reason is not None:
@@ -726,7 +740,7 @@ class Bulkhead:
         retry_after: float | None = None
         est = self._estimator
         if est is not None and reason in _CAPACITY_REASONS:
-            service = est.estimate(p.operation)
+            service = est.estimates.get(p.operation)
             if service is not None:
                 retry_after = (self._queue.size + 1) * service / self._limit_value
         events = self._events

@@ -32,7 +32,7 @@ class LatencyEstimator:
     0 refuses only work that would be late *on average*, which keeps false refusals rare).
     """
 
-    __slots__ = ("_ops", "alpha", "k", "max_operations", "min_samples")
+    __slots__ = ("_ops", "alpha", "estimates", "k", "max_operations", "min_samples")
 
     def __init__(
         self,
@@ -51,27 +51,31 @@ class LatencyEstimator:
         self.min_samples = min_samples
         self.max_operations = max_operations
         self._ops: dict[str, _Ewma] = {}
+        self.estimates: dict[str, float] = {}
+        """Current estimate per operation that has ``min_samples``: what `estimate` answers,
+        kept ready so the admission hot path pays one dict lookup. Read-only for callers."""
 
     def observe(self, operation: str, seconds: float) -> None:
         """Record the service time of one successful run of ``operation``."""
         e = self._ops.get(operation)
         if e is None:
             if len(self._ops) >= self.max_operations:
-                del self._ops[next(iter(self._ops))]
-            self._ops[operation] = _Ewma(seconds)
-            return
-        a = self.alpha
-        diff = seconds - e.mean
-        e.mean += a * diff
-        e.dev += a * ((diff if diff >= 0 else -diff) - e.dev)
-        e.count += 1
+                oldest = next(iter(self._ops))
+                del self._ops[oldest]
+                self.estimates.pop(oldest, None)
+            e = self._ops[operation] = _Ewma(seconds)
+        else:
+            a = self.alpha
+            diff = seconds - e.mean
+            e.mean += a * diff
+            e.dev += a * ((diff if diff >= 0 else -diff) - e.dev)
+            e.count += 1
+        if e.count >= self.min_samples:
+            self.estimates[operation] = e.mean + self.k * e.dev
 
     def estimate(self, operation: str) -> float | None:
         """Expected service time of ``operation`` in seconds, or ``None`` when unknown."""
-        e = self._ops.get(operation)
-        if e is None or e.count < self.min_samples:
-            return None
-        return e.mean + self.k * e.dev
+        return self.estimates.get(operation)
 
     def operations(self) -> list[str]:
         """Operations currently tracked."""

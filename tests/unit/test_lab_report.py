@@ -186,6 +186,14 @@ def test_write_report_produces_json_pngs_html_and_markdown(tmp_path: Path) -> No
     assert (tmp_path / "docs" / "lab" / "goodput.png").exists()
 
 
+def test_a_measurement_repeated_for_generator_lateness_says_so() -> None:
+    lab = make_lab()
+    lab["runs"][0]["attempts"] = 2
+    rows = scenario_rows(lab, "ramp")
+    assert rows[0][0] == "unprotected (measured 2x: generator was late)"
+    assert rows[-1][0] == "brownout Gradient2Limit()"
+
+
 def test_markdown_names_a_failure() -> None:
     md = markdown(make_lab(goodput=100.0), [])
     assert "**FAIL** brownout-adaptive / ramp / 2x" in md

@@ -76,11 +76,14 @@ def scenario_rows(lab: dict[str, Any], scenario: str) -> list[list[str]]:
     for run in lab["runs"]:
         if run["scenario"] != scenario:
             continue
+        name = titles.get(run["configuration"], run["configuration"])
+        if run.get("attempts", 1) > 1:
+            name += f" (measured {run['attempts']}x: generator was late)"
         for step in run["steps"]:
             s = step["steady"]
             rows.append(
                 [
-                    titles.get(run["configuration"], run["configuration"]),
+                    name,
                     step["label"],
                     _num(s["offered_per_s"]),
                     _num(s["goodput_per_s"]),

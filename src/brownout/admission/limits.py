@@ -330,9 +330,10 @@ class Gradient2Limit(_ProbingLimit):
     knee). The gradient never cuts more than half per round trip (outliers) and never exceeds
     1 (a faster rtt than baseline is no reason to grow faster). ``tolerance`` > 1 absorbs
     noise: a baseline measured from a few samples is a little low. Defaults: initial 20,
-    bounds 1..1000, ``tolerance`` 1.1, ``queue_size`` 4, ``smoothing`` 0.2, ``short_window``
-    10 samples, probe every 30 s +/- 15% at half the limit for at least 20 samples, drop
-    backoff 0.9.
+    bounds 1..1000, ``tolerance`` 1.1, ``queue_size`` ``clamp(limit / 10, 1, 4)`` (Netflix
+    uses 4; at small limits 4 requests of queue is a large overshoot), ``smoothing`` 0.2,
+    ``short_window`` 10 samples, probe every 30 s +/- 15% at half the limit for at least 20
+    samples, drop backoff 0.9.
 
     Unlike Netflix's version the baseline is the *probed* no-load rtt, not a 600-sample
     average of the rtt itself: an average drifts up with sustained queueing and lets the limit
@@ -346,7 +347,7 @@ class Gradient2Limit(_ProbingLimit):
         min_limit: int = 1,
         max_limit: int = 1000,
         tolerance: float = 1.1,
-        queue_size: float = 4.0,
+        queue_size: float | None = None,
         smoothing: float = 0.2,
         short_window: int = 10,
         probe_interval: float = 30.0,
@@ -372,11 +373,15 @@ class Gradient2Limit(_ProbingLimit):
             raise ValueError("tolerance must be >= 1.0")
         self.tolerance = tolerance
         self.queue_size = queue_size
+        """Standing queue allowed past the knee; ``None``: ``clamp(limit / 10, 1, 4)``."""
         self.smoothing = smoothing
 
     def _update(self, limit: float, short_rtt: float, no_load_rtt: float) -> float:
         gradient = _clamp(self.tolerance * no_load_rtt / short_rtt, 0.5, 1.0)
-        new = limit * gradient + self.queue_size
+        queue = self.queue_size
+        if queue is None:
+            queue = _clamp(limit * 0.1, 1.0, 4.0)
+        new = limit * gradient + queue
         return self.smoothing * (new - limit)
 
     def __repr__(self) -> str:

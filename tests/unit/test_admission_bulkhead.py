@@ -420,7 +420,8 @@ async def test_overload_state_sheds_low_priorities() -> None:
         async with b.admit(priority=Priority.SHEDDABLE_PLUS):
             pass
     assert info.value.reason is Reason.OVERLOADED
-    assert rec.of(RequestShed)[-1].false_positive  # capacity existed: counted (S8)
+    # deliberate: the manager saw another resource (memory, loop lag, fds) run short (S8)
+    assert not rec.of(RequestShed)[-1].false_positive
     async with b.admit(priority=Priority.CRITICAL):
         pass
 

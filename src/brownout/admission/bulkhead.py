@@ -375,7 +375,7 @@ class Bulkhead:
         if self._held is not None and self._share_blocks(permit.priority):
             # capacity kept for higher priorities is not free capacity: not a false positive
             raise self._refuse(
-                permit, Reason.OVERLOADED, "this priority holds its share", 0.0, reserved=True
+                permit, Reason.OVERLOADED, "this priority holds its share", 0.0, justified=True
             )
         raise self._refuse(permit, Reason.OVERLOADED, "at the concurrency limit", 0.0)
 
@@ -423,7 +423,9 @@ class Bulkhead:
             )
         ov = self._overload
         if ov is not None and p.priority < ov.shed_below:
-            raise self._refuse(p, Reason.OVERLOADED, "shedding this priority under overload", 0.0)
+            raise self._refuse(
+                p, Reason.OVERLOADED, "shedding this priority under overload", 0.0, justified=True
+            )
         if d_at != _INF:
             left = d_at - self._clock.now()
             if left <= 0.0:
@@ -621,7 +623,7 @@ class Bulkhead:
             Reason.OVERLOADED: "shedding this priority under overload",
             Reason.DEADLINE_TOO_SHORT: "too little time left to run after queueing",
         }.get(reason, reason.value)
-        fut.set_exception(self._refuse(p, reason, detail, waited, reserved=True))
+        fut.set_exception(self._refuse(p, reason, detail, waited, justified=True))
 
     def _drain(self) -> None:
         """Hand freed slots to waiters, best class first, dropping dead work at the head."""
@@ -728,13 +730,15 @@ class Bulkhead:
             self._events.emit(LimitChanged(now, self.name, old, new))
 
     def _refuse(
-        self, p: Permit, reason: Reason, detail: str, waited: float, *, reserved: bool = False
+        self, p: Permit, reason: Reason, detail: str, waited: float, *, justified: bool = False
     ) -> Rejected:
         """Build the refusal (and its event); the caller raises or delivers it.
 
-        ``reserved``: the refusal cannot be a false positive even if slots look free: they are
-        kept for higher priorities (shares), or the work already waited its turn out (aged out
-        or evicted from the queue; a slot freeing at that instant does not make it fresh).
+        ``justified``: the refusal cannot be a false positive (S8) even if slots look free:
+        they are kept for higher priorities (shares); or the work already waited its turn out
+        (aged out or evicted from the queue; a slot freeing at that instant does not make it
+        fresh); or the overload manager sheds this priority because another resource (memory,
+        loop lag, file descriptors) is scarce, which concurrency headroom does not disprove.
         """
         p._state = _DONE
         retry_after: float | None = None
@@ -758,7 +762,7 @@ class Bulkhead:
                     None if d_at == _INF else max(0.0, d_at - now),
                     waited,
                     reason in _CAPACITY_REASONS
-                    and not reserved
+                    and not justified
                     and self._in_flight < self._limit_value
                     and self._queue.size == 0,
                 )

@@ -99,6 +99,7 @@ class LabSettings:
             settle_seconds=0.5,
             warmup_seconds=0.5,
             calibration_seconds=0.3,
+            reruns=1,
         )
 
 

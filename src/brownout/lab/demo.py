@@ -8,8 +8,9 @@
   backend through a pooled aiohttp client, passing the remaining budget with
   `brownout.propagation.outbound_headers`; ``GET /healthz`` answers directly. The same handler
   code runs in every configuration: ``unprotected``, ``fixed`` and ``adaptive`` (the latter two
-  add brownout's ASGI middleware through the public API, nothing else), and uvicorn's own
-  ``--limit-concurrency`` on the unprotected app.
+  add brownout's ASGI middleware through the public API, nothing else, plus
+  ``GET /lab/bulkhead`` showing the limit, in-flight count and queue depth), and uvicorn's
+  own ``--limit-concurrency`` on the unprotected app.
 
 Run one with ``python -m brownout.lab.demo backend|front ...``: it binds 127.0.0.1 on an
 ephemeral port, prints ``PORT <n>`` and serves with uvicorn until terminated.
@@ -189,9 +190,22 @@ def create_front(backend_url: str, mode: str = "unprotected") -> Any:
         lifespan=lifespan,
     )
     if mode != "unprotected":
+        from starlette.responses import JSONResponse
+
         from .protect import protect
 
-        protect(app, mode)
+        bulkhead = protect(app, mode)
+
+        async def bulkhead_state(request: Request) -> Response:
+            return JSONResponse(
+                {
+                    "limit": bulkhead.limit,
+                    "in_flight": bulkhead.in_flight,
+                    "queue_depth": bulkhead.queue_depth,
+                }
+            )
+
+        app.add_route("/lab/bulkhead", bulkhead_state)
     return app
 
 

@@ -36,8 +36,11 @@ FIXED_LIMIT = 10
 """The fixed configuration's limit: the dependency's 8 slots plus 2 covering the front's hop."""
 
 
-def protect(app: Any, mode: str) -> None:
-    """Add brownout's ASGI middleware to the Starlette ``app`` (``fixed`` or ``adaptive``)."""
+def protect(app: Any, mode: str) -> Bulkhead:
+    """Add brownout's ASGI middleware to the Starlette ``app`` (``fixed`` or ``adaptive``).
+
+    Returns the bulkhead, so the demo can show its limit and queue at ``/lab/bulkhead``.
+    """
     if mode == "fixed":
         bulkhead = Bulkhead(
             "front",
@@ -52,10 +55,11 @@ def protect(app: Any, mode: str) -> None:
         bulkhead=bulkhead,
         deadline=InboundDeadlinePolicy(default=1.0, maximum=10.0),
         trust=Trust.TRUSTED,
-        health_paths=("/healthz",),
+        health_paths=("/healthz", "/lab/bulkhead"),
         routes={
             "/api/interactive": Route(priority=Priority.CRITICAL),
             "/api/batch": Route(priority=Priority.SHEDDABLE),
         },
     )
     app.add_middleware(BrownoutMiddleware, policy=policy)
+    return bulkhead

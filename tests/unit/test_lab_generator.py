@@ -254,7 +254,7 @@ async def test_admin_call_reports_an_unreachable_server(fake: FakeServer) -> Non
 async def test_calibration_finds_the_knee(fake: FakeServer) -> None:
     """2 slots x 10 ms: about 200 requests/s, no-load latency about 10 ms (wide margins)."""
     cal = await calibrate("127.0.0.1", fake.port, "/capacity", level_seconds=0.25)
-    assert 80 <= cal.capacity <= 260
+    assert 50 <= cal.capacity <= 260
     assert 0.009 <= cal.service_time <= 0.05
     assert cal.levels[0][0] == 1
     assert len(cal.levels) >= 3

@@ -148,6 +148,25 @@ def test_targets_are_reported_not_enforced() -> None:
     assert not all(c["passed"] for c in t)
 
 
+def test_health_targets_come_from_the_health_class() -> None:
+    lab = make_lab()
+    health = Tally(offered=20, sent=20, ok=19, timeouts_sent=1)
+    health.success_latency += [0.002] * 18 + [0.09]
+    work = _tally(8000, 800, 7200, 0.05)
+    result = PlanResult(
+        [_step("10x + health", 10.0, {"interactive": work, "health": health})], 0.5, [], 3
+    )
+    run = {"configuration": "brownout-adaptive", "scenario": "health"}
+    run |= summarize_plan(result, SCENARIOS["health"])
+    lab["runs"].append(run)
+    found = {c["check"]: c for c in targets(lab) if c["scenario"] == "health"}
+    assert found["health checks all answered"]["value"] == 95.0
+    assert not found["health checks all answered"]["passed"]
+    assert found["health p99 <= 50 ms under the flood"]["value"] == 90.0
+    # health checks are not work: they stay out of goodput
+    assert run["steps"][0]["steady"]["offered"] == 8000
+
+
 def test_rows_keep_success_and_refusal_latency_apart() -> None:
     lab = make_lab()
     rows = scenario_rows(lab, "ramp")

@@ -67,7 +67,9 @@ def _lab_parser() -> argparse.ArgumentParser:
         description="Overload lab: goodput past the breaking point, protected vs unprotected.",
     )
     p.add_argument("--quick", action="store_true", help="a short run (under a minute)")
-    p.add_argument("--target", help="your own service: http://127.0.0.1:PORT/path (ramp only)")
+    p.add_argument(
+        "--target", help="your own service: http://127.0.0.1:PORT/path (loopback only; the ramp)"
+    )
     p.add_argument(
         "--health-path", help="with --target: also flood at 10x and time this health path"
     )

@@ -41,10 +41,10 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
-from typing import Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
 
 from .clock import now as _now
-from .context import request as request_scope
+from .context import RequestContext, _current
 from .deadline import Deadline
 from .errors import DeadlineExceeded, Reason, Rejected
 from .events import (
@@ -387,6 +387,8 @@ class Flight:
 
     The adapter sets ``response_started`` (and ``status``) when the first byte of a response
     leaves, and ``abandoned`` when it sees the client go away before cancelling the handler.
+    ``on_old`` is the adapter's hook for requests that outlive the policy's ``sweep_period``
+    (start watching for a disconnect); it returns True once it needs no further calls.
     """
 
     __slots__ = (
@@ -394,15 +396,22 @@ class Flight:
         "admitted",
         "classification",
         "deadline",
+        "expired",
+        "on_old",
         "quota",
         "reports",
         "response_started",
         "started",
         "status",
+        "task",
+        "timer",
     )
 
-    def __init__(self, started: float) -> None:
+    def __init__(self, started: float, on_old: Callable[[], bool] | None = None) -> None:
         self.started = started
+        self.on_old = on_old
+        self.task: asyncio.Task[Any] | None = None
+        self.timer: asyncio.TimerHandle | None = None
         self.deadline: Deadline | None = None
         self.classification: Classification | None = None
         self.quota: QuotaDecision | None = None
@@ -410,8 +419,58 @@ class Flight:
         self.response_started = False
         self.status = 0
         self.abandoned = False
+        self.expired = False
         self.reports = True
         """True when the edge, not a bulkhead, reports this request's lifecycle events."""
+
+
+class _Sweeper:
+    """One loop timer for every request in flight through a policy (per event loop).
+
+    Every ``period`` seconds it visits the requests older than ``period``: it arms the
+    request's deadline timer (a request that ends sooner never pays for one) and calls the
+    adapter's ``on_old`` hook (start watching for a client disconnect). Each request costs a
+    dictionary insert and delete.
+    """
+
+    __slots__ = ("loop", "pending", "period", "timer")
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self.pending: dict[Flight, None] = {}
+        self.timer: asyncio.TimerHandle | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def add(self, flight: Flight, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self.loop:  # used from another loop (tests, a new server): start afresh
+            if self.timer is not None:
+                self.timer.cancel()
+            self.pending.clear()
+            self.timer = None
+            self.loop = loop
+        self.pending[flight] = None
+        if self.timer is None:
+            self.timer = loop.call_later(self.period, self._sweep)
+
+    def _sweep(self) -> None:
+        self.timer = None
+        pending = self.pending
+        if not pending:
+            return
+        loop = asyncio.get_running_loop()
+        cutoff = loop.time() - self.period
+        for flight in list(pending):
+            if flight.started > cutoff:
+                break  # insertion order is arrival order: the rest are younger
+            done = True
+            if flight.timer is None and flight.deadline is not None and flight.task is not None:
+                flight.timer = loop.call_at(flight.deadline.at, _expire, flight, flight.task)
+            if flight.on_old is not None:
+                done = flight.on_old()
+            if done:
+                del pending[flight]
+        if pending:
+            self.timer = loop.call_later(self.period, self._sweep)
 
 
 class Abandoned:
@@ -432,6 +491,13 @@ ABANDONED = Abandoned()
 
 def _no_header(name: str) -> None:
     return None
+
+
+def _expire(flight: Flight, task: asyncio.Task[Any]) -> None:
+    """Deadline timer: cancel the request's task (turned into `DeadlineExceeded`)."""
+    if not task.done():
+        flight.expired = True
+        task.cancel()
 
 
 @dataclass(eq=False)
@@ -456,7 +522,10 @@ class EdgePolicy:
     - ``do_not_retry``: reasons whose refusals carry ``brownout-retry: never`` (by default only
       those that already went through a retry layer: budget exhausted, do-not-retry);
     - ``retry_after_jitter``: Retry-After is stretched by a random factor in
-      ``[1, 1 + jitter]`` so refused callers do not come back together.
+      ``[1, 1 + jitter]`` so refused callers do not come back together;
+    - ``sweep_period``: requests older than this get their deadline timer and disconnect
+      watch from one shared sweep (faster requests never pay for a timer); the deadline itself
+      is enforced exactly.
     """
 
     bulkhead: Admission | None = None
@@ -475,6 +544,7 @@ class EdgePolicy:
     statuses: Mapping[Reason, int] = field(default_factory=dict)
     do_not_retry: Collection[Reason] = _DEFAULT_DO_NOT_RETRY
     retry_after_jitter: float = 0.5
+    sweep_period: float = 0.05
     name: str = "edge"
     events: EventHub = field(default=hub, repr=False)
     rng: random.Random = field(default_factory=random.Random, repr=False)
@@ -497,6 +567,9 @@ class EdgePolicy:
             self._patterns.append((compile_template(template), template))
         self._unmatched = self._resolve(UNMATCHED, Route())
         self._refusals: dict[Reason, Refusal] = {r: self._build_refusal(r) for r in Reason}
+        if self.sweep_period <= 0:
+            raise ValueError("sweep_period must be > 0")
+        self._sweeper = _Sweeper(self.sweep_period)
 
     # -- configuration, resolved once -----------------------------------------------------
     def _resolve(self, template: str, route: Route) -> ResolvedRoute:
@@ -667,47 +740,86 @@ class EdgePolicy:
                     flight.classification = cls
                 else:
                     return await self._refuse_quota(cls, decision)
-        deadline = Deadline(flight.started + seconds)
-        flight.deadline = deadline
         events = self.events
+        loop = asyncio.get_running_loop()
+        task = flight.task = asyncio.current_task()
+        assert task is not None
+        parent = _current.get()
+        at = flight.started + seconds
+        outer = parent.deadline
+        deadline = outer if outer is not None and outer.at <= at else Deadline(at)
+        flight.deadline = deadline
+        refused_quota: QuotaDecision | None = None
+        result: Any = None
         try:
-            async with request_scope(
-                deadline=deadline,
-                priority=cls.priority,
-                caller=cls.caller,
-                operation=cls.operation,
-                in_progress=cls.in_progress,
-                started_at=flight.started,
-            ):
-                if bulkhead is None:
-                    if events.enabled:
-                        self._emit_unguarded_admission(cls, deadline)
-                    flight.admitted = True
-                    result = await call()
-                elif demote:
-                    try:
-                        permit = bulkhead.try_admit()
-                    except Rejected:
-                        # No idle capacity: the over-quota caller is refused (the bulkhead
-                        # already counted the offer and the shed).
-                        assert flight.quota is not None
-                        return await self._refuse_quota(cls, flight.quota, counted=True)
-                    flight.admitted = True
-                    result = await _run_settling(permit, call, flight, answers)
-                else:
-                    answered: BaseException | None = None
-                    async with bulkhead.admit() as permit:
+            # The request context, set directly (what ``brownout.request(...)`` sets, without
+            # its per-call dictionaries): deadline, priority, caller, operation, stopwatch.
+            token = _current.set(
+                RequestContext(
+                    deadline=deadline,
+                    priority=cls.priority,
+                    caller=cls.caller,
+                    operation=cls.operation,
+                    attempt=parent.attempt,
+                    idempotency_key=parent.idempotency_key,
+                    in_progress=cls.in_progress,
+                    started_at=flight.started,
+                )
+            )
+            try:
+                if deadline.at <= loop.time():
+                    raise DeadlineExceeded("the deadline expired before the work started")
+                # One loop timer enforces the deadline, as asyncio.timeout does: it cancels
+                # the task, and that cancellation becomes DeadlineExceeded below.
+                cancelling = task.cancelling()
+                sweeper = self._sweeper
+                if deadline.at - flight.started <= sweeper.period:
+                    flight.timer = loop.call_at(deadline.at, _expire, flight, task)
+                sweeper.add(flight, loop)
+                try:
+                    if bulkhead is None:
+                        if events.enabled:
+                            self._emit_unguarded_admission(cls, deadline)
                         flight.admitted = True
+                        result = await call()
+                    elif demote:
                         try:
-                            result = await call()
-                        except answers as e:  # an answer, not a failure, for the bulkhead
-                            answered = e
-                        if flight.status >= 500:
-                            failed = getattr(permit, "failed", None)
-                            if failed is not None:
-                                failed(f"status_{flight.status}")
-                    if answered is not None:
-                        raise answered
+                            permit = bulkhead.try_admit()
+                        except Rejected:
+                            # No idle capacity: the over-quota caller is refused (the
+                            # bulkhead already counted the offer and the shed).
+                            refused_quota = flight.quota
+                        else:
+                            flight.admitted = True
+                            result = await _run_settling(permit, call, flight, answers)
+                    else:
+                        answered: BaseException | None = None
+                        async with bulkhead.admit() as permit:
+                            flight.admitted = True
+                            try:
+                                result = await call()
+                            except answers as e:  # an answer, not a failure, for the bulkhead
+                                answered = e
+                            if flight.status >= 500:
+                                failed = getattr(permit, "failed", None)
+                                if failed is not None:
+                                    failed(f"status_{flight.status}")
+                        if answered is not None:
+                            raise answered
+                except asyncio.CancelledError:
+                    if flight.expired and task.uncancel() <= cancelling:
+                        raise DeadlineExceeded(
+                            "the deadline expired; the work was cancelled"
+                        ) from None
+                    raise
+                finally:
+                    sweeper.pending.pop(flight, None)
+                    timer = flight.timer
+                    if timer is not None:
+                        timer.cancel()
+                    flight.task = None
+            finally:
+                _current.reset(token)
         except Rejected as e:
             if not flight.admitted:
                 # Refused at admission: the bulkhead already reported the shed.
@@ -732,9 +844,7 @@ class EdgePolicy:
             return self.refusal(Reason.DEADLINE_EXPIRED)
         except asyncio.CancelledError:
             if flight.abandoned:
-                task = asyncio.current_task()
-                if task is not None:
-                    task.uncancel()
+                task.uncancel()
                 return self.record_abandoned(flight)
             raise
         except Exception as e:
@@ -746,10 +856,12 @@ class EdgePolicy:
                 else:
                     self._failed(flight, type(e).__name__)
             raise
+        if refused_quota is not None:
+            return await self._refuse_quota(cls, refused_quota, counted=True)
         if flight.abandoned:
             return self.record_abandoned(flight)
         self._finished(flight, cls, deadline)
-        return result
+        return cast(T, result)
 
     def _finished(self, flight: Flight, cls: Classification, deadline: Deadline) -> None:
         t = _now()

@@ -12,10 +12,9 @@ jittered); the handler runs inside the request context and is cancelled at deadl
 (504 if nothing was sent yet); streaming responses pass through untouched.
 
 Client disconnects: aiohttp does not cancel handlers unless the runner is created with
-``handler_cancellation=True``. The middleware therefore polls the connection with one loop
-timer per request (after ``disconnect_check_after`` seconds of handler time, then at that
-period) and cancels the handler when the connection is gone; either way the request is counted
-as abandoned, not as a success.
+``handler_cancellation=True``. The middleware therefore checks the connection of every request
+older than the policy's ``sweep_period`` at each sweep (one shared loop timer) and cancels the
+handler when it is gone; either way the request is counted as abandoned, not as a success.
 """
 
 from __future__ import annotations
@@ -34,32 +33,20 @@ __all__ = ["BrownoutAiohttpMiddleware", "brownout_middleware"]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class _DisconnectPoll:
-    __slots__ = ("flight", "period", "request", "task", "timer")
+def _gone(request: web.Request, flight: Flight) -> Callable[[], bool]:
+    """The sweep hook: cancel the handler once the connection is gone (never done early)."""
 
-    def __init__(self, request: web.Request, flight: Flight, period: float) -> None:
-        self.request = request
-        self.flight = flight
-        self.period = period
-        self.task = asyncio.current_task()
-        self.timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            period, self._check
-        )
-
-    def _check(self) -> None:
-        self.timer = None
-        transport = self.request.transport
+    def check() -> bool:
+        transport = request.transport
         if transport is None or transport.is_closing():
-            self.flight.abandoned = True
-            if self.task is not None and not self.task.done():
-                self.task.cancel()
-            return
-        self.timer = asyncio.get_running_loop().call_later(self.period, self._check)
+            flight.abandoned = True
+            task = flight.task
+            if task is not None and not task.done():
+                task.cancel()
+            return True
+        return False  # look again at the next sweep
 
-    def close(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+    return check
 
 
 def _response_started(request: web.Request) -> bool:
@@ -93,23 +80,20 @@ class BrownoutAiohttpMiddleware:
 
     __middleware_version__ = 1
 
-    def __init__(self, policy: EdgePolicy, *, disconnect_check_after: float | None = 0.05) -> None:
+    def __init__(self, policy: EdgePolicy, *, watch_disconnects: bool = True) -> None:
         self.policy = policy
-        self.disconnect_check_after = disconnect_check_after
+        self.watch_disconnects = watch_disconnects
 
     async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         policy = self.policy
         if policy.is_health(request.path):
             return await handler(request)
         flight = Flight(asyncio.get_running_loop().time())
+        if self.watch_disconnects:
+            flight.on_old = _gone(request, flight)
         resource = request.match_info.route.resource
         template = resource.canonical if resource is not None else policy.match(request.path)
         route = policy.route(template)
-        poll = (
-            _DisconnectPoll(request, flight, self.disconnect_check_after)
-            if self.disconnect_check_after is not None
-            else None
-        )
         headers = request.headers
 
         def get(name: str) -> str | None:
@@ -133,9 +117,6 @@ class BrownoutAiohttpMiddleware:
             if not flight.abandoned and (transport is None or transport.is_closing()):
                 policy.record_abandoned(flight)
             raise
-        finally:
-            if poll is not None:
-                poll.close()
         if outcome is ABANDONED:
             # Nobody is listening; the connection is already gone.
             raise asyncio.CancelledError
@@ -154,7 +135,7 @@ class BrownoutAiohttpMiddleware:
 
 
 def brownout_middleware(
-    policy: EdgePolicy, *, disconnect_check_after: float | None = 0.05
+    policy: EdgePolicy, *, watch_disconnects: bool = True
 ) -> BrownoutAiohttpMiddleware:
     """The middleware for ``web.Application(middlewares=[...])``."""
-    return BrownoutAiohttpMiddleware(policy, disconnect_check_after=disconnect_check_after)
+    return BrownoutAiohttpMiddleware(policy, watch_disconnects=watch_disconnects)

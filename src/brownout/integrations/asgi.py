@@ -18,8 +18,9 @@ What it does per HTTP request (see `brownout.edge` for the policy itself):
 - at deadline expiry the handler is cancelled and, if no response started, a 504 problem is
   written; if the response had started, the response is left incomplete so the client sees a
   truncated answer rather than a falsely complete one;
-- a client disconnect cancels the handler: after ``disconnect_check_after`` seconds of handler
-  time (a cheap loop timer; fast requests never pay for it) the middleware listens for
+- a client disconnect cancels the handler: once a request is the policy's ``sweep_period``
+  old (one shared loop timer sweeps all in-flight requests; fast requests never pay for a
+  timer or a task) the middleware listens for
   ``http.disconnect`` once the request body has been consumed, and cancels the handler when it
   arrives. The request is counted as abandoned, not as a success.
 
@@ -44,6 +45,11 @@ from ..edge import (
 from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
 __all__ = ["BrownoutMiddleware"]
+
+
+def _loop_time() -> float:
+    return asyncio.get_running_loop().time()
+
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -93,13 +99,19 @@ class _Receiver:
         "_waiter",
         "body_done",
         "disconnected",
+        "flight",
         "reading",
         "response_done",
+        "scope",
+        "watcher",
         "watching",
     )
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, scope: Scope) -> None:
         self._receive = receive
+        self.scope = scope
+        self.flight: Flight | None = None
+        self.watcher: asyncio.Task[None] | None = None
         self._buffer: deque[Message] = deque()
         self._waiter: asyncio.Future[Message] | None = None
         self.body_done = False
@@ -138,6 +150,35 @@ class _Receiver:
         else:
             self._buffer.append(msg)
 
+    def fire(self) -> bool:
+        """The request is old: listen for a disconnect if the body is consumed. True when
+        no further sweeps are needed."""
+        if self.response_done:
+            return True  # answered; whatever runs now (background tasks) is not abandoned
+        if self.disconnected:
+            self._disconnected()
+            return True
+        if not self.reading and (self.body_done or _declares_no_body(self.scope)):
+            self.watcher = asyncio.get_running_loop().create_task(self.watch(self._disconnected))
+            return True
+        return False  # the application is still reading the body: try again next sweep
+
+    def _disconnected(self) -> None:
+        flight = self.flight
+        if flight is None or flight.abandoned:
+            return
+        flight.abandoned = True
+        task = flight.task
+        if task is not None and not task.done():
+            task.cancel()
+
+    def close(self) -> None:
+        w = self.watcher
+        if w is not None:
+            self.watcher = None
+            if not w.done():
+                w.cancel()
+
     async def watch(self, on_disconnect: Callable[[], None]) -> None:
         self.watching = True
         try:
@@ -149,9 +190,12 @@ class _Receiver:
                     if not self.response_done:
                         on_disconnect()
                     return
+                was_done = self.body_done
                 if not msg.get("more_body", False):
                     self.body_done = True
                 self._deliver(msg)
+                if was_done:
+                    return  # a server that repeats body messages: nothing to watch for
         finally:
             self.watching = False
 
@@ -165,63 +209,11 @@ def _declares_no_body(scope: Scope) -> bool:
     return True
 
 
-class _Watch:
-    """Per-request disconnect watching: a timer first, a listening task only if needed."""
-
-    __slots__ = ("flight", "period", "receiver", "scope", "task", "timer", "watcher")
-
-    def __init__(
-        self, scope: Scope, receiver: _Receiver, flight: Flight, task: asyncio.Task[Any] | None
-    ) -> None:
-        self.scope = scope
-        self.receiver = receiver
-        self.flight = flight
-        self.task = task
-        self.timer: asyncio.TimerHandle | None = None
-        self.watcher: asyncio.Task[None] | None = None
-        self.period = 0.05
-
-    def arm(self, loop: asyncio.AbstractEventLoop, delay: float) -> None:
-        self.period = delay
-        self.timer = loop.call_later(delay, self._fire)
-
-    def _fire(self) -> None:
-        self.timer = None
-        r = self.receiver
-        if r.response_done:
-            return  # answered; whatever runs now (background tasks) is not abandoned
-        if r.disconnected:
-            self._disconnected()
-            return
-        if not r.reading and (r.body_done or _declares_no_body(self.scope)):
-            self.watcher = asyncio.get_running_loop().create_task(r.watch(self._disconnected))
-        else:  # the application is still reading the body: it will see a disconnect itself
-            self.timer = asyncio.get_running_loop().call_later(self.period, self._fire)
-
-    def _disconnected(self) -> None:
-        flight = self.flight
-        if flight.abandoned:
-            return
-        flight.abandoned = True
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
-
-    def close(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        w = self.watcher
-        if w is not None:
-            self.watcher = None
-            if not w.done():
-                w.cancel()
-
-
 class BrownoutMiddleware:
     """ASGI middleware applying an `EdgePolicy` to every HTTP request (D2, D3, D5, S2-S7).
 
-    ``disconnect_check_after``: handler time after which the middleware starts listening for
-    the client going away (``None`` disables disconnect cancellation).
+    ``watch_disconnects``: cancel the handler when the client goes away (requests older than
+    the policy's ``sweep_period`` listen for ``http.disconnect``).
     """
 
     def __init__(
@@ -229,12 +221,12 @@ class BrownoutMiddleware:
         app: ASGIApp,
         policy: EdgePolicy,
         *,
-        disconnect_check_after: float | None = 0.05,
+        watch_disconnects: bool = True,
         path_cache_size: int = 1024,
     ) -> None:
         self.app = app
         self.policy = policy
-        self.disconnect_check_after = disconnect_check_after
+        self.watch_disconnects = watch_disconnects
         self._paths: dict[str, str | None] = {}
         self._path_cache_size = path_cache_size
 
@@ -269,21 +261,17 @@ class BrownoutMiddleware:
         if policy.is_health(path):
             await self.app(scope, receive, send)
             return
-        loop = asyncio.get_running_loop()
-        flight = Flight(loop.time())
-        route = policy.route(self._template(scope, path))
-        degraded = policy.degraded_names() if policy.degraded is not None else ()
-
-        check_after = self.disconnect_check_after
-        watch: _Watch | None = None
         receiver: _Receiver | None = None
-        if check_after is not None:
-            receiver = _Receiver(receive)
-            watch = _Watch(scope, receiver, flight, asyncio.current_task())
-            watch.arm(loop, check_after)
+        if self.watch_disconnects:
+            receiver = _Receiver(receive, scope)
             app_receive: Receive = receiver
+            flight = Flight(_loop_time(), receiver.fire)
+            receiver.flight = flight
         else:
             app_receive = receive
+            flight = Flight(_loop_time())
+        route = policy.route(self._template(scope, path))
+        degraded = policy.degraded_names() if policy.degraded is not None else ()
 
         async def tracked_send(message: Message) -> None:
             kind = message["type"]
@@ -301,6 +289,7 @@ class BrownoutMiddleware:
             ):
                 receiver.response_done = True
             await send(message)
+
         app = self.app
 
         def call() -> Awaitable[None]:
@@ -311,8 +300,8 @@ class BrownoutMiddleware:
                 scope, call, flight, route=route, get=header_getter(scope["headers"])
             )
         finally:
-            if watch is not None:
-                watch.close()
+            if receiver is not None:
+                receiver.close()
         if outcome is ABANDONED or outcome is None:
             return
         if isinstance(outcome, Refusal):

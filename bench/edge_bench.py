@@ -1,0 +1,264 @@
+"""Edge benchmark: ASGI middleware overhead, and server CPU of a refusal vs a success.
+
+Prints, in one run:
+
+1. overhead per request of `BrownoutMiddleware` on a trivial FastAPI endpoint against the bare
+   app (target <= 1.15x), calling the ASGI app in-process with a synthetic scope, so the
+   figure is the middleware's, not the network's; also against a bare Starlette endpoint;
+2. server CPU (``time.process_time``) per refused request vs per served request of the lab's
+   demo front endpoint (``/api/interactive`` behind a fixed limit of 10 and a queue of 5, its
+   dependency in a subprocess so its CPU is not counted), target ratio < 0.2. Refusals are
+   measured with the limit and queue held, so each is an immediate ``queue_full``.
+
+Each figure is the best of several interleaved repetitions, so a noisy shared machine
+inflates all sides alike. Run under the lock:
+
+    flock /tmp/brownout-bench.lock .venv/bin/python bench/edge_bench.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route as StarletteRoute
+
+from brownout import Bulkhead, FixedLimit
+from brownout.edge import EdgePolicy
+from brownout.integrations.asgi import BrownoutMiddleware
+
+REPS = 5
+N = 5_000
+CPU_N = 2_000
+
+Message = MutableMapping[str, Any]
+App = Callable[[MutableMapping[str, Any], Any, Any], Awaitable[None]]
+
+
+def scope_for(path: str, headers: list[tuple[bytes, bytes]] | None = None) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers or [(b"host", b"bench")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+
+_REQUEST = {"type": "http.request", "body": b"", "more_body": False}
+
+
+async def receive() -> Message:
+    # The body; a real server would then block until the client goes away.
+    return _REQUEST
+
+
+class Sink:
+    __slots__ = ("status",)
+
+    def __init__(self) -> None:
+        self.status = 0
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+
+
+async def per_request(app: App, path: str, n: int) -> float:
+    sink = Sink()
+    t = time.perf_counter()
+    for i in range(n):
+        await app(scope_for(path), receive, sink)
+        if i % 50 == 0:
+            # Let the loop turn now and then, as a server's does between requests (it also
+            # sweeps cancelled timers, which a loop that never turns would pile up).
+            await asyncio.sleep(0)
+    took = (time.perf_counter() - t) / n
+    assert sink.status == 200, sink.status
+    return took
+
+
+def fastapi_app(protected: bool) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/hello")
+    async def hello() -> dict[str, str]:
+        return {"hello": "world"}
+
+    if protected:
+        app.add_middleware(
+            BrownoutMiddleware, policy=EdgePolicy(bulkhead=Bulkhead("api", FixedLimit(1000)))
+        )
+    return app
+
+
+def starlette_app(protected: bool) -> Starlette:
+    async def hello(request: Any) -> JSONResponse:
+        return JSONResponse({"hello": "world"})
+
+    app = Starlette(routes=[StarletteRoute("/hello", hello)])
+    if protected:
+        app.add_middleware(
+            BrownoutMiddleware, policy=EdgePolicy(bulkhead=Bulkhead("api", FixedLimit(1000)))
+        )
+    return app
+
+
+async def overhead() -> None:
+    pairs = {
+        "FastAPI": (fastapi_app(False), fastapi_app(True)),
+        "Starlette": (starlette_app(False), starlette_app(True)),
+    }
+    for bare, protected in pairs.values():  # warm up (middleware stacks are built lazily)
+        await per_request(bare, "/hello", 200)
+        await per_request(protected, "/hello", 200)
+    for name, (bare, protected) in pairs.items():
+        best_bare = best_mw = float("inf")
+        for _ in range(REPS):
+            best_bare = min(best_bare, await per_request(bare, "/hello", N))
+            best_mw = min(best_mw, await per_request(protected, "/hello", N))
+        print(
+            f"{name:9s} trivial endpoint: bare {best_bare * 1e6:6.1f} us, with middleware "
+            f"{best_mw * 1e6:6.1f} us: {best_mw / best_bare:.3f}x "
+            f"(+{(best_mw - best_bare) * 1e6:.1f} us; target <= 1.15x)"
+        )
+
+
+# -- CPU of a refusal vs a success on the lab's demo front --------------------------------------
+
+
+async def lifespan_start(app: App) -> Callable[[], Awaitable[None]]:
+    inbox: asyncio.Queue[Message] = asyncio.Queue()
+    outbox: asyncio.Queue[Message] = asyncio.Queue()
+
+    async def recv() -> Message:
+        return await inbox.get()
+
+    async def send(m: Message) -> None:
+        await outbox.put(m)
+
+    task = asyncio.create_task(app({"type": "lifespan", "asgi": {"version": "3.0"}}, recv, send))
+    await inbox.put({"type": "lifespan.startup"})
+    started = await outbox.get()
+    assert started["type"] == "lifespan.startup.complete", started
+
+    async def stop() -> None:
+        await inbox.put({"type": "lifespan.shutdown"})
+        await outbox.get()
+        await task
+
+    return stop
+
+
+async def start_backend() -> tuple[asyncio.subprocess.Process, int]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "brownout.lab.demo",
+        "backend",
+        "--latency",
+        "0.0",
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+    assert line.startswith("PORT "), line
+    return proc, int(line.split()[1])
+
+
+async def set_backend_latency(port: int, latency: float) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = json.dumps({"latency": latency}).encode()
+    writer.write(
+        b"POST /admin HTTP/1.1\r\nhost: b\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    await reader.read()
+    writer.close()
+
+
+async def cpu_per_request(app: App, n: int, expect: int) -> float:
+    sink = Sink()
+    scope = scope_for("/api/interactive")
+    c = time.process_time()
+    for _ in range(n):
+        await app(dict(scope), receive, sink)
+    took = (time.process_time() - c) / n
+    assert sink.status == expect, (sink.status, expect)
+    return took
+
+
+LIMIT, QUEUE = 10, 5
+
+
+async def refusal_cost() -> None:
+    from brownout import FifoQueue
+    from brownout.lab.demo import create_front
+
+    backend, port = await start_backend()
+    try:
+        # The demo front as the lab's "fixed" configuration protects it, except that queued
+        # requests wait long enough for the queue to stay full while refusals are measured.
+        app: Any = create_front(f"http://127.0.0.1:{port}", "unprotected")
+        app.add_middleware(
+            BrownoutMiddleware,
+            policy=EdgePolicy(
+                bulkhead=Bulkhead(
+                    "front", FixedLimit(LIMIT), FifoQueue(max_size=QUEUE, max_wait=60.0)
+                ),
+                health_paths=("/healthz",),
+            ),
+        )
+        stop = await lifespan_start(app)
+        try:
+            await cpu_per_request(app, 200, 200)  # warm up: connections, caches
+            best_served = best_refused = float("inf")
+            for _ in range(REPS):
+                await set_backend_latency(port, 0.0)
+                best_served = min(best_served, await cpu_per_request(app, CPU_N // 4, 200))
+                # Saturate: slow dependency, limit + queue held by in-flight requests.
+                await set_backend_latency(port, 30.0)
+                holders = [
+                    asyncio.create_task(app(scope_for("/api/interactive"), receive, Sink()))
+                    for _ in range(LIMIT + QUEUE)
+                ]
+                await asyncio.sleep(0.2)
+                best_refused = min(best_refused, await cpu_per_request(app, CPU_N, 503))
+                for h in holders:
+                    h.cancel()
+                await asyncio.gather(*holders, return_exceptions=True)
+            ratio = best_refused / best_served
+            print(
+                f"demo /api/interactive CPU: served {best_served * 1e6:6.1f} us, refused "
+                f"{best_refused * 1e6:6.1f} us: refused/served = {ratio:.3f} (target < 0.2)"
+            )
+        finally:
+            await stop()
+    finally:
+        backend.terminate()
+        await backend.wait()
+
+
+async def main() -> None:
+    await overhead()
+    await refusal_cost()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -488,3 +488,23 @@ def test_slowed_rejections_hold_nothing_before_any_success() -> None:
     assert slowed.hold() is None
     with pytest.raises(ValueError, match="max_held"):
         SlowedRejections(floor=2.0, ceiling=1.0)
+
+
+@pytest.mark.looptime
+async def test_short_and_long_deadlines_are_enforced_exactly() -> None:
+    """Deadlines shorter than the sweep period get their timer at once; longer ones from the
+    sweep; either way the handler stops at the deadline, not at a sweep tick."""
+    loop = asyncio.get_running_loop()
+    for budget in (0.03, 0.07, 1.234):
+        policy = EdgePolicy(
+            deadline=InboundDeadlinePolicy(default=budget, maximum=budget), sweep_period=0.05
+        )
+
+        async def forever() -> None:
+            await asyncio.sleep(100)
+
+        t0 = loop.time()
+        out, _ = await run(policy, forever)
+        assert isinstance(out, Refusal) and out.reason is Reason.DEADLINE_EXPIRED
+        assert loop.time() - t0 == pytest.approx(budget)
+        assert not policy._sweeper.pending  # nothing left behind

@@ -60,7 +60,7 @@ def parse_target(url: str) -> tuple[str, int, str]:
 
 def _lab_parser() -> argparse.ArgumentParser:
     from .lab.runner import CONFIGURATIONS
-    from .lab.scenarios import DEFAULT_SCENARIOS, SCENARIOS
+    from .lab.scenarios import DEFAULT_SCENARIOS, OPT_IN_SCENARIOS, SCENARIOS
 
     p = argparse.ArgumentParser(
         prog="brownout lab",
@@ -80,7 +80,13 @@ def _lab_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scenarios",
         help=f"comma-separated scenarios (default {','.join(DEFAULT_SCENARIOS)}; "
-        f"known: {','.join(SCENARIOS)})",
+        f"opt-in: {','.join(OPT_IN_SCENARIOS)}; known: {','.join(SCENARIOS)})",
+    )
+    p.add_argument(
+        "--drill",
+        metavar="MODE",
+        help="force this declared degraded mode of the demo front on for the whole run "
+        "(protected configurations; known: recommendations)",
     )
     p.add_argument("--out", default="lab-report", help="report folder (default lab-report)")
     p.add_argument("--markdown", help="also write this Markdown page (e.g. docs/lab.md)")
@@ -116,6 +122,18 @@ def lab_main(argv: list[str]) -> int:
         settings = replace(settings, step_seconds=args.step)
     if args.poisson:
         settings = replace(settings, arrivals="poisson")
+    if args.drill:
+        from .lab.protect import DEMO_MODES
+
+        if args.target:
+            console.print("[red]error:[/] --drill drives the demo's degraded modes, not --target")
+            return 2
+        if args.drill not in DEMO_MODES:
+            console.print(
+                f"[red]error:[/] --drill {args.drill!r}: the demo declares {', '.join(DEMO_MODES)}"
+            )
+            return 2
+        settings = replace(settings, drill=args.drill)
     if settings.step_seconds < 3 * settings.deadline:
         console.print(
             f"[yellow]note:[/] steps of {settings.step_seconds:g}s are shorter than 3x the "

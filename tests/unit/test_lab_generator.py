@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import pytest
@@ -44,6 +45,7 @@ class FakeServer:
         self.active = 0
         self.server: asyncio.Server | None = None
         self.capacity = asyncio.Semaphore(2)
+        self.hits: Counter[str] = Counter()
 
     @property
     def port(self) -> int:
@@ -74,6 +76,7 @@ class FakeServer:
             writer.close()
 
     async def answer(self, path: str, body: bytes, writer: asyncio.StreamWriter) -> bool:
+        self.hits[path] += 1
         if path == "/ok":
             writer.write(_response(200, b"ok"))
         elif path == "/slow":
@@ -103,6 +106,12 @@ class FakeServer:
             async with self.capacity:
                 await asyncio.sleep(0.01)
             writer.write(_response(200, b"ok"))
+        elif path == "/never":
+            writer.write(_response(503, SHED, "brownout-retry: never"))
+        elif path == "/degraded":
+            writer.write(_response(200, b"cached", "brownout-degraded: recommendations"))
+        elif path == "/degraded-shed":
+            writer.write(_response(503, SHED, "brownout-degraded: recommendations"))
         elif path == "/admin":
             self.admin_bodies.append(body)
             writer.write(_response(200, b"{}", "connection: close"))
@@ -278,3 +287,76 @@ def test_tally_summary_and_percentile() -> None:
     assert merged.shed_reasons == {"queue_full": 2}
     assert percentile([], 0.5) is None
     assert percentile([3.0, 1.0, 2.0], 1.0) == 3.0
+
+
+# -- client retries and degraded responses (T3, R1, G3) ----------------------------------------
+
+
+async def test_naive_client_retries_are_new_sends_counted_apart(fake: FakeServer) -> None:
+    """Every failed original is sent again 3 times; the originals' figures do not change."""
+    mix = (("shed", 0.5), ("ok", 0.5))
+    step = LoadStep("s", 200, 0.5, mix, settle=0.2, retries=3, retry_backoff=0.01)
+    result = await run_plan(_plan(fake.port, ("shed", "ok"), step))
+    assert result.unresolved == 0
+    [st] = result.steps
+    shed, ok = st.whole["shed"], st.whole["ok"]
+    assert shed.offered + ok.offered == 100
+    # the originals keep their own outcome: one 503 each, no retry counted among them
+    assert shed.r503 == shed.resolved == shed.offered
+    assert ok.ok == ok.offered
+    # retries: 3 per failed original, none for successes, all accounted
+    retries = st.retries_whole
+    assert retries.offered == 3 * shed.offered
+    assert retries.r503 == retries.resolved == retries.offered
+    assert st.retries_withheld == 0
+    assert fake.hits["/shed"] == 4 * shed.offered
+    assert fake.hits["/ok"] == ok.offered
+    # retries of steady-state originals are in the steady retry tally
+    steady_shed = st.steady["shed"].offered
+    assert st.retries_steady.offered == 3 * steady_shed
+    # the timeline holds originals only
+    assert sum(b["refused"] for b in result.timeline) == shed.offered
+
+
+async def test_budgeted_clients_honour_the_marker_and_the_budget(fake: FakeServer) -> None:
+    n = 100
+    never = LoadStep(
+        "never", 200, 0.5, (("never", 1.0),), retries=3, retry_backoff=0.01, retry_budget=0.1
+    )
+    result = await run_plan(_plan(fake.port, ("never",), never))
+    [st] = result.steps
+    assert st.whole["never"].offered == n
+    assert st.retries_whole.offered == 0  # brownout-retry: never is never retried
+    assert st.retries_withheld == n
+    assert fake.hits["/never"] == n
+
+    shed = LoadStep(
+        "shed", 200, 0.5, (("shed", 1.0),), retries=3, retry_backoff=0.01, retry_budget=0.1
+    )
+    result = await run_plan(_plan(fake.port, ("shed",), shed))
+    [st] = result.steps
+    retried = st.retries_whole.offered
+    # RetryBudget(0.1, min_per_second=1, window=2): 10% of originals plus a reserve of 2
+    assert 1 <= retried <= 0.1 * n + 2
+    assert st.retries_whole.resolved == retried
+    # every original's chain ended: withheld by the budget, or all 3 retries spent
+    assert st.retries_withheld >= n - retried // 3 - 1
+    # naive clients on the same server send 3x
+    naive = LoadStep("naive", 200, 0.5, (("never", 1.0),), retries=3, retry_backoff=0.01)
+    result = await run_plan(_plan(fake.port, ("never",), naive))
+    assert result.steps[0].retries_whole.offered == 3 * n
+
+
+async def test_degraded_responses_are_counted_and_their_goodput_apart(fake: FakeServer) -> None:
+    paths = ("degraded", "degraded-shed", "ok")
+    mix = tuple((p, 1.0) for p in paths)
+    result = await run_plan(_plan(fake.port, paths, LoadStep("s", 300, 0.5, mix, settle=0.1)))
+    [st] = result.steps
+    d, ds, ok = st.whole["degraded"], st.whole["degraded-shed"], st.whole["ok"]
+    assert d.degraded == d.degraded_ok == d.ok == d.offered > 0
+    assert ds.degraded == ds.r503 == ds.offered > 0
+    assert ds.degraded_ok == 0  # a degraded refusal is not degraded goodput
+    assert ok.degraded == ok.degraded_ok == 0
+    merged = Tally.merged(st.steady.values()).summary(0.4)
+    assert merged["degraded_ok"] == st.steady["degraded"].ok
+    assert merged["degraded_goodput_per_s"] == round(st.steady["degraded"].ok / 0.4, 1)

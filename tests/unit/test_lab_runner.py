@@ -26,7 +26,13 @@ def test_plans_start_with_a_warm_up_and_scale_loads_by_capacity() -> None:
     assert all(s.duration >= 3 * settings.deadline for s in steps)
     assert all(s.settle == settings.settle_seconds for s in steps)
     assert plan.deadline == settings.deadline
-    assert {c.name for c in plan.classes} == {"interactive", "batch", "health"}
+    assert {c.name for c in plan.classes} == {
+        "interactive",
+        "batch",
+        "health",
+        "outbound",
+        "recommendations",
+    }
 
 
 def test_dependency_changes_become_admin_calls_on_the_demo_backend() -> None:

@@ -3,7 +3,9 @@
 - **backend** (the dependency): ``GET /work`` holds one of ``concurrency`` slots for ``latency``
   seconds (8 x 20 ms by default: about 400 requests/s); beyond that, requests queue, unbounded,
   like most real dependencies. ``POST /admin`` changes latency and concurrency mid-run (the
-  slow-dependency and capacity-loss scenarios); ``GET /admin/stats`` reports what it did.
+  slow-dependency and capacity-loss scenarios), a share of errors (partial errors) or takes
+  it down (outage); ``GET /admin/stats`` reports what it did, including the requests that
+  reached it per 100 ms (retry amplification, thundering herds).
 - **front** (the service under test): ``GET /api/interactive`` and ``GET /api/batch`` call the
   backend through a pooled aiohttp client, passing the remaining budget with
   `brownout.propagation.outbound_headers`; ``GET /healthz`` answers directly. The same handler
@@ -11,6 +13,10 @@
   add brownout's ASGI middleware through the public API, nothing else, plus
   ``GET /lab/bulkhead`` showing the limit, in-flight count and queue depth), and uvicorn's
   own ``--limit-concurrency`` on the unprotected app.
+  ``GET /api/outbound`` calls the dependency with retries: 3 naive attempts unprotected,
+  brownout's `Dependency` (budget, breaker, marker) protected. ``GET /api/recommendations``
+  calls it too; protected, it is served from a stale cache while the declared degraded mode
+  ``recommendations`` is on (entered when the dependency gets slow, or by ``--drill``).
 
 Run one with ``python -m brownout.lab.demo backend|front ...``: it binds 127.0.0.1 on an
 ephemeral port, prints ``PORT <n>`` and serves with uvicorn until terminated.
@@ -21,8 +27,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import socket
 import sys
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
@@ -40,17 +48,44 @@ NORMAL_TIMEOUT = 10.0
 """The front's own timeout for the dependency call when nothing shorter is known."""
 
 
-class Backend:
-    """A raw ASGI dependency with ``concurrency`` slots of ``latency`` seconds each."""
+ARRIVAL_BIN = 0.1
+"""Seconds per bin of the backend's arrival counts (bins are ``time.monotonic()`` slices,
+the same clock the generator's process uses, so the runner can align them to its steps)."""
+MAX_ARRIVAL_BINS = 3000
 
-    def __init__(self, concurrency: int = 8, latency: float = 0.020) -> None:
+
+class Backend:
+    """A raw ASGI dependency with ``concurrency`` slots of ``latency`` seconds each.
+
+    Failure knobs (``POST /admin``): ``error_rate`` answers that share of requests 503 at
+    once (partial errors); ``down: true`` takes it out (every request answered 503 at once,
+    as a service behind a load balancer with no healthy instance).
+    Every request that reaches ``/work`` is counted per `ARRIVAL_BIN` (attempts reaching the
+    dependency, including the ones it fails).
+    """
+
+    def __init__(
+        self, concurrency: int = 8, latency: float = 0.020, *, seed: int | None = None
+    ) -> None:
         self.concurrency = concurrency
         self.latency = latency
+        self.error_rate = 0.0
+        self.down = False
+        self._rng = random.Random(seed)
         self.active = 0
         self.waiters: deque[asyncio.Future[None]] = deque()
         self.served = 0
+        self.failed = 0
         self.max_waiting = 0
         self.with_budget = 0
+        self.arrivals: dict[int, int] = {}
+
+    def _arrived(self) -> None:
+        key = int(time.monotonic() / ARRIVAL_BIN)
+        arrivals = self.arrivals
+        arrivals[key] = arrivals.get(key, 0) + 1
+        if len(arrivals) > MAX_ARRIVAL_BINS:
+            del arrivals[next(iter(arrivals))]  # oldest first: dicts keep insertion order
 
     async def _acquire(self) -> None:
         if self.active < self.concurrency and not self.waiters:
@@ -84,8 +119,13 @@ class Backend:
             return
         path = scope["path"]
         if path == "/work":
+            self._arrived()
             if any(k == b"brownout-budget-ms" for k, _ in scope["headers"]):
                 self.with_budget += 1
+            if self.down or (self.error_rate and self._rng.random() < self.error_rate):
+                self.failed += 1
+                await _reply(send, 503, b"unavailable", b"text/plain")
+                return
             await self._acquire()
             try:
                 await asyncio.sleep(self.latency)
@@ -106,6 +146,9 @@ class Backend:
             if "concurrency" in change:
                 self.concurrency = max(1, int(change["concurrency"]))
                 self._wake()
+            # Failures are part of every change: a change that does not name them clears them.
+            self.error_rate = min(1.0, max(0.0, float(change.get("error_rate", 0.0))))
+            self.down = bool(change.get("down", False))
             await _reply(send, 200, json.dumps(self.stats()).encode(), b"application/json")
         elif path == "/admin/stats":
             await _reply(send, 200, json.dumps(self.stats()).encode(), b"application/json")
@@ -120,7 +163,12 @@ class Backend:
             "waiting": len(self.waiters),
             "max_waiting": self.max_waiting,
             "served": self.served,
+            "failed": self.failed,
             "with_budget": self.with_budget,
+            "error_rate": self.error_rate,
+            "down": self.down,
+            "arrival_bin": ARRIVAL_BIN,
+            "arrivals": sorted(self.arrivals.items()),
         }
 
 
@@ -135,8 +183,47 @@ async def _reply(send: Send, status: int, body: bytes, content_type: bytes) -> N
     await send({"type": "http.response.body", "body": body})
 
 
-def create_front(backend_url: str, mode: str = "unprotected") -> Any:
-    """The front service as a Starlette app; ``mode`` adds brownout's middleware or not."""
+NAIVE_RETRY_STATUSES = frozenset({429, 502, 503, 504})
+FALLBACK_RECOMMENDATIONS = b"popular items"
+"""What the degraded front serves when its cache is empty: a local default (G3)."""
+
+
+class LatencySignal:
+    """Is the dependency slow? An EWMA of call latency against the lowest EWMA seen.
+
+    Slow when the average exceeds ``enter`` x the baseline; no longer slow below ``leave`` x
+    (the gap is the hysteresis). Used by the demo's ``recommendations`` degraded mode.
+    """
+
+    def __init__(self, alpha: float = 0.2, enter: float = 2.5, leave: float = 1.5) -> None:
+        self.alpha = alpha
+        self.enter = enter
+        self.leave = leave
+        self.ewma: float | None = None
+        self.baseline = float("inf")
+        self.samples = 0
+        self.slow = False
+
+    def observe(self, seconds: float) -> None:
+        self.samples += 1
+        self.ewma = seconds if self.ewma is None else self.ewma + self.alpha * (seconds - self.ewma)
+        if self.samples >= 20:
+            self.baseline = min(self.baseline, self.ewma)
+        if self.ewma > self.enter * self.baseline:
+            self.slow = True
+        elif self.ewma < self.leave * self.baseline:
+            self.slow = False
+
+    def __call__(self) -> bool:
+        return self.slow
+
+
+def create_front(backend_url: str, mode: str = "unprotected", drill: str | None = None) -> Any:
+    """The front service as a Starlette app; ``mode`` adds brownout's middleware or not.
+
+    ``drill`` forces that declared degraded mode on for the life of the process (protected
+    modes only: the unprotected front declares none).
+    """
     import aiohttp
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -144,39 +231,134 @@ def create_front(backend_url: str, mode: str = "unprotected") -> Any:
     from starlette.routing import Route as StarletteRoute
 
     from brownout import Rejected, call_budget
+    from brownout.degrade import StaleCache, stale_headers
+    from brownout.degrade import drill as start_drill
     from brownout.propagation import outbound_headers
+
+    from .protect import DEMO_MODES, OUTBOUND_ATTEMPTS, degraded_modes, outbound_dependency
 
     if mode not in FRONT_MODES:
         raise ValueError(f"mode must be one of {FRONT_MODES}")
+    if drill is not None and drill not in DEMO_MODES:
+        raise ValueError(f"--drill must name a declared mode: {', '.join(DEMO_MODES)}")
+    protected = mode != "unprotected"
     holder: dict[str, aiohttp.ClientSession] = {}
     work_url = backend_url.rstrip("/") + "/work"
+    slow = LatencySignal()
+    modes = degraded_modes(slow) if protected else None
+    cache: StaleCache[str, bytes] = StaleCache(
+        max_entries=16, fresh_for=0.1, max_staleness=60.0, name="recommendations"
+    )
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
         # aiohttp's default pool: up to 100 connections to the dependency, waiters beyond.
         connector = aiohttp.TCPConnector(limit=100, force_close=False)
         holder["session"] = aiohttp.ClientSession(connector=connector)
-        yield
-        await holder["session"].close()
+        if protected:
+            from brownout.integrations.aiohttp_client import BrownoutClientMiddleware
+
+            holder["outbound"] = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=100, force_close=False),
+                middlewares=(BrownoutClientMiddleware(outbound_dependency()),),
+            )
+        if drill is not None and modes is not None:
+            with start_drill(modes, drill):
+                yield
+        else:
+            yield
+        for session in holder.values():
+            await session.close()
+
+    async def call_backend() -> tuple[int, bytes]:
+        """One plain call to the dependency within the request's budget."""
+        budget = call_budget(NORMAL_TIMEOUT, reserve=0.005)
+        async with holder["session"].get(
+            work_url,
+            headers=outbound_headers(reserve=0.005),
+            timeout=aiohttp.ClientTimeout(total=budget),
+        ) as upstream:
+            return upstream.status, await upstream.read()
 
     async def work(request: Request) -> Response:
         try:
-            budget = call_budget(NORMAL_TIMEOUT, reserve=0.005)
+            status, body = await call_backend()
         except Rejected:
             return PlainTextResponse("deadline exceeded", status_code=504)
-        try:
-            async with holder["session"].get(
-                work_url,
-                headers=outbound_headers(reserve=0.005),
-                timeout=aiohttp.ClientTimeout(total=budget),
-            ) as upstream:
-                body = await upstream.read()
-                status = 200 if upstream.status == 200 else 502
         except TimeoutError:
             return PlainTextResponse("dependency timed out", status_code=504)
         except aiohttp.ClientError:
             return PlainTextResponse("dependency failed", status_code=502)
-        return Response(body, status_code=status, media_type="text/plain")
+        return Response(body, status_code=200 if status == 200 else 502, media_type="text/plain")
+
+    async def outbound_naive(request: Request) -> Response:
+        # What most services ship: retry any failure at once, no budget, no marker.
+        answer: Response = PlainTextResponse("dependency failed", status_code=502)
+        for _ in range(OUTBOUND_ATTEMPTS):
+            answer = await work(request)
+            if answer.status_code == 200 or answer.status_code not in NAIVE_RETRY_STATUSES:
+                return answer
+        return answer
+
+    async def outbound_protected(request: Request) -> Response:
+        # Retries, budget, breaker and deadline come from the Dependency; giving up raises
+        # RetriesExhausted (a Rejected), which the edge answers 503 + brownout-retry: never.
+        try:
+            async with holder["outbound"].get(work_url) as upstream:
+                body = await upstream.read()
+                status = upstream.status
+        except aiohttp.ClientError:
+            return PlainTextResponse("dependency failed", status_code=502)
+        return Response(body, status_code=200 if status == 200 else 502, media_type="text/plain")
+
+    async def fresh_recommendations(request: Request) -> Response:
+        started = asyncio.get_running_loop().time()
+        try:
+            status, body = await call_backend()
+        except Rejected:
+            return PlainTextResponse("deadline exceeded", status_code=504)
+        except TimeoutError:
+            slow.observe(asyncio.get_running_loop().time() - started)
+            return PlainTextResponse("dependency timed out", status_code=504)
+        except aiohttp.ClientError:
+            return PlainTextResponse("dependency failed", status_code=502)
+        slow.observe(asyncio.get_running_loop().time() - started)
+        if status != 200:
+            return PlainTextResponse("dependency failed", status_code=502)
+        if "recs" not in cache:
+
+            async def known() -> bytes:
+                return body
+
+            await cache.get("recs", known)
+        return Response(body, media_type="text/plain")
+
+    async def refresh() -> bytes:
+        # Background revalidation (one in flight): also keeps the latency signal current,
+        # so the mode leaves once the dependency is fast again.
+        started = asyncio.get_running_loop().time()
+        async with holder["session"].get(
+            work_url, timeout=aiohttp.ClientTimeout(total=NORMAL_TIMEOUT)
+        ) as upstream:
+            body = await upstream.read()
+        slow.observe(asyncio.get_running_loop().time() - started)
+        if upstream.status != 200:
+            raise RuntimeError(f"dependency answered {upstream.status}")
+        return body
+
+    async def cached_recommendations(request: Request) -> Response:
+        served = cache.peek("recs")
+        if served is None:
+            return Response(FALLBACK_RECOMMENDATIONS, media_type="text/plain")
+        # Serves what the cache holds now; a stale entry starts one background refresh.
+        served = await cache.get("recs", refresh)
+        return Response(served.value, media_type="text/plain", headers=stale_headers(served.age))
+
+    recommendations = (
+        modes.fallback("recommendations", cached_recommendations)(fresh_recommendations)
+        if modes is not None
+        else fresh_recommendations
+    )
 
     async def health(request: Request) -> Response:
         return PlainTextResponse("ok")
@@ -185,16 +367,18 @@ def create_front(backend_url: str, mode: str = "unprotected") -> Any:
         routes=[
             StarletteRoute("/api/interactive", work),
             StarletteRoute("/api/batch", work),
+            StarletteRoute("/api/outbound", outbound_protected if protected else outbound_naive),
+            StarletteRoute("/api/recommendations", recommendations),
             StarletteRoute("/healthz", health),
         ],
         lifespan=lifespan,
     )
-    if mode != "unprotected":
+    if protected:
         from starlette.responses import JSONResponse
 
         from .protect import protect
 
-        bulkhead = protect(app, mode)
+        bulkhead = protect(app, mode, degraded=modes)
 
         async def bulkhead_state(request: Request) -> Response:
             return JSONResponse(
@@ -202,6 +386,7 @@ def create_front(backend_url: str, mode: str = "unprotected") -> Any:
                     "limit": bulkhead.limit,
                     "in_flight": bulkhead.in_flight,
                     "queue_depth": bulkhead.queue_depth,
+                    "degraded": list(modes.active_names()) if modes is not None else [],
                 }
             )
 
@@ -227,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=FRONT_MODES, default="unprotected")
     parser.add_argument("--limit-concurrency", type=int, default=None)
     parser.add_argument("--cpus", default="", help="comma-separated cores to pin to")
+    parser.add_argument("--drill", default=None, help="force this degraded mode on (front)")
     args = parser.parse_args(argv)
     # Bind and announce the port first, so the parent can start the next process while this
     # one is still importing uvicorn and the app.
@@ -242,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         app: Any = Backend(args.concurrency, args.latency)
         lifespan: Literal["on", "off"] = "off"
     else:
-        app = create_front(args.backend_url, args.mode)
+        app = create_front(args.backend_url, args.mode, args.drill)
         lifespan = "on"
     config = uvicorn.Config(
         app,

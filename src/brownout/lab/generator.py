@@ -13,6 +13,16 @@ wait in the pool until a connection frees or their deadline passes (``timeouts_u
 request whose deadline passes while in flight is abandoned and its connection closed, as an
 HTTP client with a timeout does. Connections opened are counted: a server that closes
 connections on refusal (uvicorn's ``--limit-concurrency``) shows up as churn.
+
+Clients may retry (``LoadStep.retries``): a failed request (503, 429, 504, 502 and other
+statuses, connection errors, a client timeout after sending) is sent again after an
+exponential backoff, as a *new* scheduled send that never delays the open-loop schedule.
+Retried attempts are counted in their own tallies (``StepResult.retries_whole`` /
+``retries_steady``, in the step of the original), never in the originals' figures. Naive
+clients retry every failure; with ``retry_budget`` the clients behave like brownout's: a
+`brownout.RetryBudget` of that ratio caps retries, backoff has full jitter, and a response
+marked ``brownout-retry: never`` is not retried (R1). Responses marked ``brownout-degraded``
+are counted (``Tally.degraded``, and ``degraded_ok`` within goodput).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from ..retry.budget import RetryBudget
 from .http1 import Response, ResponseParseError, ResponseParser, encode_request
 from .tally import Tally, percentile
 
@@ -47,6 +58,11 @@ __all__ = [
 MAX_LATENESS = 0.005
 """A step is invalid when the generator's p99 lateness exceeds this many seconds."""
 BUDGET_HEADER = "brownout-budget-ms"
+DEGRADED_HEADER = "brownout-degraded"
+RETRY_HEADER = "brownout-retry"
+RETRYABLE_OUTCOMES = frozenset({"r503", "r429", "r504", "other_status", "errors", "timeouts_sent"})
+"""Outcomes a retrying client sends again (a request never sent is not retried: the pool was
+full, which is the generator's own limit)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +100,12 @@ class LoadStep:
     actions: tuple[AdminCall, ...] = ()
     measured: bool = True
     """False for warm-up steps: run but not reported."""
+    retries: int = 0
+    """Client retries per failed original request (0: clients never retry)."""
+    retry_backoff: float = 0.1
+    """Backoff before retry n (1-based) is ``retry_backoff * 2 ** (n - 1)`` seconds."""
+    retry_budget: float | None = None
+    """None: naive clients. A ratio: brownout-style clients (budget, jitter, marker)."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +139,12 @@ class StepResult:
     steady: dict[str, Tally]
     lateness: list[float] = field(default_factory=list, repr=False)
     connections_opened: int = 0
+    retries_whole: Tally = field(default_factory=Tally)
+    """Retried attempts of this step's originals (sent whenever their backoff ended)."""
+    retries_steady: Tally = field(default_factory=Tally)
+    """Retried attempts of this step's steady-state originals."""
+    retries_withheld: int = 0
+    """Retries a budgeted client did not send (budget empty or ``brownout-retry: never``)."""
 
     @property
     def steady_seconds(self) -> float:
@@ -142,6 +170,8 @@ class PlanResult:
     connections_opened: int
     unresolved: int = 0
     """Requests still without an outcome when the generator gave up waiting (should be 0)."""
+    origin: float = 0.0
+    """``time.monotonic()`` when the plan started (aligns other processes' per-bin counts)."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +187,56 @@ class Calibration:
 # -- the request pool --------------------------------------------------------------------------
 
 
+class _ClientRetries:
+    """The retry behaviour of the clients of one step (see `LoadStep.retries`)."""
+
+    __slots__ = ("backoff", "budget", "deadline", "pool", "retries", "rng", "step")
+
+    def __init__(
+        self, pool: _Pool, step: LoadStep, result: StepResult, deadline: float, seed: int
+    ) -> None:
+        self.pool = pool
+        self.retries = step.retries
+        self.backoff = step.retry_backoff
+        self.budget = (
+            RetryBudget(step.retry_budget, min_per_second=1.0, window=2.0)
+            if step.retry_budget is not None
+            else None
+        )
+        self.step = result
+        self.deadline = deadline
+        self.rng = random.Random(seed)
+
+    def original(self) -> None:
+        if self.budget is not None:
+            self.budget.record_request()
+
+    def after(self, req: _Req, outcome: str, never: bool) -> None:
+        if outcome not in RETRYABLE_OUTCOMES or req.tries >= self.retries:
+            return
+        delay = self.backoff * 2**req.tries
+        if self.budget is not None:
+            if never or not self.budget.try_acquire_retry():
+                self.step.retries_withheld += 1
+                return
+            delay = self.rng.uniform(0.0, delay)  # full jitter
+        scheduled = self.pool.clock() + delay
+        retry = _Req(
+            scheduled,
+            scheduled + self.deadline,
+            req.payload,
+            self.step.retries_whole,
+            self.step.retries_steady if req.steady is not None else None,
+            -1,
+        )
+        retry.tries = req.tries + 1
+        retry.retries = self
+        retry.whole.offered += 1
+        if retry.steady is not None:
+            retry.steady.offered += 1
+        self.pool.schedule(retry, delay)
+
+
 class _Req:
     __slots__ = (
         "bin",
@@ -165,10 +245,12 @@ class _Req:
         "done",
         "on_done",
         "payload",
+        "retries",
         "scheduled",
         "sent",
         "steady",
         "timer",
+        "tries",
         "whole",
     )
 
@@ -192,6 +274,8 @@ class _Req:
         self.done = False
         self.timer: asyncio.TimerHandle | None = None
         self.on_done: Callable[[_Req, str, float], None] | None = None
+        self.retries: _ClientRetries | None = None
+        self.tries = 0
 
 
 class _Conn(asyncio.Protocol):
@@ -274,6 +358,14 @@ class _Pool:
 
     def submit(self, req: _Req) -> None:
         self.outstanding += 1
+        self._dispatch(req)
+
+    def schedule(self, req: _Req, delay: float) -> None:
+        """Submit ``req`` after ``delay`` seconds (a client retry); outstanding from now on."""
+        self.outstanding += 1
+        self.loop.call_later(delay, self._dispatch, req)
+
+    def _dispatch(self, req: _Req) -> None:
         req.timer = self.loop.call_later(req.deadline_at - self.clock(), self._expire, req)
         while self.idle:
             conn = self.idle.pop()
@@ -332,11 +424,21 @@ class _Pool:
             now = self.clock()
             latency = now - req.scheduled
             status = response.status
+            headers = response.headers
+            degraded = DEGRADED_HEADER in headers
+            if degraded:
+                req.whole.degraded += 1
+                if req.steady is not None:
+                    req.steady.degraded += 1
             if 200 <= status < 300:
                 outcome = "ok" if now <= req.deadline_at else "ok_late"
                 req.whole.success_latency.append(latency)
                 if req.steady is not None:
                     req.steady.success_latency.append(latency)
+                if degraded and outcome == "ok":
+                    req.whole.degraded_ok += 1
+                    if req.steady is not None:
+                        req.steady.degraded_ok += 1
             elif status == 503 or status == 429:
                 outcome = "r503" if status == 503 else "r429"
                 reason = self._reason(status, response.body)
@@ -348,7 +450,8 @@ class _Pool:
                 outcome = "r504"
             else:
                 outcome = "other_status"
-            self.finish(req, outcome, latency)
+            never = headers.get(RETRY_HEADER, "").strip().lower() == "never"
+            self.finish(req, outcome, latency, never)
         if req is not None and response.keep_alive and not conn.closed:
             self.release(conn)
         else:  # the server closes, or sent a response nobody asked for
@@ -389,7 +492,7 @@ class _Pool:
                 conn.req = None
             self.finish(req, "timeouts_unsent", self.clock() - req.scheduled)
 
-    def finish(self, req: _Req, outcome: str, latency: float) -> None:
+    def finish(self, req: _Req, outcome: str, latency: float, never: bool = False) -> None:
         req.done = True
         self.outstanding -= 1
         if self.outstanding == 0 and self.drained is not None:
@@ -417,6 +520,8 @@ class _Pool:
                 slot["failed"] += 1
         if req.on_done is not None:
             req.on_done(req, outcome, latency)
+        if req.retries is not None:
+            req.retries.after(req, outcome, never)
 
     def on_lost(self, conn: _Conn) -> None:
         if conn not in self.conns:
@@ -531,6 +636,11 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
             steady,
         )
         results.append(result)
+        retries = (
+            _ClientRetries(pool, step, result, plan.deadline, plan.seed + index)
+            if step.retries > 0
+            else None
+        )
         opened_before = pool.opened
         start = clock()
         end = start + step.duration
@@ -567,7 +677,11 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
                     s.offered += 1
                 lateness.append(now - next_t)
                 bin_index = int((next_t - origin) / bin_width) if step.measured else -1
-                pool.submit(_Req(next_t, next_t + deadline, payload, w, s, bin_index))
+                req = _Req(next_t, next_t + deadline, payload, w, s, bin_index)
+                if retries is not None:
+                    req.retries = retries
+                    retries.original()
+                pool.submit(req)
                 n += 1
                 if poisson:
                     next_t += rng.expovariate(step.rate)
@@ -590,11 +704,19 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
         result.connections_opened = pool.opened - opened_before
     if pool.outstanding > 0:  # every request has a deadline timer, so this ends
         pool.drained = asyncio.Event()
+        # Each retry may take its backoff plus a whole deadline.
+        chain = max(
+            (
+                sum(st.retry_backoff * 2**k + plan.deadline for k in range(st.retries))
+                for st in plan.steps
+            ),
+            default=0.0,
+        )
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(pool.drained.wait(), plan.deadline + 2.0)
+            await asyncio.wait_for(pool.drained.wait(), plan.deadline + chain + 2.0)
     unresolved = pool.outstanding
     await pool.close_all()
-    return PlanResult(results, bin_width, pool.timeline, pool.opened, unresolved)
+    return PlanResult(results, bin_width, pool.timeline, pool.opened, unresolved, origin)
 
 
 async def calibrate(

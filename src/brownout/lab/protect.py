@@ -12,31 +12,114 @@ it is what a user adds to their own Starlette or FastAPI app:
 Both: the caller's budget header is honoured (an internal caller), the route decides the
 priority (interactive is ``CRITICAL``, batch ``SHEDDABLE``), and ``/healthz`` bypasses
 admission.
+
+Outbound (the retry-storm, partial-errors and outage scenarios' ``/api/outbound`` route): the
+protected front calls the dependency through `BrownoutClientMiddleware` and one `Dependency`
+(`outbound_dependency`): 3 attempts under a `RetryBudget`, a `CircuitBreaker` whose recovery
+admits a few jittered half-open probes, and the do-not-retry marker upstream when it gives
+up (R1). The unprotected front retries naively instead (demo.py).
+
+Degradation (the degraded scenario's ``/api/recommendations`` route): the protected front
+declares a `DegradedMode` ``recommendations``, entered when the dependency gets slow, that
+serves recommendations from a `StaleCache` (or a local default) without waiting on the
+dependency; the edge announces it in the ``brownout-degraded`` header (G2, G3).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from brownout import (
     Bulkhead,
+    CircuitBreaker,
+    Dependency,
     FifoQueue,
     FixedLimit,
     Gradient2Limit,
     InboundDeadlinePolicy,
     Priority,
+    RetryBudget,
+    RetryPolicy,
     Trust,
 )
+from brownout.degrade import DegradedMode, DegradedModes
 from brownout.edge import EdgePolicy, Route
 from brownout.integrations.asgi import BrownoutMiddleware
+from brownout.retry import ExponentialBackoff
 
-__all__ = ["FIXED_LIMIT", "protect"]
+__all__ = [
+    "DEMO_MODES",
+    "FIXED_LIMIT",
+    "OUTBOUND_ATTEMPTS",
+    "RETRY_RATIO",
+    "degraded_modes",
+    "outbound_dependency",
+    "protect",
+]
 
 FIXED_LIMIT = 10
 """The fixed configuration's limit: the dependency's 8 slots plus 2 covering the front's hop."""
 
 
-def protect(app: Any, mode: str) -> Bulkhead:
+OUTBOUND_ATTEMPTS = 3
+"""Attempts per call to the dependency, the original included (the naive front uses the same)."""
+RETRY_RATIO = 0.2
+"""Retries allowed per original call (`RetryBudget` ratio), plus a small reserve."""
+DEMO_MODES = ("recommendations",)
+"""Degraded modes the demo front declares (``brownout lab --drill MODE`` forces one on)."""
+
+
+def outbound_dependency() -> Dependency:
+    """The protected front's guard for calls to the dependency (R1-R5).
+
+    3 attempts with jittered exponential backoff, under a budget of 20% of originals plus 5
+    per second over a 2 s window (short, so the lab's 3 s steps reach its steady state); a
+    breaker that opens at 50% failures over the last 50 calls, stays open 1 s +/- 50% jitter
+    and then lets 3 probes through (no synchronized wave when the dependency returns).
+    """
+    return Dependency(
+        "backend",
+        retry=RetryPolicy(
+            OUTBOUND_ATTEMPTS,
+            budget=RetryBudget(RETRY_RATIO, min_per_second=5.0, window=2.0),
+            backoff=ExponentialBackoff(0.01, cap=0.1),
+            name="backend",
+        ),
+        breaker=CircuitBreaker(
+            0.5,
+            window=50,
+            minimum_calls=20,
+            open_for=1.0,
+            open_jitter=0.5,
+            half_open_probes=3,
+            name="backend",
+        ),
+    )
+
+
+def degraded_modes(dependency_slow: Callable[[], bool]) -> DegradedModes:
+    """The demo's declared degraded modes (G1, G2), written before any incident.
+
+    ``recommendations``: serve recommendations from the local stale cache instead of the
+    dependency, entered while ``dependency_slow()`` says so (polled every 100 ms), held at
+    least 1 s, content at most 60 s old.
+    """
+    return DegradedModes(
+        [
+            DegradedMode(
+                "recommendations",
+                "recommendations come from a local cache (up to 60 s old), not the dependency",
+                enter_when=dependency_slow,
+                min_dwell=1.0,
+                max_staleness=60.0,
+                poll_interval=0.1,
+            )
+        ]
+    )
+
+
+def protect(app: Any, mode: str, *, degraded: DegradedModes | None = None) -> Bulkhead:
     """Add brownout's ASGI middleware to the Starlette ``app`` (``fixed`` or ``adaptive``).
 
     Returns the bulkhead, so the demo can show its limit and queue at ``/lab/bulkhead``.
@@ -59,7 +142,10 @@ def protect(app: Any, mode: str) -> Bulkhead:
         routes={
             "/api/interactive": Route(priority=Priority.CRITICAL),
             "/api/batch": Route(priority=Priority.SHEDDABLE),
+            "/api/outbound": Route(priority=Priority.CRITICAL),
+            "/api/recommendations": Route(priority=Priority.CRITICAL),
         },
+        degraded=degraded,
     )
     app.add_middleware(BrownoutMiddleware, policy=policy)
     return bulkhead

@@ -18,7 +18,9 @@ from .verdict import evaluate, targets
 
 __all__ = [
     "COLUMNS",
+    "OUTBOUND_COLUMNS",
     "markdown",
+    "outbound_rows",
     "scenario_rows",
     "write_markdown",
     "write_report",
@@ -38,6 +40,27 @@ COLUMNS = (
     "conns opened",
     "gen late p99 ms",
 )
+
+
+OUTBOUND_COLUMNS = (
+    "configuration",
+    "step",
+    "originals/s",
+    "goodput/s",
+    "client retries/s (ok/s, withheld)",
+    "at dependency/s",
+    "amplification",
+    "dependency peak 1 s",
+    "degraded goodput/s (responses)",
+)
+"""The outbound table: what reached the dependency, per original request (T3, R1, G3).
+
+``client retries/s``: retried attempts the clients sent (and how many of them succeeded
+in time; ``withheld``: retries a budgeted client chose not to send). ``at dependency/s``:
+requests that reached the dependency in steady state, retries of every layer included;
+``amplification`` is that per original request offered; ``dependency peak 1 s``: the
+busiest one-second window of the whole step. ``degraded goodput/s``: successes marked
+``brownout-degraded`` (all responses so marked in brackets)."""
 
 
 def _num(value: float | None, digits: int = 0) -> str:
@@ -100,6 +123,36 @@ def scenario_rows(lab: dict[str, Any], scenario: str) -> list[list[str]]:
     return rows
 
 
+def outbound_rows(lab: dict[str, Any], scenario: str) -> list[list[str]]:
+    """The outbound table of one scenario, in `OUTBOUND_COLUMNS` order."""
+    titles = _titles(lab)
+    rows: list[list[str]] = []
+    for run in lab["runs"]:
+        if run["scenario"] != scenario:
+            continue
+        name = titles.get(run["configuration"], run["configuration"])
+        for step in run["steps"]:
+            s = step["steady"]
+            r = step.get("retries") or {}
+            dep = step.get("dependency") or {}
+            amp = dep.get("amplification")
+            rows.append(
+                [
+                    name,
+                    step["label"],
+                    _num(s["offered_per_s"]),
+                    _num(s["goodput_per_s"]),
+                    f"{_num(r.get('offered_per_s'))} ({_num(r.get('goodput_per_s'))}, "
+                    f"{step.get('retries_withheld', 0):,})",
+                    _num(dep.get("attempts_per_s")),
+                    "-" if amp is None else f"{amp:.2f}x",
+                    _num(dep.get("peak_1s")),
+                    f"{_num(s.get('degraded_goodput_per_s'))} ({s.get('degraded', 0):,})",
+                ]
+            )
+    return rows
+
+
 def _scenarios(lab: dict[str, Any]) -> list[dict[str, Any]]:
     present = {r["scenario"] for r in lab["runs"]}
     return [s for s in lab["scenarios"] if s["name"] in present]
@@ -122,6 +175,13 @@ def print_tables(lab: dict[str, Any], console: Any) -> None:
         for row in scenario_rows(lab, sc["name"]):
             table.add_row(*row)
         console.print(table)
+        if sc.get("outbound"):
+            extra = Table(title=f"{sc['title']}: at the dependency", title_justify="left")
+            for col in OUTBOUND_COLUMNS:
+                extra.add_column(col, overflow="fold")
+            for row in outbound_rows(lab, sc["name"]):
+                extra.add_row(*row)
+            console.print(extra)
     checks = evaluate(lab)
     for c in checks:
         mark = "[green]PASS[/]" if c["passed"] else "[red]FAIL[/]"
@@ -218,13 +278,24 @@ def _plot(lab: dict[str, Any], out: Path) -> list[str]:
             bins = run["timeline"][:-1]  # the last bin is cut short by the end of the plan
             xs = [i * width for i in range(len(bins))]
             ys = [b["ok"] / width for b in bins]
-            ax.step(xs, ys, where="post", label=titles.get(run["configuration"]))
+            (line,) = ax.step(xs, ys, where="post", label=titles.get(run["configuration"]))
+            dep = run.get("dependency_timeline")
+            if dep:
+                ax.step(
+                    xs,
+                    dep[: len(xs)],
+                    where="post",
+                    linestyle=":",
+                    color=line.get_color(),
+                    label=f"{titles.get(run['configuration'])}: at dependency",
+                )
         ax.axhline(capacity, color="0.6", linestyle="--", label="capacity")
         if runs:
             for step in runs[0]["steps"]:
                 ax.axvline(step["start"], color="0.85", linewidth=0.8)
                 ax.text(step["start"], capacity * 1.22, step["label"], fontsize=7)
-        ax.set_ylim(0, capacity * 1.3)
+        top = max((v for r in runs for v in r.get("dependency_timeline", [])), default=0.0)
+        ax.set_ylim(0, max(capacity * 1.3, top * 1.05))
         ax.set_xlabel("seconds since the plan started")
         ax.set_ylabel("goodput (requests/s)")
         ax.set_title(f"{sc['title']}: goodput over time (by scheduled send time)")
@@ -300,6 +371,39 @@ growing; loads are multiples of it.
 deadline; at 0.8x, refusals <= 0.1% (no false positives, S8); in the priority mix,
 interactive goodput >= 99% of interactive demand (S3). `lab-report/` gets the plots, the raw
 JSON, an HTML page and this Markdown.
+
+**Outbound and degraded scenarios** (opt-in, about 12 s per configuration each, so the
+default run stays under five minutes):
+
+```console
+$ brownout lab --scenarios retry-storm,partial-errors,outage,degraded
+$ brownout lab --drill recommendations      # force the demo's degraded mode on for the run
+```
+
+They drive `/api/outbound`, which calls the dependency with retries: the unprotected front
+retries naively (3 attempts, no budget), the protected front through brownout's
+`BrownoutClientMiddleware` and one `Dependency` (3 attempts under a 20% `RetryBudget`, a
+`CircuitBreaker` with jittered opening and 3 half-open probes; giving up answers 503 with
+`brownout-retry: never`). The demo dependency counts every request that reaches it per
+100 ms, so each of these scenarios gets a second table: attempts at the dependency per
+second, amplification (attempts per original request), the busiest one-second window, client
+retries (sent by the generator as new scheduled sends, counted apart from the originals) and
+degraded goodput.
+
+- **retry storm**: 2x capacity; clients retry each failure 3 times (0.1/0.2/0.4 s), first
+  naively, then with a 10% retry budget, full jitter and the do-not-retry marker honoured;
+- **partial errors**: 0.5x; the dependency answers 30% of requests 503;
+- **outage and recovery**: 0.5x from naive retrying clients; the dependency answers
+  everything 503 for one step, then returns: the peak second after it returns vs steady;
+- **degraded**: like the slow dependency, on `/api/recommendations`; protected, the declared
+  mode `recommendations` (entered when the dependency's latency average passes 2.5x its
+  baseline, left below 1.5x, held at least 1 s) serves them from a `StaleCache`; responses
+  carrying `brownout-degraded` are counted and their goodput reported apart (G3). With
+  `--drill recommendations` the mode is forced on from the start (a drill).
+
+The three-layer chain (front -> mid -> backend) is not a lab scenario: it is measured by
+counts in `tests/integration/test_retry_chain.py` (20 originals: 23 attempts at the bottom
+with brownout, 540 with naive 3-attempt retries at every layer).
 """
 
 
@@ -337,6 +441,13 @@ def markdown(
         for row in scenario_rows(lab, sc["name"]):
             out.append("| " + " | ".join(cell.replace("|", "/") for cell in row) + " |")
         out.append("")
+        if sc.get("outbound"):
+            out += ["What reached the dependency:", ""]
+            out.append("| " + " | ".join(OUTBOUND_COLUMNS) + " |")
+            out.append("|" + "---|" * len(OUTBOUND_COLUMNS))
+            for row in outbound_rows(lab, sc["name"]):
+                out.append("| " + " | ".join(cell.replace("|", "/") for cell in row) + " |")
+            out.append("")
         for img in images:
             if (sc["name"] == "ramp" and not img.startswith("timeline-")) or img == (
                 f"timeline-{sc['name']}.png"
@@ -365,6 +476,13 @@ def _html(lab: dict[str, Any], images: list[str]) -> str:
         for row in scenario_rows(lab, sc["name"]):
             parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
         parts.append("</table>")
+        if sc.get("outbound"):
+            parts.append("<p>What reached the dependency:</p><table><tr>")
+            parts.append("".join(f"<th>{html.escape(c)}</th>" for c in OUTBOUND_COLUMNS))
+            for row in outbound_rows(lab, sc["name"]):
+                cells = "".join(f"<td>{html.escape(c)}</td>" for c in row)
+                parts.append(f"<tr>{cells}</tr>")
+            parts.append("</table>")
         for img in images:
             if (sc["name"] == "ramp" and not img.startswith("timeline-")) or img == (
                 f"timeline-{sc['name']}.png"

@@ -90,6 +90,8 @@ class LabSettings:
     backend_concurrency: int = 8
     backend_latency: float = 0.020
     seed: int = 1
+    drill: str | None = None
+    """A declared degraded mode of the demo front forced on for the whole run (``--drill``)."""
 
     @classmethod
     def quick(cls) -> LabSettings:
@@ -120,6 +122,8 @@ def classes_for(target: Target) -> tuple[TrafficClass, ...]:
             TrafficClass("interactive", "/api/interactive"),
             TrafficClass("batch", "/api/batch"),
             TrafficClass("health", "/healthz"),
+            TrafficClass("outbound", "/api/outbound"),
+            TrafficClass("recommendations", "/api/recommendations"),
         )
     classes = [TrafficClass("interactive", target.path)]
     if target.health_path:
@@ -149,6 +153,8 @@ def plan_for(
         if phase.dependency is not None and backend is not None:
             body = phase.dependency.body(settings.backend_latency, settings.backend_concurrency)
             actions = (AdminCall(backend[0], backend[1], "/admin", dict(body)),)
+        client = phase.client
+        budget = client.get("budget")
         return LoadStep(
             phase.label,
             phase.load * capacity,
@@ -157,6 +163,9 @@ def plan_for(
             settle=settings.settle_seconds,
             arrivals=settings.arrivals,
             actions=actions,
+            retries=int(client.get("retries", 0)),
+            retry_backoff=float(client.get("backoff", 0.1)),
+            retry_budget=float(budget) if budget is not None else None,
         )
 
     return LoadPlan(
@@ -190,6 +199,8 @@ def summarize_step(step: StepResult, load: float) -> dict[str, Any]:
         "steady": steady.summary(seconds),
         "classes": {name: t.summary(seconds) for name, t in sorted(step.steady.items())},
         "whole": whole.summary(step.duration),
+        "retries": step.retries_steady.summary(seconds),
+        "retries_withheld": step.retries_withheld,
     }
 
 
@@ -203,7 +214,54 @@ def summarize_plan(result: PlanResult, scenario: Scenario) -> dict[str, Any]:
         "bin_seconds": result.bin_seconds,
         "connections_opened": result.connections_opened,
         "unresolved": result.unresolved,
+        "origin": result.origin,
     }
+
+
+def add_dependency_figures(run: dict[str, Any], backend: dict[str, Any]) -> None:
+    """Attach what reached the dependency to ``run`` (from the backend's per-bin arrivals).
+
+    Per step: ``attempts_per_s`` in steady state, ``amplification`` (attempts per original
+    request offered), ``peak_1s`` (the busiest one-second window of the whole step, per
+    second), and for the run a ``dependency_timeline`` of attempts/s per timeline bin. The
+    backend's bins are slices of ``time.monotonic()``, the clock the generator's ``origin``
+    comes from (one clock per machine on Linux).
+    """
+    width = float(backend.get("arrival_bin", 0.0) or 0.0)
+    arrivals = {int(k): int(n) for k, n in backend.get("arrivals", [])}
+    if width <= 0 or "origin" not in run:
+        return
+    origin = float(run["origin"])
+
+    def count(start: float, end: float) -> int:
+        first = round((origin + start) / width)
+        last = round((origin + end) / width)
+        return sum(arrivals.get(k, 0) for k in range(first, last))
+
+    per_window = max(1, round(1.0 / width))
+    for step in run["steps"]:
+        start = float(step["start"])
+        duration = float(step["duration"])
+        settle = float(step["settle"])
+        steady_seconds = max(duration - settle, 1e-9)
+        attempts = count(start + settle, start + duration)
+        originals = float(step["steady"]["offered_per_s"])
+        per_s = attempts / steady_seconds
+        first = round((origin + start) / width)
+        last = round((origin + start + duration) / width)
+        bins = [arrivals.get(k, 0) for k in range(first, last)]
+        windows = [sum(bins[i : i + per_window]) for i in range(max(1, len(bins) - per_window + 1))]
+        step["dependency"] = {
+            "attempts": attempts,
+            "attempts_per_s": round(per_s, 1),
+            "amplification": round(per_s / originals, 2) if originals > 0 else None,
+            "peak_1s": round(max(windows) / (per_window * width), 1) if bins else 0.0,
+        }
+    bin_seconds = float(run["bin_seconds"])
+    run["dependency_timeline"] = [
+        round(count(i * bin_seconds, (i + 1) * bin_seconds) / bin_seconds, 1)
+        for i in range(len(run["timeline"]))
+    ]
 
 
 def _backend_stats(url: str) -> dict[str, Any]:
@@ -272,6 +330,7 @@ def _measure(bench: _Bench, config: Configuration, scenario: Scenario) -> dict[s
             latency=settings.backend_latency,
             backend_cpus=bench.backend_cpus,
             front_cpus=bench.front_cpus,
+            drill=settings.drill,
         ) as demo:
             front = Target("127.0.0.1", demo.front.port, "")
             backend = ("127.0.0.1", demo.backend.port)
@@ -280,6 +339,9 @@ def _measure(bench: _Bench, config: Configuration, scenario: Scenario) -> dict[s
             backend_stats = _backend_stats(demo.backend.url)
     run: dict[str, Any] = {"configuration": config.name, "scenario": scenario.name}
     run |= summarize_plan(result, scenario)
+    if scenario.outbound:
+        add_dependency_figures(run, backend_stats)
+    backend_stats.pop("arrivals", None)  # summarized above; raw bins would bloat the JSON
     run["backend"] = backend_stats
     return run
 
@@ -359,7 +421,13 @@ def run_lab(
         "calibration": _calibration_dict(calibration),
         "configurations": [asdict(c) for c in configurations],
         "scenarios": [
-            {"name": s.name, "title": s.title, "description": s.description} for s in scenarios
+            {
+                "name": s.name,
+                "title": s.title,
+                "description": s.description,
+                "outbound": s.outbound,
+            }
+            for s in scenarios
         ],
         "runs": runs,
     }

@@ -3,9 +3,13 @@
 A `Scenario` is a tuple of `Phase` objects; the runner turns each phase into a generator
 `LoadStep` once capacity is known (``load=4.0`` means four times the calibrated capacity),
 prepends a warm-up and resolves `DependencyChange` into calls to the demo backend's admin
-endpoint. New scenarios are new data: `register` adds one to `SCENARIOS` (the outbound issue
-adds retry storms, partial errors and outage-recovery this way; `Phase.client` is reserved for
-client behaviour such as retries, which the generator ignores until it supports them).
+endpoint. New scenarios are new data: `register` adds one to `SCENARIOS`. `Phase.client`
+describes client behaviour: ``{"retries": 3, "backoff": 0.1}`` naive clients retrying each
+failure 3 times; add ``"budget": 0.1`` for brownout-style clients (a `RetryBudget`, jitter,
+and the do-not-retry marker honoured).
+
+The outbound scenarios (retry storm, partial errors, outage and recovery) and the degraded
+scenario are opt-in (``--scenarios``), so the default run stays under five minutes.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_SCENARIOS",
+    "OPT_IN_SCENARIOS",
     "QUICK_SCENARIOS",
     "SCENARIOS",
     "DependencyChange",
@@ -34,12 +39,22 @@ class DependencyChange:
 
     latency_factor: float = 1.0
     concurrency_factor: float = 1.0
+    error_rate: float = 0.0
+    """Share of requests the dependency answers 503 at once."""
+    down: bool = False
+    """The dependency answers every request 503 (an outage)."""
 
     def body(self, base_latency: float, base_concurrency: int) -> dict[str, float | int]:
-        return {
+        # A change describes the whole state: failures not named are cleared by the backend.
+        body: dict[str, float | int] = {
             "latency": base_latency * self.latency_factor,
             "concurrency": max(1, round(base_concurrency * self.concurrency_factor)),
         }
+        if self.error_rate:
+            body["error_rate"] = self.error_rate
+        if self.down:
+            body["down"] = True
+        return body
 
 
 @dataclass(frozen=True)
@@ -56,7 +71,8 @@ class Phase:
     dependency: DependencyChange | None = None
     """Applied to the demo backend as the phase starts (demo only)."""
     client: Mapping[str, Any] = field(default_factory=dict)
-    """Reserved for client behaviour (retries, backoff) in later scenarios."""
+    """Client behaviour: ``retries`` (per failed request), ``backoff`` (seconds before the
+    first retry, doubling), ``budget`` (a retry-budget ratio: brownout-style clients)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +85,8 @@ class Scenario:
     phases: tuple[Phase, ...]
     needs_dependency: bool = False
     """True when a phase changes the demo's dependency (not possible against ``--target``)."""
+    outbound: bool = False
+    """Report what reached the dependency (attempts per second, amplification, peak)."""
 
 
 SCENARIOS: dict[str, Scenario] = {}
@@ -139,6 +157,94 @@ register(
         (Phase("10x + health", 10.0, (("interactive", 0.99), ("health", 0.01))),),
     )
 )
+
+NAIVE_CLIENTS: Mapping[str, Any] = {"retries": 3, "backoff": 0.1}
+"""Clients that retry every failure 3 times after 0.1, 0.2, 0.4 s: no budget, no jitter."""
+BUDGETED_CLIENTS: Mapping[str, Any] = {"retries": 3, "backoff": 0.1, "budget": 0.1}
+"""The same clients with brownout's habits: a 10% retry budget, full jitter, the marker."""
+OUTBOUND = (("outbound", 1.0),)
+RECOMMENDATIONS = (("recommendations", 1.0),)
+
+register(
+    Scenario(
+        "retry-storm",
+        "Retry storm",
+        "2x capacity on a route that calls the dependency; clients retry each failure 3 "
+        "times, first naively, then with a 10% retry budget. Unprotected, the front also "
+        "retries naively (3 attempts); protected, through brownout's Dependency (R1, R3, T3).",
+        (
+            Phase("naive clients", 2.0, OUTBOUND, client=NAIVE_CLIENTS),
+            Phase("budgeted clients", 2.0, OUTBOUND, client=BUDGETED_CLIENTS),
+        ),
+        needs_dependency=True,
+        outbound=True,
+    )
+)
+register(
+    Scenario(
+        "partial-errors",
+        "Partial errors",
+        "0.5x capacity; the dependency answers 30% of requests 503. The front retries: "
+        "naively (3 attempts) unprotected, under a 20% retry budget protected (R3, T3).",
+        (
+            Phase("healthy", 0.5, OUTBOUND),
+            Phase(
+                "30% errors",
+                0.5,
+                OUTBOUND,
+                steps=1.5,
+                dependency=DependencyChange(error_rate=0.3),
+            ),
+        ),
+        needs_dependency=True,
+        outbound=True,
+    )
+)
+register(
+    Scenario(
+        "outage",
+        "Outage and recovery",
+        "0.5x capacity from naive retrying clients; the dependency answers everything 503 "
+        "for one step, then returns. Compare the peak per-second load reaching it after it "
+        "returns with the steady state: no thundering herd (R5, T3).",
+        (
+            Phase("steady", 0.5, OUTBOUND, client=NAIVE_CLIENTS),
+            Phase(
+                "outage",
+                0.5,
+                OUTBOUND,
+                client=NAIVE_CLIENTS,
+                dependency=DependencyChange(down=True),
+            ),
+            Phase("returned", 0.5, OUTBOUND, client=NAIVE_CLIENTS, dependency=DependencyChange()),
+        ),
+        needs_dependency=True,
+        outbound=True,
+    )
+)
+register(
+    Scenario(
+        "degraded",
+        "Slow dependency served degraded",
+        "0.8x capacity on recommendations; the dependency's latency rises 4x, then recovers. "
+        "Protected, the declared mode 'recommendations' serves them from a stale cache while "
+        "the dependency is slow; degraded goodput is reported apart (G1-G3).",
+        (
+            Phase("before", 0.8, RECOMMENDATIONS),
+            Phase(
+                "4x latency",
+                0.8,
+                RECOMMENDATIONS,
+                dependency=DependencyChange(latency_factor=4.0),
+            ),
+            Phase("recovered", 0.8, RECOMMENDATIONS, dependency=DependencyChange()),
+        ),
+        needs_dependency=True,
+        outbound=True,
+    )
+)
+OPT_IN_SCENARIOS = ("retry-storm", "partial-errors", "outage", "degraded")
+"""Scenarios run only when named with ``--scenarios`` (about 40 s each on the demo)."""
 
 QUICK_RAMP_LOADS = (0.8, 2.0, 4.0, 10.0)
 

@@ -100,8 +100,12 @@ def start_demo(
     latency: float = 0.020,
     backend_cpus: list[int] | None = None,
     front_cpus: list[int] | None = None,
+    drill: str | None = None,
 ) -> Iterator[DemoSystem]:
-    """A fresh backend + front in ``mode``; both stopped on exit."""
+    """A fresh backend + front in ``mode``; both stopped on exit.
+
+    ``drill`` forces that declared degraded mode on in the front (protected modes only).
+    """
 
     def cpus(c: list[int] | None) -> list[str]:
         return ["--cpus", ",".join(map(str, c))] if c else []
@@ -119,6 +123,8 @@ def start_demo(
     front: ServerProcess | None = None
     try:
         extra = ["--limit-concurrency", str(limit_concurrency)] if limit_concurrency else []
+        if drill is not None and mode != "unprotected":
+            extra += ["--drill", drill]
         front = spawn_server(
             ["front", "--backend-url", backend.url, "--mode", mode, *extra, *cpus(front_cpus)]
         )

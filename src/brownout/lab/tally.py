@@ -64,6 +64,10 @@ class Tally:
     success_latency: list[float] = field(default_factory=list)
     refusal_latency: list[float] = field(default_factory=list)
     shed_reasons: dict[str, int] = field(default_factory=dict)
+    degraded: int = 0
+    """Responses marked ``brownout-degraded`` (whatever their status): a degraded mode was on."""
+    degraded_ok: int = 0
+    """Of ``ok``, those marked degraded: goodput served in a degraded mode (G3)."""
 
     @property
     def resolved(self) -> int:
@@ -81,7 +85,7 @@ class Tally:
 
     def add(self, other: Tally) -> None:
         """Fold ``other`` into this tally."""
-        for name in ("offered", "sent", *OUTCOMES):
+        for name in ("offered", "sent", "degraded", "degraded_ok", *OUTCOMES):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.success_latency.extend(other.success_latency)
         self.refusal_latency.extend(other.refusal_latency)
@@ -109,6 +113,9 @@ class Tally:
             **{name: getattr(self, name) for name in OUTCOMES},
             "offered_per_s": round(self.offered * per_s, 1),
             "goodput_per_s": round(self.ok * per_s, 1),
+            "degraded": self.degraded,
+            "degraded_ok": self.degraded_ok,
+            "degraded_goodput_per_s": round(self.degraded_ok * per_s, 1),
             "refused": self.refused,
             "expired": self.expired,
             "shed_reasons": dict(sorted(self.shed_reasons.items())),

@@ -9,7 +9,10 @@ Checked on every configuration protected by brownout (or on the user's ``--targe
 
 `targets` adds the demo's stricter goals (adaptive: >= 95% of capacity at 10x, success p50
 <= 1.5x and p99 <= 3x the dependency's service time; every health check answered within
-50 ms under the 10x flood, S7). They are reported, not enforced.
+50 ms under the 10x flood, S7) and the outbound goals on brownout configurations (outage:
+the busiest second at the dependency after it returns <= 1.5x its steady rate, R5; retry
+storm: the dependency never asked more than 1.25x capacity, R1/R3; degraded: goodput while
+the dependency is slow >= 90% of offered, G3). They are reported, not enforced.
 A check measured while the generator was late is flagged ``generator_late``.
 """
 
@@ -27,6 +30,9 @@ NO_FALSE_POSITIVE_LOAD = 0.8
 MAX_FALSE_POSITIVES = 0.001
 INTERACTIVE_FLOOR = 0.99
 HEALTH_P99_MS = 50.0
+HERD_PEAK_FACTOR = 1.5
+STORM_DEPENDENCY_FACTOR = 1.25
+DEGRADED_GOODPUT_SHARE = 0.90
 
 
 def _check(
@@ -136,6 +142,8 @@ def targets(lab: dict[str, Any]) -> list[Check]:
     service_ms = float(lab["calibration"]["service_time"]) * 1000
     out: list[Check] = []
     for run in lab["runs"]:
+        if run["configuration"] in _judged(lab):
+            out += _outbound_targets(run, capacity)
         if run["scenario"] == "health" and run["configuration"] in _judged(lab):
             for step in run["steps"]:
                 health = step["classes"].get("health")
@@ -205,6 +213,59 @@ def targets(lab: dict[str, Any]) -> list[Check]:
                     round(3 * service_ms, 2),
                     p99 is not None and p99 <= 3 * service_ms,
                     "ms",
+                )
+            )
+    return out
+
+
+def _outbound_targets(run: dict[str, Any], capacity: float) -> list[Check]:
+    """Goals of the outbound and degraded scenarios on one brownout run (reported only)."""
+    out: list[Check] = []
+    steps = run["steps"]
+    if run["scenario"] == "outage" and len(steps) >= 3:
+        steady, returned = steps[0].get("dependency"), steps[-1].get("dependency")
+        if steady and returned and steady["attempts_per_s"]:
+            limit = round(HERD_PEAK_FACTOR * steady["attempts_per_s"], 1)
+            out.append(
+                _check(
+                    run,
+                    steps[-1],
+                    f"dependency peak after it returns <= {HERD_PEAK_FACTOR:g}x steady",
+                    returned["peak_1s"],
+                    limit,
+                    returned["peak_1s"] <= limit,
+                    "req/s",
+                )
+            )
+    elif run["scenario"] == "retry-storm":
+        limit = round(STORM_DEPENDENCY_FACTOR * capacity, 1)
+        for step in steps:
+            dep = step.get("dependency")
+            if dep:
+                out.append(
+                    _check(
+                        run,
+                        step,
+                        f"at the dependency <= {STORM_DEPENDENCY_FACTOR:g}x capacity",
+                        dep["attempts_per_s"],
+                        limit,
+                        dep["attempts_per_s"] <= limit,
+                        "req/s",
+                    )
+                )
+    elif run["scenario"] == "degraded" and len(steps) >= 2:
+        slow = steps[1]["steady"]
+        if slow["offered"]:
+            share = slow["ok"] / slow["offered"]
+            out.append(
+                _check(
+                    run,
+                    steps[1],
+                    f"goodput while the dependency is slow >= {DEGRADED_GOODPUT_SHARE:.0%}",
+                    round(share * 100, 1),
+                    DEGRADED_GOODPUT_SHARE * 100,
+                    share >= DEGRADED_GOODPUT_SHARE,
+                    "%",
                 )
             )
     return out

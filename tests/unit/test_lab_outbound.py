@@ -1,0 +1,241 @@
+"""The lab's outbound and degraded scenarios as data and accounting (T3, R1, R5, G3).
+
+Scenario data becomes generator plans with client retries; the backend's per-bin arrival
+counts become per-step attempts at the dependency, amplification and the one-second peak;
+the report gets a table of them; the demo backend's failure knobs answer as scripted.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import MutableMapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from brownout.cli import main
+from brownout.lab.demo import ARRIVAL_BIN, Backend, LatencySignal
+from brownout.lab.generator import PlanResult, StepResult
+from brownout.lab.report import OUTBOUND_COLUMNS, markdown, outbound_rows, write_report
+from brownout.lab.runner import (
+    CONFIGURATIONS,
+    LabSettings,
+    Target,
+    add_dependency_figures,
+    plan_for,
+    summarize_plan,
+)
+from brownout.lab.scenarios import (
+    DEFAULT_SCENARIOS,
+    OPT_IN_SCENARIOS,
+    SCENARIOS,
+    DependencyChange,
+)
+from brownout.lab.tally import Tally
+from brownout.lab.verdict import evaluate, targets
+
+DEMO = Target("127.0.0.1", 1, "")
+BACKEND = ("127.0.0.1", 2)
+
+
+def test_outbound_scenarios_are_opt_in_and_need_the_demo() -> None:
+    assert not set(OPT_IN_SCENARIOS) & set(DEFAULT_SCENARIOS)
+    for name in OPT_IN_SCENARIOS:
+        assert SCENARIOS[name].needs_dependency
+        assert SCENARIOS[name].outbound
+
+
+def test_client_behaviour_becomes_generator_retries() -> None:
+    plan = plan_for(SCENARIOS["retry-storm"], LabSettings(), 400.0, DEMO, BACKEND)
+    warm, naive, budgeted = plan.steps
+    assert warm.retries == 0
+    assert (naive.retries, naive.retry_backoff, naive.retry_budget) == (3, 0.1, None)
+    assert (budgeted.retries, budgeted.retry_budget) == (3, 0.1)
+    assert naive.rate == budgeted.rate == 800.0
+    assert {c.name: c.path for c in plan.classes}["outbound"] == "/api/outbound"
+    assert {c.name: c.path for c in plan.classes}["recommendations"] == "/api/recommendations"
+
+
+def test_failures_are_part_of_every_dependency_change() -> None:
+    plan = plan_for(SCENARIOS["outage"], LabSettings(), 400.0, DEMO, BACKEND)
+    bodies = [s.actions[0].body if s.actions else None for s in plan.steps]
+    assert bodies == [
+        None,
+        None,
+        {"latency": 0.02, "concurrency": 8, "down": True},
+        {"latency": 0.02, "concurrency": 8},  # the backend clears what a change omits
+    ]
+    assert DependencyChange(error_rate=0.3).body(0.02, 8)["error_rate"] == 0.3
+
+
+# -- the demo backend's knobs -------------------------------------------------------------------
+
+
+async def _get(app: Backend, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
+    sent: list[dict[str, Any]] = []
+    payload = json.dumps(body or {}).encode()
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": payload, "more_body": False}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(dict(message))
+
+    scope: dict[str, Any] = {
+        "type": "http",
+        "path": path,
+        "method": "POST" if body is not None else "GET",
+        "headers": [],
+    }
+    await app(scope, receive, send)
+    return sent[0]["status"], sent[1]["body"]
+
+
+async def test_backend_errors_outage_and_arrival_counts() -> None:
+    backend = Backend(concurrency=2, latency=0.0, seed=7)
+    assert (await _get(backend, "/work"))[0] == 200
+    await _get(backend, "/admin", {"latency": 0.0, "concurrency": 2, "error_rate": 0.3})
+    statuses = [(await _get(backend, "/work"))[0] for _ in range(400)]
+    failed = statuses.count(503)
+    assert 80 <= failed <= 160  # 30% of 400, seeded
+    await _get(backend, "/admin", {"latency": 0.0, "concurrency": 2, "down": True})
+    assert {(await _get(backend, "/work"))[0] for _ in range(20)} == {503}
+    await _get(backend, "/admin", {"latency": 0.0, "concurrency": 2})
+    assert {(await _get(backend, "/work"))[0] for _ in range(20)} == {200}
+    stats = json.loads((await _get(backend, "/admin/stats"))[1])
+    assert stats["failed"] == failed + 20
+    assert stats["served"] == 1 + 400 - failed + 20
+    assert stats["error_rate"] == 0.0 and stats["down"] is False
+    # every request that reached /work is in the per-bin arrivals, failures included
+    assert sum(n for _, n in stats["arrivals"]) == 441
+    now_bin = int(time.monotonic() / ARRIVAL_BIN)
+    assert all(now_bin - 50 <= k <= now_bin for k, _ in stats["arrivals"])
+
+
+def test_latency_signal_has_hysteresis() -> None:
+    signal = LatencySignal(alpha=0.5, enter=2.5, leave=1.5)
+    for _ in range(30):
+        signal.observe(0.02)
+    assert not signal()
+    for _ in range(5):
+        signal.observe(0.08)
+    assert signal()
+    signal.observe(0.04)  # between leave (0.03) and enter (0.05): stays slow
+    assert signal()
+    for _ in range(5):
+        signal.observe(0.02)
+    assert not signal()
+
+
+# -- dependency figures and the report ---------------------------------------------------------
+
+
+def _outbound_step(label: str, start: float, offered: int, ok: int, **kw: Any) -> StepResult:
+    t = Tally(offered=offered, sent=offered, ok=ok, r503=offered - ok)
+    t.success_latency += [0.02] * ok
+    step = StepResult(label, offered / 2.0, 3.0, 1.0, True, start, {"outbound": t}, {"outbound": t})
+    for name, value in kw.items():
+        setattr(step, name, value)
+    return step
+
+
+def _outage_run(
+    origin: float, per_bin: list[int], config: str = "brownout-adaptive"
+) -> dict[str, Any]:
+    """Three 3 s steps of 200 originals/s; ``per_bin`` arrivals per 100 ms from the origin."""
+    retries = Tally(offered=60, sent=60, ok=40, r503=20)
+    steps = [
+        _outbound_step("steady", 0.0, 400, 400),
+        _outbound_step("outage", 3.0, 400, 0, retries_steady=retries, retries_withheld=7),
+        _outbound_step("returned", 6.0, 400, 400),
+    ]
+    result = PlanResult(steps, 0.5, [{"ok": 1, "refused": 0, "expired": 0, "failed": 0}] * 18, 3)
+    result.origin = origin
+    run: dict[str, Any] = {"configuration": config, "scenario": "outage"}
+    run |= summarize_plan(result, SCENARIOS["outage"])
+    first = round(origin / ARRIVAL_BIN)
+    backend = {
+        "arrival_bin": ARRIVAL_BIN,
+        "arrivals": [[first + i, n] for i, n in enumerate(per_bin) if n],
+    }
+    add_dependency_figures(run, backend)
+    return run
+
+
+def test_dependency_figures_from_backend_bins() -> None:
+    # 20 per 100 ms (200/s) steady; 0 during the outage; back with a 2-bin burst of 60.
+    bins = [20] * 30 + [0] * 30 + [60, 60] + [20] * 28
+    run = _outage_run(1000.0, bins)
+    steady, outage, returned = (s["dependency"] for s in run["steps"])
+    assert steady == {
+        "attempts": 400,
+        "attempts_per_s": 200.0,
+        "amplification": 1.0,
+        "peak_1s": 200.0,
+    }
+    assert outage["attempts"] == 0 and outage["peak_1s"] == 0.0
+    # the burst is in the settle second: out of the steady rate, in the peak
+    assert returned["attempts_per_s"] == 200.0
+    assert returned["peak_1s"] == 280.0
+    assert run["dependency_timeline"][:2] == [200.0, 200.0]
+    assert run["dependency_timeline"][12] == 360.0  # 60 + 60 + 3 x 20 in 0.5 s
+    assert run["steps"][1]["retries"]["offered"] == 60
+    assert run["steps"][1]["retries_withheld"] == 7
+
+
+def _lab(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    configs = [CONFIGURATIONS["unprotected"], CONFIGURATIONS["brownout-adaptive"]]
+    sc = SCENARIOS["outage"]
+    return {
+        "settings": asdict(LabSettings()),
+        "target": None,
+        "calibration": {"capacity": 400.0, "service_time": 0.021, "levels": []},
+        "configurations": [asdict(c) for c in configs],
+        "scenarios": [
+            {"name": sc.name, "title": sc.title, "description": sc.description, "outbound": True}
+        ],
+        "runs": runs,
+    }
+
+
+def test_outbound_table_and_the_herd_target(tmp_path: Path) -> None:
+    herd = [20] * 30 + [240] * 30 + [60] * 10 + [20] * 20
+    calm = [20] * 30 + [0] * 30 + [25] * 10 + [20] * 20
+    lab = _lab([_outage_run(50.0, herd, "unprotected"), _outage_run(50.0, calm)])
+    rows = outbound_rows(lab, "outage")
+    assert len(rows) == 6 and all(len(r) == len(OUTBOUND_COLUMNS) for r in rows)
+    col = OUTBOUND_COLUMNS.index
+    assert rows[1][col("amplification")] == "12.00x"
+    assert rows[1][col("client retries/s (ok/s, withheld)")] == "30 (20, 7)"
+    assert rows[2][col("dependency peak 1 s")] == "600"
+    assert rows[5][col("dependency peak 1 s")] == "250"
+    # the herd target is judged on brownout configurations only, and reported, not enforced
+    [check] = [c for c in targets(lab) if c["scenario"] == "outage"]
+    assert check["configuration"] == "brownout-adaptive"
+    assert check["passed"] and check["value"] == 250.0 and check["limit"] == 300.0
+    assert all(c["passed"] for c in evaluate(lab))
+    text = markdown(lab, [])
+    assert "What reached the dependency:" in text and "| 12.00x |" in text
+    assert "dependency peak 1 s" in text
+    written = write_report(lab, tmp_path)
+    assert (tmp_path / "timeline-outage.png") in written
+    assert "What reached the dependency" in (tmp_path / "index.html").read_text()
+
+
+def test_drill_names_a_declared_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["lab", "--drill", "nonsense"]) == 2
+    assert "recommendations" in capsys.readouterr().out
+    assert main(["lab", "--drill", "recommendations", "--target", "http://127.0.0.1:1/x"]) == 2
+
+
+def test_the_protected_fronts_retries_are_bounded_and_its_recovery_jittered() -> None:
+    from brownout.lab.protect import OUTBOUND_ATTEMPTS, RETRY_RATIO, outbound_dependency
+
+    dep = outbound_dependency()
+    assert dep.retry.attempts == OUTBOUND_ATTEMPTS == 3
+    assert getattr(dep.retry.budget, "ratio", None) == RETRY_RATIO
+    assert dep.breaker is not None and dep.breaker.half_open_probes == 3
+    assert dep.breaker.open_jitter > 0  # recovery is not a synchronized wave (R5)

@@ -93,3 +93,58 @@ def test_quick_lab_produces_a_consistent_report(tmp_path: Path) -> None:
     kept = ramp_step("brownout-adaptive", 10.0)["connections_opened"]
     assert churn > 2 * kept, (churn, kept)  # type: ignore[operator]
     assert ("all invariants held" in proc.stdout) == (proc.returncode == 0)
+
+
+@pytest.mark.timeout(300)
+def test_quick_outbound_and_degraded_scenarios_account_for_every_attempt(tmp_path: Path) -> None:
+    """The opt-in scenarios, short: an outage and a slow dependency served degraded.
+
+    Asserted: accounting (originals and client retries each end in one outcome), figures at
+    the dependency for every step, and differences too large for noise to hide: during the
+    outage the unprotected front's naive retries (3 per layer) reach the dependency many
+    times more often than brownout's breaker lets through (measured ~12x vs ~0.02x per
+    original); while the dependency is slow, the protected front serves degraded responses.
+    """
+    out = tmp_path / "lab-report"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "brownout.cli",
+            "lab",
+            "--quick",
+            "--configs",
+            "unprotected,brownout-adaptive",
+            "--scenarios",
+            "outage,degraded",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
+    )
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    lab = json.loads((out / "report.json").read_text())
+    assert "What reached the dependency" in (out / "report.md").read_text()
+    runs = {(r["configuration"], r["scenario"]): r for r in lab["runs"]}
+    assert set(runs) == {
+        (c, s) for c in ("unprotected", "brownout-adaptive") for s in ("outage", "degraded")
+    }
+    for run in runs.values():
+        assert run["unresolved"] == 0, run["configuration"]
+        assert len(run["dependency_timeline"]) == len(run["timeline"])
+        for step in run["steps"]:
+            for figures in (step["steady"], step["retries"]):
+                assert figures["offered"] == sum(figures[o] for o in OUTCOMES), step["label"]
+            assert step["steady"]["degraded_ok"] <= step["steady"]["ok"]
+            assert step["dependency"]["attempts"] >= 0
+    outage = {
+        c: runs[(c, "outage")]["steps"][1]["dependency"]["attempts_per_s"]
+        for c in ("unprotected", "brownout-adaptive")
+    }
+    assert outage["unprotected"] > 3 * outage["brownout-adaptive"] + 10, outage
+    slow = runs[("brownout-adaptive", "degraded")]["steps"][1]["steady"]
+    assert slow["degraded"] > 0, slow
+    assert runs[("unprotected", "degraded")]["steps"][1]["steady"]["degraded"] == 0

@@ -235,7 +235,7 @@ def create_front(backend_url: str, mode: str = "unprotected", drill: str | None 
     from brownout.degrade import drill as start_drill
     from brownout.propagation import outbound_headers
 
-    from .protect import DEMO_MODES, OUTBOUND_ATTEMPTS, degraded_modes, outbound_dependency
+    from .protect import DEMO_MODES, OUTBOUND_ATTEMPTS, degraded_modes, outbound_session
 
     if mode not in FRONT_MODES:
         raise ValueError(f"mode must be one of {FRONT_MODES}")
@@ -256,12 +256,7 @@ def create_front(backend_url: str, mode: str = "unprotected", drill: str | None 
         connector = aiohttp.TCPConnector(limit=100, force_close=False)
         holder["session"] = aiohttp.ClientSession(connector=connector)
         if protected:
-            from brownout.integrations.aiohttp_client import BrownoutClientMiddleware
-
-            holder["outbound"] = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=100, force_close=False),
-                middlewares=(BrownoutClientMiddleware(outbound_dependency()),),
-            )
+            holder["outbound"] = outbound_session()
         if drill is not None and modes is not None:
             with start_drill(modes, drill):
                 yield

@@ -55,6 +55,7 @@ __all__ = [
     "RETRY_RATIO",
     "degraded_modes",
     "outbound_dependency",
+    "outbound_session",
     "protect",
 ]
 
@@ -95,6 +96,19 @@ def outbound_dependency() -> Dependency:
             half_open_probes=3,
             name="backend",
         ),
+    )
+
+
+def outbound_session() -> Any:
+    """An aiohttp session whose every request goes through `outbound_dependency` (public API:
+    `BrownoutClientMiddleware`). Create it inside the running event loop."""
+    import aiohttp
+
+    from brownout.integrations.aiohttp_client import BrownoutClientMiddleware
+
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=100, force_close=False),
+        middlewares=(BrownoutClientMiddleware(outbound_dependency()),),
     )
 
 

@@ -399,7 +399,10 @@ degraded goodput.
   mode `recommendations` (entered when the dependency's latency average passes 2.5x its
   baseline, left below 1.5x, held at least 1 s) serves them from a `StaleCache`; responses
   carrying `brownout-degraded` are counted and their goodput reported apart (G3). With
-  `--drill recommendations` the mode is forced on from the start (a drill).
+  `--drill recommendations` the mode is forced on from the start (a drill). Watch the step
+  after recovery with `Gradient2Limit()`: the adaptive limit takes the fast degraded
+  responses as its no-load latency, so once the mode leaves it reads the normal 20 ms as
+  queueing and shrinks until its next probe (a known interaction, being fixed).
 
 The three-layer chain (front -> mid -> backend) is not a lab scenario: it is measured by
 counts in `tests/integration/test_retry_chain.py` (20 originals: 23 attempts at the bottom

@@ -171,7 +171,10 @@ register(
         "Retry storm",
         "2x capacity on a route that calls the dependency; clients retry each failure 3 "
         "times, first naively, then with a 10% retry budget. Unprotected, the front also "
-        "retries naively (3 attempts); protected, through brownout's Dependency (R1, R3, T3).",
+        "retries naively (3 attempts); protected, through brownout's Dependency (R1, R3, T3). "
+        "The dependency is saturated in every configuration (the front's connection pool "
+        "caps what reaches it): the storm shows in the client retries the front must absorb "
+        "and in the goodput left.",
         (
             Phase("naive clients", 2.0, OUTBOUND, client=NAIVE_CLIENTS),
             Phase("budgeted clients", 2.0, OUTBOUND, client=BUDGETED_CLIENTS),

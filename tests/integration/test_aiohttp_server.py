@@ -142,8 +142,8 @@ async def test_refusals_are_problem_json_on_a_kept_connection(service: Service) 
     async with aiohttp.ClientSession(service.base) as s:
         async with s.get("/work/0?hold=0.05") as r:  # a success: now there is an estimate
             assert r.status == 200
-        holders = [asyncio.create_task(s.get("/work/1?hold=0.6")) for _ in range(2)]
-        await asyncio.sleep(0.15)
+        holders = [asyncio.create_task(s.get("/work/1?hold=1.0")) for _ in range(2)]
+        await asyncio.sleep(0.3)
         connector = aiohttp.TCPConnector(limit=1)
         async with aiohttp.ClientSession(service.base, connector=connector) as one:
             refused = []

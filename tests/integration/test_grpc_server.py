@@ -170,8 +170,8 @@ async def test_priority_metadata_is_honoured_only_when_trusted(service: Service)
 
 async def test_refusal_is_unavailable_with_pushback(service: Service) -> None:
     await _echo(service, 0.05)  # one success: the bulkhead has an estimate for Retry-After
-    holders = [asyncio.create_task(_echo(service, 0.6)) for _ in range(2)]
-    await asyncio.sleep(0.15)
+    holders = [asyncio.create_task(_echo(service, 1.0)) for _ in range(2)]
+    await asyncio.sleep(0.3)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await _echo(service)
     await asyncio.gather(*holders)

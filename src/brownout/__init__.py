@@ -17,6 +17,7 @@ from .admission import (
     LatencyEstimator,
     LifoQueue,
     Permit,
+    PriorityCoDelQueue,
     VegasLimit,
 )
 from .clock import Clock, LoopClock, ManualClock, MonotonicClock
@@ -111,6 +112,7 @@ __all__ = [
     "OverloadManager",
     "Permit",
     "Priority",
+    "PriorityCoDelQueue",
     "QueueAge",
     "Quota",
     "QuotaDecision",

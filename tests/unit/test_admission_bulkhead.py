@@ -653,3 +653,107 @@ async def test_aged_out_at_dequeue_is_not_a_false_positive() -> None:
     assert info.value.reason is Reason.QUEUE_TIMEOUT
     shed = rec.of(RequestShed)
     assert len(shed) == 1 and not shed[0].false_positive
+
+
+# -- the default queue: follows the limit, CoDel + adaptive LIFO per class (A3, A4, A5, S3) --
+
+
+class SteppingLimit(RecordingLimit):
+    """An adaptive limit that moves to the next scripted value on every sample; ``estimate``
+    (as the probing limits have) is the value it returns to after a probe."""
+
+    def __init__(self, values: list[int], estimate: int | None = None) -> None:
+        super().__init__(values[0])
+        self.values = values[1:]
+        self._estimate = estimate
+
+    @property
+    def estimate(self) -> int:
+        return self._estimate if self._estimate is not None else self._limit
+
+    def on_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
+        if self.values:
+            self._limit = self.values.pop(0)
+        return self._limit
+
+
+async def test_default_queue_follows_the_current_limit() -> None:
+    b = Bulkhead("b", limit=SteppingLimit([20, 10, 4, 30]))
+    assert isinstance(b.queue, brownout.PriorityCoDelQueue)
+    assert b.queue.max_size == 20  # one round trip of work at the limit
+    sizes = []
+    for _ in range(3):
+        async with b.admit():
+            await asyncio.sleep(0.01)
+        sizes.append((b.limit, b.queue.max_size))
+    assert sizes == [(10, 10), (4, 4), (30, 30)]
+    # a queue passed in is used as given
+    fixed = FifoQueue(8, 1.0)
+    c = Bulkhead("c", limit=SteppingLimit([20, 5]), queue=fixed)
+    async with c.admit():
+        pass
+    assert c.limit == 5 and fixed.max_size == 8
+
+
+async def test_default_queue_keeps_its_size_through_a_probe() -> None:
+    # a probe pins the limit low to re-measure the no-load rtt: a measurement, not less
+    # capacity, so the queue keeps the size of the limit it returns to
+    b = Bulkhead("b", limit=SteppingLimit([10, 5], estimate=10))
+    async with b.admit():
+        pass
+    assert b.limit == 5 and b.queue.max_size == 10
+
+
+async def test_sustained_overload_keeps_queueing_delay_near_the_target() -> None:
+    # 4 slots x 20 ms = 200/s; 1,000/s offered for 2 s, all CRITICAL: the class stands, so
+    # waits drop to the 5 ms target and the newest are served; the slots never idle.
+    b = Bulkhead("b", FixedLimit(4))
+    waits: list[float] = []
+    outcomes: dict[str, int] = {}
+
+    async def request() -> None:
+        try:
+            async with b.admit(priority=Priority.CRITICAL) as permit:
+                waits.append(permit.queue_wait)
+                await asyncio.sleep(0.02)
+            outcomes["ok"] = outcomes.get("ok", 0) + 1
+        except Rejected as e:
+            outcomes[e.reason.value] = outcomes.get(e.reason.value, 0) + 1
+
+    tasks = []
+    for _ in range(2000):
+        tasks.append(asyncio.create_task(request()))
+        await asyncio.sleep(0.001)
+    await asyncio.gather(*tasks)
+    steady = sorted(waits[100:])  # after the first interval
+    assert outcomes["ok"] >= 0.97 * 200 * 2.0  # goodput at capacity
+    assert steady[len(steady) // 2] <= 0.002  # LIFO: the newest waiter runs
+    assert steady[-1] <= 0.005 + 1e-9  # nothing served after waiting past the target
+    assert b.queue.max_size == 4 and outcomes.get("queue_timeout", 0) > 0
+
+
+async def test_priority_mix_sheds_batch_never_interactive() -> None:
+    # interactive (CRITICAL) at half the capacity next to a 3.5x batch (SHEDDABLE) flood:
+    # the batch class stands and is cut to the 5 ms target; interactive keeps emptying its
+    # class, keeps the 100 ms bound, and none of it is refused (S3)
+    b = Bulkhead("b", FixedLimit(4))
+    refused: dict[Priority, int] = {Priority.CRITICAL: 0, Priority.SHEDDABLE: 0}
+    served: dict[Priority, int] = {Priority.CRITICAL: 0, Priority.SHEDDABLE: 0}
+
+    async def request(priority: Priority, jitter: float) -> None:
+        try:
+            async with b.admit(priority=priority):
+                await asyncio.sleep(0.02 + jitter)
+            served[priority] += 1
+        except Rejected:
+            refused[priority] += 1
+
+    tasks = []
+    for i in range(1600):  # 2 s: 800/s, one in eight interactive (100/s)
+        priority = Priority.CRITICAL if i % 8 == 0 else Priority.SHEDDABLE
+        tasks.append(asyncio.create_task(request(priority, 0.004 * (i % 3))))
+        await asyncio.sleep(0.00125)
+    await asyncio.gather(*tasks)
+    assert refused[Priority.CRITICAL] == 0 and served[Priority.CRITICAL] == 200
+    assert served[Priority.SHEDDABLE] > 0.9 * (2.0 * 4 / 0.024 - 200)  # the rest of capacity
+    assert refused[Priority.SHEDDABLE] > 0

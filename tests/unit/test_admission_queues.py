@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brownout import AdaptiveLifoQueue, CoDelQueue, FifoQueue, LifoQueue, Priority, Reason
+from brownout import (
+    AdaptiveLifoQueue,
+    CoDelQueue,
+    FifoQueue,
+    LifoQueue,
+    Priority,
+    PriorityCoDelQueue,
+    Reason,
+)
 from brownout.admission.queues import QueueItem, WaitQueue, rank_of
 
 
@@ -151,7 +159,7 @@ def test_bad_arguments() -> None:
         CoDelQueue(1, target=0.2, interval=0.1)
 
 
-QUEUES = st.sampled_from([FifoQueue, LifoQueue, CoDelQueue, AdaptiveLifoQueue])
+QUEUES = st.sampled_from([FifoQueue, LifoQueue, CoDelQueue, AdaptiveLifoQueue, PriorityCoDelQueue])
 OPS = st.lists(
     st.one_of(
         st.tuples(
@@ -207,6 +215,7 @@ def test_queue_invariants(
                 live.remove(victim)
         elif op[0] == "pop":
             best = max((rank_of(x.priority, x.in_progress) for x in live), default=-1)
+            bounds = [q.wait_bound(now, r) for r in range(8)]  # in force before it leaves
             got, reason = q.pop(now)
             if got is None:
                 assert not live
@@ -215,11 +224,18 @@ def test_queue_invariants(
             assert rank_of(got.priority, got.in_progress) == best
             if reason is None:
                 assert got.deadline_at > now  # nothing expired is served
-                assert now - got.enqueued_at <= q.wait_bound(now) + 1e-12
+                assert now - got.enqueued_at <= bounds[best] + 1e-12
+                assert bounds[best] <= q.wait_bound(now) + 1e-12  # None: the loosest
         elif op[0] == "expire":
+            bounds = [q.wait_bound(now, r) for r in range(8)]
             for x in q.expire_old(now):
                 live.remove(x)
-                assert now - x.enqueued_at >= q.wait_bound(now) - 1e-12
+                assert now - x.enqueued_at >= bounds[rank_of(x.priority, x.in_progress)] - 1e-12
+            # nothing left is over its bound
+            assert all(
+                now - x.enqueued_at < q.wait_bound(now, rank_of(x.priority, x.in_progress))
+                for x in live
+            )
         elif op[0] == "remove":
             if live:
                 victim = live[op[1] % len(live)]
@@ -236,3 +252,140 @@ def test_queue_invariants(
         q.served + q.expired + q.timed_out + q.evicted + q.removed
     )  # every item that left was counted once
     assert left + q.size == pushed
+
+
+# -- PriorityCoDelQueue: CoDel and adaptive LIFO per priority class (A3, A4, S3) -----------
+
+
+def test_priority_codel_sheds_the_standing_class_only() -> None:
+    q = PriorityCoDelQueue(16, max_wait=1.0)  # target 5 ms, interval 100 ms, LIFO when standing
+    batch = [item(Priority.SHEDDABLE) for _ in range(3)]
+    q.push(batch[0], 0.0)
+    q.push(batch[1], 0.06)
+    # interactive work keeps emptying its own class next to the batch backlog
+    for t in (0.02, 0.05, 0.08):
+        user = item(Priority.CRITICAL)
+        q.push(user, t)
+        assert q.pop(t + 0.002) == (user, None)
+    q.push(batch[2], 0.099)
+    late_user = item(Priority.CRITICAL)
+    q.push(late_user, 0.1)
+    low, crit = rank_of(Priority.SHEDDABLE, False), rank_of(Priority.CRITICAL, False)
+    assert q.standing(0.1, low) and not q.standing(0.1, crit)
+    assert q.wait_bound(0.1, low) == pytest.approx(0.005)  # the batch backlog stood 100 ms
+    assert q.wait_bound(0.1, crit) == pytest.approx(0.1)  # interactive did not
+    assert q.overloaded(0.1)
+    # 20 ms later: batch older than 5 ms goes; the interactive request waiting 20 ms stays
+    assert q.expire_old(0.12) == batch
+    assert late_user.queued and q.size == 1
+    assert q.pop(0.12) == (late_user, None)
+
+
+def test_priority_codel_serves_a_standing_class_newest_first() -> None:
+    q = PriorityCoDelQueue(16, max_wait=1.0)
+    first, second = item(Priority.SHEDDABLE), item(Priority.SHEDDABLE)
+    q.push(first, 0.0)
+    q.push(second, 0.001)
+    assert q.pop(0.002)[0] is first  # FIFO while the class keeps emptying
+    q.push(item(Priority.SHEDDABLE), 0.05)
+    newest = item(Priority.SHEDDABLE)
+    q.push(newest, 0.1015)
+    # the class has not emptied since 0.0: LIFO, and the 5 ms target
+    assert q.pop(0.102) == (newest, None)
+    assert len(q.expire_old(0.102)) == 2
+    # no LIFO when asked not to
+    fifo = PriorityCoDelQueue(16, lifo=False)
+    a, b = item(), item()
+    fifo.push(a, 0.0)
+    fifo.push(b, 0.101)
+    assert fifo.pop(0.102) == (a, Reason.QUEUE_TIMEOUT)  # stood: a waited past the target
+    assert fifo.pop(0.102) == (b, None)
+
+
+def test_priority_codel_continuations_are_their_own_class() -> None:
+    # work in progress (S3) is not cut to the target because new work of its priority stands
+    q = PriorityCoDelQueue(16)
+    q.push(item(Priority.CRITICAL), 0.0)
+    cont = item(Priority.CRITICAL, in_progress=True)
+    q.push(cont, 0.095)
+    assert q.wait_bound(0.12, rank_of(Priority.CRITICAL, True)) == pytest.approx(0.1)
+    assert q.wait_bound(0.12, rank_of(Priority.CRITICAL, False)) == pytest.approx(0.005)
+    assert len(q.expire_old(0.12)) == 1 and cont.queued
+
+
+def test_priority_codel_next_expiry_foresees_the_target() -> None:
+    q = PriorityCoDelQueue(16)
+    q.push(item(), 0.0)
+    assert q.next_expiry(0.0) == pytest.approx(0.1)  # the class stands at 0.1: 5 ms by then
+    q.push(item(Priority.SHEDDABLE), 0.098)
+    assert q.next_expiry(0.0) == pytest.approx(0.1)
+    q.pop(0.099)  # the CRITICAL item leaves
+    # the batch class became busy at 0.098: it stands at 0.198
+    assert q.next_expiry(0.099) == pytest.approx(0.198)
+    assert q.wait_bound(0.2) == pytest.approx(0.1)  # the loosest bound of any class
+    capped = PriorityCoDelQueue(4, max_wait=0.05)
+    capped.push(item(), 0.0)
+    assert capped.next_expiry(0.0) == pytest.approx(0.05)  # max_wait caps the interval
+    assert capped.expire_old(0.05)
+
+
+def test_resize_applies_to_arrivals_and_evicts_nobody() -> None:
+    q = PriorityCoDelQueue(4, caller_share=0.5)
+    items = [item(caller=f"c{i}") for i in range(4)]
+    for it in items:
+        assert q.push(it, 0.0) == (None, None)
+    q.resize(2)
+    assert q.size == 4 and all(it.queued for it in items)
+    assert q.max_size == 2 and q.max_per_caller == 1
+    assert q.push(item(caller="x"), 0.0) == (Reason.QUEUE_FULL, None)
+    q.pop(0.0)
+    q.pop(0.0)
+    q.pop(0.0)
+    assert q.push(item(caller="x"), 0.0) == (None, None)
+    q.resize(8)
+    assert q.max_size == 8 and q.max_per_caller == 4
+    with pytest.raises(ValueError):
+        q.resize(0)
+    with pytest.raises(ValueError):
+        PriorityCoDelQueue(1, target=0.2, interval=0.1)
+    assert "PriorityCoDelQueue" in repr(q)
+    assert q.class_depth(rank_of(Priority.CRITICAL, False)) == 2
+    assert q.class_busy_since(0) is None and q.class_busy_since(4) == 0.0
+
+
+def test_priority_codel_a_momentary_gap_does_not_end_a_standing_period() -> None:
+    crit = rank_of(Priority.CRITICAL, False)
+    q = PriorityCoDelQueue(16)  # target 5 ms
+    # sustained overload: the class empties for a moment (slots took every waiter at once)
+    # and refills 1 ms later while the slots are still busy: the same busy period
+    t = 0.0
+    while t < 0.15:
+        q.push(item(), t)
+        q.pop(t + 0.0005)
+        t += 0.0015
+    q.push(item(), t)
+    assert q.class_busy_since(crit) == 0.0 and q.standing(t, crit)
+    # a gap of at least the target starts a new period
+    q.pop(t)
+    q.push(item(), t + 0.005)
+    assert q.class_busy_since(crit) == pytest.approx(t + 0.005)
+
+
+def test_priority_codel_service_below_a_class_ends_its_busy_period() -> None:
+    # interactive at half the capacity next to a batch backlog: arrivals less than the target
+    # apart, but each time batch work was served in between, so the interactive class was
+    # caught up with and never stands (S3)
+    crit = rank_of(Priority.CRITICAL, False)
+    q = PriorityCoDelQueue(64)
+    for _ in range(20):
+        q.push(item(Priority.SHEDDABLE), 0.0)
+    t = 0.0
+    while t < 0.3:
+        q.push(item(), t)
+        assert q.pop(t + 0.001)[0].priority is Priority.CRITICAL  # type: ignore[union-attr]
+        q.pop(t + 0.003)  # the next slot goes to batch work
+        q.push(item(Priority.SHEDDABLE), t + 0.003)
+        t += 0.004
+    q.push(item(), t)
+    assert not q.standing(t + 0.001, crit)
+    assert q.wait_bound(t + 0.001, crit) == pytest.approx(0.1)

@@ -3,7 +3,15 @@
 from .bulkhead import Bulkhead, Permit
 from .estimator import LatencyEstimator
 from .limits import AIMDLimit, FixedLimit, Gradient2Limit, Limit, VegasLimit
-from .queues import AdaptiveLifoQueue, CoDelQueue, FifoQueue, LifoQueue, QueueItem, WaitQueue
+from .queues import (
+    AdaptiveLifoQueue,
+    CoDelQueue,
+    FifoQueue,
+    LifoQueue,
+    PriorityCoDelQueue,
+    QueueItem,
+    WaitQueue,
+)
 
 __all__ = [
     "AIMDLimit",
@@ -17,6 +25,7 @@ __all__ = [
     "LifoQueue",
     "Limit",
     "Permit",
+    "PriorityCoDelQueue",
     "QueueItem",
     "VegasLimit",
     "WaitQueue",

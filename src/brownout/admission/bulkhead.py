@@ -50,7 +50,7 @@ from ..events import hub as default_hub
 from ..priority import Priority
 from .estimator import LatencyEstimator
 from .limits import Limit
-from .queues import CRITICAL_PLUS_RANK, FifoQueue, QueueItem, WaitQueue, rank_of
+from .queues import CRITICAL_PLUS_RANK, PriorityCoDelQueue, QueueItem, WaitQueue, rank_of
 
 __all__ = ["Bulkhead", "OverloadState", "Permit"]
 
@@ -204,7 +204,12 @@ class Bulkhead:
     """A concurrency budget for one dependency or class of work (A1).
 
     - ``limit``: a `Limit` (``FixedLimit(8)``, or an adaptive one that learns from outcomes).
-    - ``queue``: a `WaitQueue` (default ``FifoQueue(max_size=limit, max_wait=1.0)``).
+    - ``queue``: a `WaitQueue`. Default: a `PriorityCoDelQueue` (CoDel and adaptive LIFO per
+      priority class: 5 ms target, 100 ms interval, 1 s ``max_wait``) as long as the limit,
+      that *follows* the limit: when an adaptive limit moves, the queue's ``max_size`` moves
+      with it (one round trip of waiting by depth; CoDel bounds it by age). A probe that pins
+      the limit low to re-measure the no-load rtt does not shrink it (the limit's ``estimate``).
+      A queue you pass is used as given.
     - ``reserve``: slots above the limit that only CRITICAL_PLUS work (health checks, control
       traffic) may use, so it is admitted while lower work saturates the bulkhead (default 1).
     - ``shares``: optional per-priority fractions of the limit, e.g.
@@ -245,8 +250,11 @@ class Bulkhead:
         self._limit = limit
         self._limit_value = max(1, int(limit.limit))
         self._adaptive = bool(limit.adaptive)
+        self._queue_follows_limit = queue is None
         self._queue = (
-            queue if queue is not None else FifoQueue(max_size=self._limit_value, max_wait=1.0)
+            queue
+            if queue is not None
+            else PriorityCoDelQueue(max_size=self._queue_size_for(self._limit_value))
         )
         self._reserve = reserve
         self._clock = clock if clock is not None else default_clock()
@@ -538,7 +546,7 @@ class Bulkhead:
         p._future = fut
         # Age bounds are enforced by one sweep timer for the whole queue; only a deadline
         # that comes first needs a timer of its own.
-        if d_at < now + q.wait_bound(now):
+        if d_at < now + q.wait_bound(now, rank_of(p.priority, p.in_progress)):
             p._timer = loop.call_later(max(0.0, d_at - now), self._expire, p)
         else:
             p._timer = None
@@ -575,7 +583,9 @@ class Bulkhead:
         if at is None:
             self._sweep = None
             return
-        self._sweep = loop.call_later(max(0.0, at - now), self._run_sweep, loop)
+        # at least a microsecond: a bound that changes at ``at`` (CoDel's interval ending)
+        # may compare a rounding error short when the timer fires exactly then
+        self._sweep = loop.call_later(max(1e-6, at - now), self._run_sweep, loop)
 
     def _run_sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         """Timer: refuse every waiter older than the queue's age bound (QUEUE_TIMEOUT)."""
@@ -726,8 +736,23 @@ class Bulkhead:
         if new == old:
             return
         self._limit_value = new
+        if self._queue_follows_limit:
+            self._queue.resize(self._queue_size_for(new))
         if self._events.enabled:
             self._events.emit(LimitChanged(now, self.name, old, new))
+
+    def _queue_size_for(self, limit: int) -> int:
+        """The default queue's depth bound: one round trip of work at the limit in force.
+
+        Deeper, a FIFO phase (before CoDel sees a standing queue) adds more than one service
+        time of waiting; shallower, a burst shorter than a round trip is refused although
+        the slots it needs free within that round trip. While a probing limit pins itself
+        low to re-measure the no-load rtt (`Gradient2Limit`, `VegasLimit`: ``estimate``
+        stays the limit it will return to) the queue keeps that size: the probe is a
+        measurement, not less capacity, and work arriving during it still fits.
+        """
+        estimate = getattr(self._limit, "estimate", None)
+        return max(1, limit, estimate if isinstance(estimate, int) else 0)
 
     def _refuse(
         self, p: Permit, reason: Reason, detail: str, waited: float, *, justified: bool = False

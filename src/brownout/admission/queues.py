@@ -16,6 +16,11 @@ the same priority (S3), then by the queue's policy inside that class:
   emptied for a whole interval (a standing queue), the allowed wait drops to ``target`` (5 ms).
 - `AdaptiveLifoQueue`: FIFO normally, LIFO while overloaded (the queue has not emptied for an
   ``interval``); optionally with CoDel's allowed wait too.
+- `PriorityCoDelQueue` (the `Bulkhead`'s default): CoDel and adaptive LIFO *per priority
+  class*: a class's allowed wait drops to ``target`` and its order turns LIFO only once that
+  class itself has not emptied for an ``interval``. Lower classes are served last, so they
+  stand first and absorb the shedding; a class whose own demand fits (interactive work next to
+  a batch flood) keeps the long bound and is never dropped by the short target.
 
 Fairness (S5): ``caller_share`` caps the part of the queue one caller may hold.
 
@@ -37,12 +42,14 @@ __all__ = [
     "CoDelQueue",
     "FifoQueue",
     "LifoQueue",
+    "PriorityCoDelQueue",
     "QueueItem",
     "WaitQueue",
     "rank_of",
 ]
 
 _RANKS = 8
+_IDLE = math.inf  # busy-since of an empty class: ``now - _IDLE`` is never >= an interval
 CRITICAL_PLUS_RANK = int(Priority.CRITICAL_PLUS) * 2
 """The lowest rank of CRITICAL_PLUS work (new CRITICAL_PLUS)."""
 
@@ -114,6 +121,14 @@ class WaitQueue:
         """Items waiting now."""
         self.busy_since: float | None = None
         """When the queue last became non-empty (``None`` while empty)."""
+        self._counts = [0] * _RANKS  # live items per class
+        self._class_busy = [_IDLE] * _RANKS  # when each class last became non-empty
+        # A class that empties and gets a new item within ``_memory`` seconds, while no
+        # service reached a lower class, continues its busy period (see PriorityCoDelQueue).
+        self._memory = 0.0
+        self._emptied_at = [-math.inf] * _RANKS
+        self._served_at = [-math.inf] * _RANKS  # when each class last had an item served
+        self._stood_since = [_IDLE] * _RANKS
         self.wait_times = LatencyHistogram()
         """Time in queue of every item that left the queue, however it left (A4)."""
         self.served = 0
@@ -129,12 +144,37 @@ class WaitQueue:
         """Whether the queue counts as overloaded (used by adaptive policies)."""
         return False
 
-    def wait_bound(self, now: float) -> float:
-        """How long an item may wait, decided now (the age bound in force)."""
+    def wait_bound(self, now: float, rank: int | None = None) -> float:
+        """How long an item (of class ``rank``) may wait, decided now (the age bound in force).
+
+        With ``rank=None``: the loosest bound any waiting item has now. An item's bound never
+        loosens while it waits (its class cannot empty while it is in it), so this is also
+        the longest a waiter pushed now can stay.
+        """
         return self.max_wait
 
-    def _lifo(self, now: float) -> bool:
+    def _lifo(self, now: float, rank: int) -> bool:
         return self.lifo_policy
+
+    def class_depth(self, rank: int) -> int:
+        """Items of service class ``rank`` (see `rank_of`) waiting now."""
+        return self._counts[rank]
+
+    def class_busy_since(self, rank: int) -> float | None:
+        """When class ``rank`` last became non-empty (``None`` while it is empty)."""
+        busy = self._class_busy[rank]
+        return None if busy == _IDLE else busy
+
+    def resize(self, max_size: int) -> None:
+        """Change the size bound (a `Bulkhead` whose limit moves resizes its default queue).
+
+        Shrinking evicts nobody: the new bound applies to arrivals, so nothing joins while the
+        queue is at or above it, and the waiters already in drain or age out.
+        """
+        if max_size < 1:
+            raise ValueError("max_size must be at least 1")
+        self.max_size = int(max_size)
+        self.max_per_caller = max(1, math.floor(self.caller_share * max_size))
 
     # -- operations ------------------------------------------------------------------------
     def push(self, item: QueueItem, now: float) -> tuple[Reason | None, QueueItem | None]:
@@ -159,6 +199,11 @@ class WaitQueue:
         item.enqueued_at = now
         item.queued = True
         self._classes[rank].append(item)
+        counts = self._counts
+        n = counts[rank]
+        if not n:
+            self._class_busy[rank] = self._stood_since[rank] if self._continues(rank, now) else now
+        counts[rank] = n + 1
         if rank > self._top:
             self._top = rank
         self._stored += 1
@@ -168,6 +213,16 @@ class WaitQueue:
         if fair:
             self._per_caller[item.caller] = self._per_caller.get(item.caller, 0) + 1
         return None, victim
+
+    def _continues(self, rank: int, now: float) -> bool:
+        """Whether class ``rank``, empty now, resumes its last busy period on a new item: it
+        emptied less than ``_memory`` ago and no service went to a lower class since (which
+        would show the class was caught up with)."""
+        emptied = self._emptied_at[rank]
+        if now - emptied >= self._memory:
+            return False
+        served = self._served_at
+        return all(served[r] <= emptied for r in range(rank))
 
     def _evict_below(self, rank: int, now: float) -> QueueItem | None:
         for r in range(rank):
@@ -186,6 +241,13 @@ class WaitQueue:
         self.size -= 1
         if self.size == 0:
             self.busy_since = None
+        rank = item.priority * 2 + (1 if item.in_progress else 0)
+        n = self._counts[rank] - 1
+        self._counts[rank] = n
+        if not n:
+            self._emptied_at[rank] = now
+            self._stood_since[rank] = self._class_busy[rank]
+            self._class_busy[rank] = _IDLE
         self.wait_times.observe(now - item.enqueued_at)
         if self._fair:
             n = self._per_caller[item.caller] - 1
@@ -215,35 +277,49 @@ class WaitQueue:
         ``(None, None)``: empty."""
         if self.size == 0:
             return None, None
-        lifo = self.lifo_policy if type(self)._lifo is WaitQueue._lifo else self._lifo(now)
+        dynamic = type(self)._lifo is not WaitQueue._lifo
         classes = self._classes
+        counts = self._counts
         for r in range(self._top, -1, -1):
             d = classes[r]
+            if d:
+                lifo = self._lifo(now, r) if dynamic else self.lifo_policy
             while d:
                 item = d.pop() if lifo else d.popleft()
                 self._stored -= 1
                 if not item.queued:
                     continue
+                waited = now - item.enqueued_at
+                # the bound in force while it waited (decided before it leaves its class)
+                too_old = waited > self.wait_bound(now, r)
+                dead = item.deadline_at <= now
                 # leave the queue (inlined _leave: this is the hand-off path)
                 item.queued = False
                 size = self.size - 1
                 self.size = size
                 if size == 0:
                     self.busy_since = None
-                self.wait_times.observe(now - item.enqueued_at)
+                n = counts[r] - 1
+                counts[r] = n
+                if not n:
+                    self._emptied_at[r] = now
+                    self._stood_since[r] = self._class_busy[r]
+                    self._class_busy[r] = _IDLE
+                self.wait_times.observe(waited)
                 if self._fair:
                     n = self._per_caller[item.caller] - 1
                     if n:
                         self._per_caller[item.caller] = n
                     else:
                         del self._per_caller[item.caller]
-                if item.deadline_at <= now:
+                if dead:
                     self.expired += 1
                     return item, Reason.DEADLINE_EXPIRED
-                if now - item.enqueued_at > self.wait_bound(now):
+                if too_old:
                     self.timed_out += 1
                     return item, Reason.QUEUE_TIMEOUT
                 self.served += 1
+                self._served_at[r] = now
                 return item, None
             if r == self._top:
                 self._top = r - 1
@@ -301,22 +377,34 @@ class WaitQueue:
 
         A sweeper checks `expire_old` then, instead of one timer per item.
         """
-        oldest = self.oldest_enqueued()
-        if oldest is None:
+        if self.size == 0:
             return None
-        return oldest + self.wait_bound(now)
+        at = math.inf
+        for r in range(_RANKS):
+            d = self._classes[r]
+            while d and not d[0].queued:
+                d.popleft()
+                self._stored -= 1
+            if d:
+                due = d[0].enqueued_at + self.wait_bound(now, r)
+                if due < at:
+                    at = due
+        return None if at == math.inf else at
 
     def expire_old(self, now: float) -> list[QueueItem]:
         """Remove and return every item older than the age bound in force now (A3).
 
-        The bound is the same for all items at a given moment and items enter each class in
-        age order, so only the oldest end of each class needs looking at.
+        The bound is the same for all items of a class at a given moment and items enter each
+        class in age order, so only the oldest end of each class needs looking at.
         """
         out: list[QueueItem] = []
         if self.size == 0:
             return out
-        limit = now - self.wait_bound(now)
-        for d in self._classes:
+        for r in range(_RANKS):
+            d = self._classes[r]
+            if not d:
+                continue
+            limit = now - self.wait_bound(now, r)
             while d and (not d[0].queued or d[0].enqueued_at <= limit):
                 item = d.popleft()
                 self._stored -= 1
@@ -374,7 +462,7 @@ class CoDelQueue(WaitQueue):
         busy = self.busy_since
         return busy is not None and now - busy >= self.interval
 
-    def wait_bound(self, now: float) -> float:
+    def wait_bound(self, now: float, rank: int | None = None) -> float:
         bound = self.target if self.overloaded(now) else self.interval
         return bound if bound < self.max_wait else self.max_wait
 
@@ -416,10 +504,10 @@ class AdaptiveLifoQueue(WaitQueue):
         busy = self.busy_since
         return busy is not None and now - busy >= self.interval
 
-    def _lifo(self, now: float) -> bool:
+    def _lifo(self, now: float, rank: int) -> bool:
         return self.overloaded(now)
 
-    def wait_bound(self, now: float) -> float:
+    def wait_bound(self, now: float, rank: int | None = None) -> float:
         if self.codel and self.overloaded(now) and self.target < self.max_wait:
             return self.target
         return self.max_wait
@@ -433,3 +521,101 @@ class AdaptiveLifoQueue(WaitQueue):
         if self.codel and busy is not None and not self.overloaded(now):
             at = min(at, max(busy + self.interval, oldest + min(self.target, self.max_wait)))
         return at
+
+
+class PriorityCoDelQueue(WaitQueue):
+    """Controlled delay and adaptive LIFO *per priority class* (the `Bulkhead` default).
+
+    Each service class (priority, then work in progress; see `rank_of`) runs its own CoDel:
+    while the class has emptied within the last ``interval`` its items may wait up to
+    ``interval`` and are served oldest first; once the class has *not* emptied for a whole
+    interval (its own standing queue: its demand exceeds what it gets), its allowed wait drops
+    to ``target`` and, with ``lifo=True``, its newest items are served first (Facebook's
+    adaptive LIFO + CoDel), so the requests whose callers are still waiting run and the stale
+    ones are refused quickly instead of run late.
+
+    Why per class (S3): classes are served strictly by rank, so lower priorities stand first
+    and absorb the shedding. CRITICAL work next to a SHEDDABLE flood keeps emptying its own
+    class, keeps the ``interval`` bound and is never dropped by the short target because
+    batch work waits; the target reaches a class only when that class *alone* overloads the
+    bulkhead. A whole-queue CoDel (`CoDelQueue`) instead cuts everyone to 5 ms as soon as the
+    batch backlog stands, and drops interactive requests that met a few ms of jitter.
+
+    Defaults: ``target`` 5 ms, ``interval`` 100 ms (CoDel's), ``lifo`` on; ``max_wait`` (1 s)
+    still caps both bounds, ``max_size`` the depth (a `Bulkhead` keeps its default queue as
+    long as its current limit).
+    """
+
+    def __init__(
+        self,
+        max_size: int = 64,
+        max_wait: float = 1.0,
+        *,
+        target: float = 0.005,
+        interval: float = 0.1,
+        lifo: bool = True,
+        caller_share: float = 1.0,
+    ) -> None:
+        super().__init__(max_size, max_wait, caller_share=caller_share)
+        if not 0 < target <= interval:
+            raise ValueError("need 0 < target <= interval")
+        self.target = target
+        self.interval = interval
+        self.lifo = lifo
+        # A class empty for a moment has not necessarily drained: under sustained overload
+        # a standing class empties whenever its stale items age out together, or slots
+        # freeing at once take every waiter, and refills at the next arrival while every
+        # slot is still busy. Such a gap continues the busy period (as CoDel stays in its
+        # dropping state). A gap of at least the target, or service going to a lower class
+        # meanwhile (capacity to spare for this class), starts a new one.
+        self._memory = target
+        # the bounds in force: ``max_wait`` caps both
+        self._short = min(target, self.max_wait)
+        self._long = min(interval, self.max_wait)
+
+    def standing(self, now: float, rank: int) -> bool:
+        """Whether class ``rank`` has not emptied for a full interval (its own overload)."""
+        return now - self._class_busy[rank] >= self.interval
+
+    def overloaded(self, now: float) -> bool:
+        """Some class has a standing queue."""
+        interval = self.interval
+        return any(now - busy >= interval for busy in self._class_busy)
+
+    def _lifo(self, now: float, rank: int) -> bool:
+        return self.lifo and now - self._class_busy[rank] >= self.interval
+
+    def wait_bound(self, now: float, rank: int | None = None) -> float:
+        if rank is None:
+            return self._long  # the loosest bound any class can have
+        return self._short if now - self._class_busy[rank] >= self.interval else self._long
+
+    def next_expiry(self, now: float) -> float | None:
+        if self.size == 0:
+            return None
+        at = math.inf
+        interval = self.interval
+        short = self._short
+        for r in range(_RANKS):
+            d = self._classes[r]
+            while d and not d[0].queued:
+                d.popleft()
+                self._stored -= 1
+            if not d:
+                continue
+            oldest = d[0].enqueued_at
+            busy = self._class_busy[r]
+            if now - busy >= interval:
+                due = oldest + short
+            else:
+                # the bound drops to the target when the class has stood a full interval
+                due = min(oldest + self._long, max(busy + interval, oldest + short))
+            if due < at:
+                at = due
+        return None if at == math.inf else at
+
+    def __repr__(self) -> str:
+        return (
+            f"PriorityCoDelQueue(max_size={self.max_size}, max_wait={self.max_wait}, "
+            f"target={self.target}, interval={self.interval}, lifo={self.lifo})"
+        )

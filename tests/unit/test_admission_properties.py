@@ -27,10 +27,11 @@ from brownout import (
     LifoQueue,
     ManualClock,
     Priority,
+    PriorityCoDelQueue,
     Reason,
     Rejected,
 )
-from brownout.admission.queues import rank_of
+from brownout.admission.queues import QueueItem, rank_of
 from brownout.events import Event, RequestAdmitted, RequestShed
 
 ARRIVE = st.tuples(
@@ -81,7 +82,7 @@ class Watcher:
     limit=st.integers(1, 4),
     reserve=st.integers(0, 2),
     max_size=st.integers(1, 5),
-    kind=st.sampled_from([FifoQueue, LifoQueue, CoDelQueue, AdaptiveLifoQueue]),
+    kind=st.sampled_from([FifoQueue, LifoQueue, CoDelQueue, AdaptiveLifoQueue, PriorityCoDelQueue]),
     shares=st.sampled_from([None, {Priority.SHEDDABLE: 0.5, Priority.SHEDDABLE_PLUS: 0.75}]),
     ops=OPS,
 )
@@ -181,3 +182,115 @@ async def _run(
     assert len(outcomes) == len(tasks)
     assert b.in_flight == 0 and b.queue_depth == 0
     assert math.isfinite(b.oldest_queue_age())
+
+
+class ScriptedLimit:
+    """An adaptive limit that walks through scripted values, one per finished request."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = list(values)
+        self._limit = self.values.pop(0)
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @property
+    def adaptive(self) -> bool:
+        return True
+
+    def on_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
+        if self.values:
+            self._limit = self.values.pop(0)
+        return self._limit
+
+
+@settings(max_examples=100, deadline=None)
+@given(limits=st.lists(st.integers(1, 6), min_size=1, max_size=30), ops=OPS)
+def test_default_queue_follows_a_moving_limit(limits: list[int], ops: list[tuple]) -> None:
+    """The default queue (PriorityCoDelQueue) tracks the limit; nothing joins it at or over
+    its bound; grants respect the limit in force; ordering and S8 invariants hold."""
+    asyncio.run(_run_moving(limits, ops))
+
+
+async def _run_moving(limits: list[int], ops: list[tuple]) -> None:
+    clock = ManualClock(100.0)
+    events = EventHub()
+    ref: list[Bulkhead] = []
+    watcher = Watcher(ref)
+    events.subscribe(watcher)
+    b = Bulkhead("moving", ScriptedLimit(limits), clock=clock, events=events, reserve=1)
+    ref.append(b)
+    joined_over: list[str] = []
+
+    class Grants:
+        def emit(self, event: Event) -> None:
+            if (
+                isinstance(event, RequestAdmitted)
+                and event.priority is not Priority.CRITICAL_PLUS
+                and b.in_flight > b.limit
+            ):
+                joined_over.append(f"in flight {b.in_flight} > limit {b.limit}")
+
+    events.subscribe(Grants())
+    q = b.queue
+    push = q.push
+
+    def checked_push(item: QueueItem, now: float) -> tuple[Reason | None, QueueItem | None]:
+        # a shrunk bound evicts nobody, but the queue never grows while at or over it
+        before = q.size
+        out = push(item, now)
+        if q.size > before and q.size > q.max_size:
+            joined_over.append(f"grew to {q.size} over bound {q.max_size}")
+        return out
+
+    q.push = checked_push  # type: ignore[method-assign]
+    running: list[asyncio.Event] = []
+    tasks: list[asyncio.Task[None]] = []
+
+    async def work(priority: Priority, cont: bool, caller: str, deadline: Deadline | None) -> None:
+        release = asyncio.Event()
+        try:
+            async with b.admit(
+                priority=priority, in_progress=cont, caller=caller, deadline=deadline
+            ):
+                assert deadline is None or clock.now() < deadline.at, "expired work admitted"
+                running.append(release)
+                await release.wait()
+        except Rejected:
+            pass
+
+    async def settle() -> None:
+        for _ in range(4):
+            await asyncio.sleep(0)
+
+    for op in ops:
+        if op[0] == "arrive":
+            _, priority, cont, caller, ttl = op
+            deadline = None if ttl is None else Deadline.after(ttl, clock=clock)
+            tasks.append(asyncio.create_task(work(priority, cont, caller, deadline)))
+            await settle()
+        elif op[0] == "finish":
+            if running:
+                running.pop(op[1] % len(running)).set()
+                await settle()
+        else:
+            clock.advance(op[1])
+            if b.queue_depth:
+                b._run_sweep(asyncio.get_running_loop())
+                await settle()
+        assert b.queue.max_size == max(1, b.limit)
+        assert not joined_over, joined_over
+        assert not watcher.violations, watcher.violations
+    while running:
+        running.pop().set()
+        await settle()
+    clock.advance(10.0)
+    if b.queue_depth:
+        b._run_sweep(asyncio.get_running_loop())
+        await settle()
+    while running:
+        running.pop().set()
+        await settle()
+    await asyncio.gather(*tasks)
+    assert b.in_flight == 0 and b.queue_depth == 0

@@ -46,7 +46,7 @@ from typing import Any, Literal, NamedTuple, Protocol, TypeVar, cast, runtime_ch
 from .clock import now as _now
 from .context import RequestContext, _current
 from .deadline import Deadline
-from .errors import DeadlineExceeded, Reason, Rejected
+from .errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
 from .events import (
     DeadlineHeaderIgnored,
     EventHub,
@@ -82,12 +82,43 @@ __all__ = [
     "compile_template",
     "header_getter",
     "problem_body",
+    "ratelimit_headers",
 ]
 
 T = TypeVar("T")
 
 UNMATCHED = "unmatched"
 """The operation label of every request that matches no known route (bounded label sets)."""
+
+
+def ratelimit_headers(decision: Any) -> dict[str, str]:
+    """RateLimit headers for a quota decision, without Retry-After (the edge jitters its own).
+
+    A decision that renders its own headers (``headers()``, e.g. `brownout.QuotaDecision`: the
+    IETF draft's ``RateLimit`` / ``RateLimit-Policy``) is used as is; otherwise the protocol's
+    ``limit`` / ``remaining`` / ``reset`` fields become ``RateLimit-Limit/Remaining/Reset``.
+    """
+    render = getattr(decision, "headers", None)
+    if callable(render):
+        return {k: v for k, v in render().items() if k.lower() != "retry-after"}
+    out: dict[str, str] = {}
+    limit = getattr(decision, "limit", None)
+    remaining = getattr(decision, "remaining", None)
+    reset = getattr(decision, "reset", None)
+    if limit is not None:
+        out["RateLimit-Limit"] = str(int(limit))
+    if remaining is not None:
+        out["RateLimit-Remaining"] = str(max(0, int(remaining)))
+    if reset is not None:
+        out["RateLimit-Reset"] = str(max(0, math.ceil(reset)))
+    return out
+
+
+def _quota_reason(decision: Any) -> Reason:
+    # A quota store that is down and fails closed is the service's problem (503), not the
+    # caller's (429): the decision says so with its own reason.
+    reason = getattr(decision, "reason", None)
+    return reason if isinstance(reason, Reason) else Reason.QUOTA
 
 
 # -- the protocols the edge depends on -------------------------------------------------------
@@ -221,9 +252,15 @@ _DETAILS: dict[Reason, str] = {
     Reason.THROTTLED: "Calls to a dependency are being throttled.",
     Reason.DEPENDENCY_UNAVAILABLE: "An authoritative dependency is unavailable.",
     Reason.DO_NOT_RETRY: "A dependency refused and asked callers not to retry.",
+    Reason.OUTCOME_UNKNOWN: (
+        "A change was sent to a dependency that never answered; its outcome is unknown. "
+        "Reconcile by idempotency key rather than resending."
+    ),
 }
 
-_DEFAULT_DO_NOT_RETRY = frozenset({Reason.BUDGET_EXHAUSTED, Reason.DO_NOT_RETRY})
+_DEFAULT_DO_NOT_RETRY = frozenset(
+    {Reason.BUDGET_EXHAUSTED, Reason.DO_NOT_RETRY, Reason.OUTCOME_UNKNOWN}
+)
 
 
 class Refusal(NamedTuple):
@@ -592,8 +629,8 @@ class EdgePolicy:
             return s
         if reason is Reason.QUOTA:
             return 429
-        if reason is Reason.DEADLINE_EXPIRED:
-            return self.expired_status
+        if reason is Reason.DEADLINE_EXPIRED or reason is Reason.OUTCOME_UNKNOWN:
+            return self.expired_status  # a gateway timeout: downstream never answered in time
         return 503
 
     def _build_refusal(self, reason: Reason) -> Refusal:
@@ -734,7 +771,11 @@ class EdgePolicy:
             decision = await self.quota(cls)
             flight.quota = decision
             if not decision.allowed:
-                if self.on_quota_exceeded == "demote" and bulkhead is not None:
+                if (
+                    self.on_quota_exceeded == "demote"
+                    and bulkhead is not None
+                    and _quota_reason(decision) is Reason.QUOTA
+                ):
                     demote = True
                     cls = cls._replace(priority=Priority.SHEDDABLE)
                     flight.classification = cls
@@ -847,6 +888,16 @@ class EdgePolicy:
                 task.uncancel()
                 return self.record_abandoned(flight)
             raise
+        except UnknownOutcome:
+            # D6: the retry layer below already gave up on this mutation; the caller must
+            # reconcile by key, so the answer says "do not retry" instead of a bare 500.
+            if flight.abandoned:
+                return self.record_abandoned(flight)
+            if flight.reports:
+                self._failed(flight, "UnknownOutcome")
+            if flight.response_started:
+                raise
+            return self.refusal(Reason.OUTCOME_UNKNOWN)
         except Exception as e:
             if flight.abandoned:
                 return self.record_abandoned(flight)
@@ -895,16 +946,17 @@ class EdgePolicy:
     async def _refuse_quota(
         self, cls: Classification, decision: QuotaDecision, *, counted: bool = False
     ) -> Refusal:
+        reason = _quota_reason(decision)
         events = self.events
         if events.enabled and not counted:
             t = _now()
             events.emit(RequestOffered(t, self.name, cls.operation, cls.priority, cls.caller, None))
             events.emit(
                 RequestShed(
-                    t, self.name, cls.operation, cls.priority, cls.caller, Reason.QUOTA, None, 0.0
+                    t, self.name, cls.operation, cls.priority, cls.caller, reason, None, 0.0
                 )
             )
-        return await self._held(self.refusal(Reason.QUOTA, decision.retry_after, quota=decision))
+        return await self._held(self.refusal(reason, decision.retry_after, quota=decision))
 
     def _emit_unguarded_admission(self, cls: Classification, deadline: Deadline) -> None:
         t = _now()

@@ -48,6 +48,8 @@ class Reason(StrEnum):
     """An authoritative dependency failed and the guard fails closed (G4)."""
     DO_NOT_RETRY = "do_not_retry"
     """A downstream service already retried or refused and asked callers not to retry."""
+    OUTCOME_UNKNOWN = "outcome_unknown"
+    """A mutation was sent downstream and never answered: reconcile by idempotency key (D6)."""
 
     @property
     def is_quota(self) -> bool:

@@ -99,11 +99,6 @@ class DeadStore:
         raise QuotaStoreUnavailable("connection refused")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the edge maps every refused quota decision to Reason.QUOTA; a fail-closed quota "
-    "(decision.reason = DEPENDENCY_UNAVAILABLE) should end the call with UNAVAILABLE",
-)
 async def test_fail_closed_quota_is_unavailable_not_resource_exhausted() -> None:
     quota = Quota(1.0, 2, store=DeadStore(), on_store_failure="closed", events=EventHub())
     server, port = await start_server(quota)

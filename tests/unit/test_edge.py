@@ -108,7 +108,7 @@ def test_status_mapping_defaults_and_overrides() -> None:
     assert policy.status_for(Reason.QUOTA) == 429
     assert policy.status_for(Reason.DEADLINE_EXPIRED) == 504
     for reason in Reason:
-        if reason not in (Reason.QUOTA, Reason.DEADLINE_EXPIRED):
+        if reason not in (Reason.QUOTA, Reason.DEADLINE_EXPIRED, Reason.OUTCOME_UNKNOWN):
             assert policy.status_for(reason) == 503
     custom = EdgePolicy(expired_status=503, statuses={Reason.FAIR_SHARE: 429})
     assert custom.status_for(Reason.DEADLINE_EXPIRED) == 503
@@ -508,3 +508,37 @@ async def test_short_and_long_deadlines_are_enforced_exactly() -> None:
         assert isinstance(out, Refusal) and out.reason is Reason.DEADLINE_EXPIRED
         assert loop.time() - t0 == pytest.approx(budget)
         assert not policy._sweeper.pending  # nothing left behind
+
+
+async def test_ratelimit_headers_come_from_the_quota_decision() -> None:
+    """S2: a real Quota's refusal carries the IETF RateLimit / RateLimit-Policy headers; the
+    edge leaves Retry-After to its own jittered value."""
+    from brownout import InMemoryQuotaStore, Quota
+    from brownout.edge import ratelimit_headers
+
+    quota = Quota(rate=1.0, burst=1, store=InMemoryQuotaStore(clock=brownout.ManualClock()))
+    assert (await quota.check("alice")).allowed
+    refused = await quota.check("alice")
+    assert not refused.allowed
+    headers = ratelimit_headers(refused)
+    assert set(headers) == {"RateLimit-Policy", "RateLimit"}
+    assert ";r=0;" in headers["RateLimit"]
+
+
+@pytest.mark.looptime
+async def test_unknown_outcome_from_a_handler_is_a_504_that_says_do_not_retry() -> None:
+    """D6 + R1: the retry layer below gave up on a mutation; callers reconcile, never resend."""
+    from brownout import UnknownOutcome
+
+    hub, stats, _ = observed()
+    policy = EdgePolicy(events=hub)
+
+    async def handler() -> str:
+        raise UnknownOutcome("charge-42")
+
+    out, _ = await run(policy, handler)
+    assert isinstance(out, Refusal)
+    assert out.status == 504
+    assert out.do_not_retry
+    assert json.loads(out.body)["reason"] == "outcome_unknown"
+    assert stats.count("failed", reason="UnknownOutcome") == 1

@@ -25,7 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..edge import ABANDONED, EdgePolicy, Flight, Refusal
+from ..edge import ABANDONED, EdgePolicy, Flight, Refusal, ratelimit_headers
 from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
 __all__ = ["BrownoutAiohttpMiddleware", "brownout_middleware"]
@@ -66,12 +66,7 @@ def refusal_response(refusal: Refusal) -> web.Response:
         headers["brownout-degraded"] = ", ".join(refusal.degraded)
     quota: Any = refusal.quota
     if quota is not None:
-        if quota.limit is not None:
-            headers["RateLimit-Limit"] = str(int(quota.limit))
-        if quota.remaining is not None:
-            headers["RateLimit-Remaining"] = str(max(0, int(quota.remaining)))
-        if quota.reset is not None:
-            headers["RateLimit-Reset"] = str(max(0, int(-(-quota.reset // 1))))
+        headers.update(ratelimit_headers(quota))
     return web.Response(status=refusal.status, body=refusal.body, headers=headers)
 
 

@@ -41,6 +41,7 @@ from ..edge import (
     Flight,
     Refusal,
     header_getter,
+    ratelimit_headers,
 )
 from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
@@ -329,14 +330,7 @@ async def _write_refusal(refusal: Refusal, send: Send) -> None:
 
 
 def _ratelimit_headers(quota: Any) -> list[tuple[bytes, bytes]]:
-    out: list[tuple[bytes, bytes]] = []
-    limit = getattr(quota, "limit", None)
-    remaining = getattr(quota, "remaining", None)
-    reset = getattr(quota, "reset", None)
-    if limit is not None:
-        out.append((b"ratelimit-limit", str(int(limit)).encode()))
-    if remaining is not None:
-        out.append((b"ratelimit-remaining", str(max(0, int(remaining))).encode()))
-    if reset is not None:
-        out.append((b"ratelimit-reset", str(max(0, int(-(-reset // 1)))).encode()))
-    return out
+    return [
+        (name.lower().encode("latin-1"), value.encode("latin-1"))
+        for name, value in ratelimit_headers(quota).items()
+    ]

@@ -54,7 +54,8 @@ def status_code_for(reason: Reason) -> grpc.StatusCode:
     """RESOURCE_EXHAUSTED for quota, DEADLINE_EXCEEDED for expiry, UNAVAILABLE otherwise."""
     if reason is Reason.QUOTA:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if reason is Reason.DEADLINE_EXPIRED:
+    if reason is Reason.DEADLINE_EXPIRED or reason is Reason.OUTCOME_UNKNOWN:
+        # gRPC's own definition: DEADLINE_EXCEEDED may mean a state change did complete.
         return grpc.StatusCode.DEADLINE_EXCEEDED
     return grpc.StatusCode.UNAVAILABLE
 

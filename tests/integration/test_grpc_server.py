@@ -148,7 +148,9 @@ async def _echo(service: Service, hold: float = 0.0, **kwargs: Any) -> dict[str,
 
 async def test_client_timeout_is_the_handler_remaining_time(service: Service) -> None:
     seen = await _echo(service, timeout=1.5)
-    assert 1.3 < seen["remaining"] <= 1.5  # D1/D2: the caller's budget, not a fresh timeout
+    # D1/D2: the caller's budget, not a fresh timeout. grpc core computes time_remaining()
+    # against a cached clock that can lag real time by a few ms, overstating it slightly.
+    assert 1.3 < seen["remaining"] <= 1.5 + 0.025
     assert seen["operation"] == "/test.Edge/Echo"
     clamped = await _echo(service, timeout=60)
     assert 4.5 < clamped["remaining"] <= 5.0  # D3: clamped to the maximum

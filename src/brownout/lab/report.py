@@ -51,7 +51,7 @@ OUTBOUND_COLUMNS = (
     "at dependency/s",
     "amplification",
     "dependency peak 1 s",
-    "degraded goodput/s (responses)",
+    "degraded goodput/s (responses/s)",
 )
 """The outbound table: what reached the dependency, per original request (T3, R1, G3).
 
@@ -60,7 +60,7 @@ in time; ``withheld``: retries a budgeted client chose not to send). ``at depend
 requests that reached the dependency in steady state, retries of every layer included;
 ``amplification`` is that per original request offered; ``dependency peak 1 s``: the
 busiest one-second window of the whole step. ``degraded goodput/s``: successes marked
-``brownout-degraded`` (all responses so marked in brackets)."""
+``brownout-degraded`` (all responses so marked, per second, in brackets)."""
 
 
 def _num(value: float | None, digits: int = 0) -> str:
@@ -147,7 +147,8 @@ def outbound_rows(lab: dict[str, Any], scenario: str) -> list[list[str]]:
                     _num(dep.get("attempts_per_s")),
                     "-" if amp is None else f"{amp:.2f}x",
                     _num(dep.get("peak_1s")),
-                    f"{_num(s.get('degraded_goodput_per_s'))} ({s.get('degraded', 0):,})",
+                    f"{_num(s.get('degraded_goodput_per_s'))} "
+                    f"({_num(s.get('degraded_per_s', 0.0))})",
                 ]
             )
     return rows
@@ -297,7 +298,12 @@ def _plot(lab: dict[str, Any], out: Path) -> list[str]:
         top = max((v for r in runs for v in r.get("dependency_timeline", [])), default=0.0)
         ax.set_ylim(0, max(capacity * 1.3, top * 1.05))
         ax.set_xlabel("seconds since the plan started")
-        ax.set_ylabel("goodput (requests/s)")
+        dotted = any(r.get("dependency_timeline") for r in runs)
+        ax.set_ylabel(
+            "requests/s (solid: goodput, dotted: at dependency)"
+            if dotted
+            else "goodput (requests/s)"
+        )
         ax.set_title(f"{sc['title']}: goodput over time (by scheduled send time)")
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         fig.tight_layout()
@@ -373,7 +379,7 @@ interactive goodput >= 99% of interactive demand (S3). `lab-report/` gets the pl
 JSON, an HTML page and this Markdown.
 
 **Outbound and degraded scenarios** (opt-in, about 12 s per configuration each, so the
-default run stays under five minutes):
+default run stays under five minutes; figures from such a run: [lab-outbound.md](lab-outbound.md)):
 
 ```console
 $ brownout lab --scenarios retry-storm,partial-errors,outage,degraded

@@ -116,6 +116,7 @@ class Tally:
             "degraded": self.degraded,
             "degraded_ok": self.degraded_ok,
             "degraded_goodput_per_s": round(self.degraded_ok * per_s, 1),
+            "degraded_per_s": round(self.degraded * per_s, 1),
             "refused": self.refused,
             "expired": self.expired,
             "shed_reasons": dict(sorted(self.shed_reasons.items())),

@@ -17,7 +17,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 import brownout
-from brownout import Bulkhead, FifoQueue, FixedLimit, Rejected
+from brownout import Bulkhead, FifoQueue, FixedLimit, PriorityCoDelQueue, Rejected
+from brownout.admission.queues import QueueItem, WaitQueue
 
 REPS = 7
 N = 100_000
@@ -111,6 +112,23 @@ async def semaphore_waiters_throughput(waiters: int = 1000, limit: int = 8) -> f
     return waiters * rounds / (time.perf_counter() - t)
 
 
+def queue_handoff(queue: WaitQueue, n: int = 200_000) -> float:
+    """Seconds per push+pop of one item through ``queue`` (the waiter path's queue part), with
+    a few items of two priority classes waiting, as under overload."""
+    from brownout import Priority
+
+    for i in range(4):
+        queue.push(QueueItem(Priority.SHEDDABLE if i % 2 else Priority.CRITICAL), 0.0)
+    items = [QueueItem() for _ in range(64)]
+    now = 0.0
+    t = time.perf_counter()
+    for i in range(n):
+        queue.push(items[i & 63], now)
+        queue.pop(now)
+        now += 1e-6
+    return (time.perf_counter() - t) / n
+
+
 async def main() -> None:
     cases: dict[str, Callable[[int], Awaitable[None]]] = {
         "semaphore": semaphore_loop,
@@ -131,6 +149,8 @@ async def main() -> None:
     def median_ratio(name: str, base: str = "semaphore") -> float:
         return statistics.median(r[name] / r[base] for r in rounds)
 
+    fifo_q = min(queue_handoff(FifoQueue(64, 60.0)) for _ in range(REPS))
+    codel_q = min(queue_handoff(PriorityCoDelQueue(64, 60.0)) for _ in range(REPS))
     thr_b = max([await waiters_throughput() for _ in range(3)])
     thr_s = max([await semaphore_waiters_throughput() for _ in range(3)])
     sem = best["semaphore"]
@@ -157,6 +177,10 @@ async def main() -> None:
         f" {1 / median_ratio('bulkhead', 'hyx'):.2f}x faster than hyx (median round)"
     )
     print(f"Bulkhead refusal (try_admit raise)  {best['refusal'] * 1e6:8.2f} us  (target < 2 us)")
+    print(
+        f"queue push+pop: FifoQueue {fifo_q * 1e9:6.0f} ns, PriorityCoDelQueue (the default)"
+        f" {codel_q * 1e9:6.0f} ns"
+    )
     print(
         f"1,000 waiters, limit 8: {thr_b:,.0f} completions/s "
         f"(asyncio.Semaphore: {thr_s:,.0f}/s, {thr_b / thr_s:.2f}x)"

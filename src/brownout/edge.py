@@ -46,6 +46,7 @@ from typing import Any, Literal, NamedTuple, Protocol, TypeVar, cast, runtime_ch
 from .clock import now as _now
 from .context import RequestContext, _current
 from .deadline import Deadline
+from .degrade.markers import served_by_fallback
 from .errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
 from .events import (
     DeadlineHeaderIgnored,
@@ -807,6 +808,11 @@ class EdgePolicy:
                     started_at=flight.started,
                 )
             )
+            marks: list[str] | None = None
+            marks_token = None
+            if self.degraded is not None:
+                marks = []
+                marks_token = served_by_fallback.set(marks)
             try:
                 if deadline.at <= loop.time():
                     raise DeadlineExceeded("the deadline expired before the work started")
@@ -833,6 +839,8 @@ class EdgePolicy:
                         else:
                             flight.admitted = True
                             result = await _run_settling(permit, call, flight, answers)
+                            if marks and not permit.settled:
+                                self._settle_fallback(permit, flight, cls, deadline)
                     else:
                         answered: BaseException | None = None
                         async with bulkhead.admit() as permit:
@@ -845,6 +853,8 @@ class EdgePolicy:
                                 failed = getattr(permit, "failed", None)
                                 if failed is not None:
                                     failed(f"status_{flight.status}")
+                            elif marks and answered is None:
+                                self._settle_fallback(permit, flight, cls, deadline)
                         if answered is not None:
                             raise answered
                 except asyncio.CancelledError:
@@ -861,6 +871,8 @@ class EdgePolicy:
                     flight.task = None
             finally:
                 _current.reset(token)
+                if marks_token is not None:
+                    served_by_fallback.reset(marks_token)
         except Rejected as e:
             if not flight.admitted:
                 # Refused at admission: the bulkhead already reported the shed.
@@ -943,6 +955,30 @@ class EdgePolicy:
                 await fut
         return refusal
 
+    def _settle_fallback(
+        self, permit: Any, flight: Flight, cls: Classification, deadline: Deadline
+    ) -> None:
+        """A degraded-mode fallback answered: count the success, but teach the limit nothing.
+
+        A fallback answers in microseconds; fed to an adaptive limit it drags the no-load
+        baseline down, and when the mode ends the normal latency reads as queueing and the
+        limit collapses (seen in the lab: 25% of capacity until the next probe).
+        """
+        permit.ignore()
+        if self.events.enabled:
+            now = _now()
+            self.events.emit(
+                RequestCompleted(
+                    now,
+                    self.name,
+                    cls.operation,
+                    cls.priority,
+                    cls.caller,
+                    now - flight.started,
+                    now <= deadline.at,
+                )
+            )
+
     async def _refuse_quota(
         self, cls: Classification, decision: QuotaDecision, *, counted: bool = False
     ) -> Refusal:
@@ -1017,9 +1053,9 @@ async def _run_settling(
         raise
     if flight.status >= 500:
         permit.failed(f"status_{flight.status}")
-    else:
+    elif not served_by_fallback.get():
         permit.success()
-    return result
+    return result  # a fallback's answer is settled by the edge (`_settle_fallback`)
 
 
 _ENCODED: dict[str, bytes] = {}

@@ -542,3 +542,44 @@ async def test_unknown_outcome_from_a_handler_is_a_504_that_says_do_not_retry() 
     assert out.do_not_retry
     assert json.loads(out.body)["reason"] == "outcome_unknown"
     assert stats.count("failed", reason="UnknownOutcome") == 1
+
+
+@pytest.mark.looptime
+async def test_fallback_answers_count_as_goodput_but_never_teach_the_limit() -> None:
+    """G1 + A5: a degraded-mode fallback answers fast; fed to an adaptive limit it would drag
+    the no-load baseline down and collapse the limit when the mode ends (seen in the lab)."""
+    from brownout import Bulkhead, DegradedMode, DegradedModes, FifoQueue
+
+    class SpyLimit:
+        adaptive = True
+        limit = 8
+
+        def __init__(self) -> None:
+            self.samples: list[float] = []
+
+        def on_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
+            self.samples.append(rtt)
+            return 8
+
+    hub, stats, _ = observed()
+    spy = SpyLimit()
+    modes = DegradedModes([DegradedMode("recs", "serve recommendations from a default")])
+    policy = EdgePolicy(
+        bulkhead=Bulkhead("api", limit=spy, queue=FifoQueue(8), events=hub),  # type: ignore[arg-type]
+        degraded=modes,
+        events=hub,
+    )
+
+    @modes.fallback("recs", lambda: "default")
+    async def recommendations() -> str:
+        await asyncio.sleep(0.02)
+        return "personal"
+
+    out, _ = await run(policy, recommendations)
+    assert out == "personal"
+    assert len(spy.samples) == 1  # a real answer is a sample
+    modes.force("recs", on=True)
+    out, _ = await run(policy, recommendations)
+    assert out == "default"
+    assert len(spy.samples) == 1  # the fallback's answer is not
+    assert stats.count("completed") == 2  # both are goodput

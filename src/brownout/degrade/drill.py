@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast
 
 from ..errors import BrownoutError
-from .markers import in_fallback
+from .markers import in_fallback, note_fallback_served
 from .modes import DegradedModes
 
 __all__ = [
@@ -101,6 +101,7 @@ def fallback_scope(mode: str) -> Iterator[None]:
     `DegradedModes.fallback` does this for you; use it for fallbacks wired elsewhere (a
     circuit breaker's fallback, an ``except`` branch that serves a default).
     """
+    note_fallback_served(mode)
     token = in_fallback.set(mode)
     try:
         yield

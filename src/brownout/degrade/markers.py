@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 
-__all__ = ["cache_loading", "guarding", "in_fallback"]
+__all__ = ["cache_loading", "guarding", "in_fallback", "note_fallback_served", "served_by_fallback"]
 
 in_fallback: ContextVar[str | None] = ContextVar("brownout_in_fallback", default=None)
 """The name of the degraded mode whose fallback is running, or ``None``."""
@@ -19,3 +19,17 @@ cache_loading: ContextVar[str | None] = ContextVar("brownout_cache_loading", def
 
 guarding: ContextVar[str | None] = ContextVar("brownout_guarding", default=None)
 """What a `FailClosedGuard` is reading (e.g. ``"authorization"``), or ``None``."""
+
+served_by_fallback: ContextVar[list[str] | None] = ContextVar(
+    "brownout_served_by_fallback", default=None
+)
+"""Set by the edge to a fresh list per request (when degraded modes are configured): the names
+of the modes whose fallback answered during the request. The edge then keeps that answer out of
+the adaptive limit's latency samples: a fallback's speed says nothing about the dependency."""
+
+
+def note_fallback_served(mode: str) -> None:
+    """Record that ``mode``'s fallback answered (a no-op outside an edge that asks)."""
+    marks = served_by_fallback.get()
+    if marks is not None:
+        marks.append(mode)

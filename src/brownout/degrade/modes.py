@@ -26,7 +26,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 from ..clock import Clock, LoopClock, default_clock
 from ..events import DegradedModeChanged, EventHub, hub
-from .markers import in_fallback
+from .markers import in_fallback, note_fallback_served
 
 __all__ = ["DEGRADED_HEADER", "DegradedMode", "DegradedModes", "LevelSource"]
 
@@ -478,6 +478,7 @@ class DegradedModes:
                     if not self.active(name):
                         return await primary(*args, **kwargs)
                     state.served += 1
+                    note_fallback_served(name)
                     token = in_fallback.set(name)
                     try:
                         result = fallback(*args, **kwargs)
@@ -494,6 +495,7 @@ class DegradedModes:
                 if not self.active(name):
                     return fn(*args, **kwargs)
                 state.served += 1
+                note_fallback_served(name)
                 token = in_fallback.set(name)
                 try:
                     return cast(T, fallback(*args, **kwargs))

@@ -541,6 +541,10 @@ class PriorityCoDelQueue(WaitQueue):
     bulkhead. A whole-queue CoDel (`CoDelQueue`) instead cuts everyone to 5 ms as soon as the
     batch backlog stands, and drops interactive requests that met a few ms of jitter.
 
+    "Emptied" means caught up with: a class that empties for a moment and refills within
+    ``target`` while no lower class was served meanwhile (every slot still busy: stale items
+    aged out together, or slots freeing at once took every waiter) continues its busy period.
+
     Defaults: ``target`` 5 ms, ``interval`` 100 ms (CoDel's), ``lifo`` on; ``max_wait`` (1 s)
     still caps both bounds, ``max_size`` the depth (a `Bulkhead` keeps its default queue as
     long as its current limit).

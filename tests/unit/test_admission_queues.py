@@ -272,7 +272,9 @@ def test_priority_codel_sheds_the_standing_class_only() -> None:
     q.push(late_user, 0.1)
     low, crit = rank_of(Priority.SHEDDABLE, False), rank_of(Priority.CRITICAL, False)
     assert q.standing(0.1, low) and not q.standing(0.1, crit)
-    assert q.wait_bound(0.1, low) == pytest.approx(0.005)  # the batch backlog stood 100 ms
+    # the batch backlog stood 100 ms: the short bound (the 5 ms target, or two release gaps
+    # when slots free less often: here one every 30 ms)
+    assert q.wait_bound(0.1, low) == q.short_bound < 0.1
     assert q.wait_bound(0.1, crit) == pytest.approx(0.1)  # interactive did not
     assert q.overloaded(0.1)
     # 20 ms later: batch older than 5 ms goes; the interactive request waiting 20 ms stays
@@ -389,3 +391,26 @@ def test_priority_codel_service_below_a_class_ends_its_busy_period() -> None:
     q.push(item(), t)
     assert not q.standing(t + 0.001, crit)
     assert q.wait_bound(t + 0.001, crit) == pytest.approx(0.1)
+
+
+def test_priority_codel_short_bound_scales_with_the_release_gap() -> None:
+    # 8 slots x 160 ms: a slot frees every 20 ms when all are busy; a 5 ms bound would age
+    # every standing waiter out before a slot frees, so a standing class may wait two gaps
+    q = PriorityCoDelQueue(64)
+    assert (q.short_bound, q.long_bound) == (0.005, 0.1)
+    for _ in range(200):
+        q.note_service(0.16, 8)
+    assert q.release_gap == pytest.approx(0.02, rel=0.01)
+    assert q.short_bound == pytest.approx(0.04, rel=0.01)
+    assert q.long_bound == pytest.approx(0.1)
+    for _ in range(200):  # 4 slots x 1 s: one frees every 250 ms
+        q.note_service(1.0, 4)
+    assert q.short_bound == pytest.approx(0.5, rel=0.01) == q.long_bound  # interval >= target
+    capped = PriorityCoDelQueue(64, max_wait=0.03)
+    for _ in range(200):
+        capped.note_service(0.16, 8)
+    assert capped.short_bound == capped.long_bound == 0.03
+    fast = PriorityCoDelQueue(64)
+    for _ in range(200):
+        fast.note_service(0.02, 10)  # 2 ms gaps: the 5 ms target stands
+    assert fast.short_bound == 0.005

@@ -128,6 +128,9 @@ class WaitQueue:
         self._memory = 0.0
         self._emptied_at = [-math.inf] * _RANKS
         self._served_at = [-math.inf] * _RANKS  # when each class last had an item served
+        self.release_gap = 0.0
+        """Smoothed service time over the limit: how often a slot frees when all are busy
+        (fed by the `Bulkhead` through `note_service`, on the releases it times)."""
         self._stood_since = [_IDLE] * _RANKS
         self.wait_times = LatencyHistogram()
         """Time in queue of every item that left the queue, however it left (A4)."""
@@ -213,6 +216,15 @@ class WaitQueue:
         if fair:
             self._per_caller[item.caller] = self._per_caller.get(item.caller, 0) + 1
         return None, victim
+
+    def note_service(self, service_time: float, limit: int) -> None:
+        """One finished request's service time at ``limit`` concurrent slots: a slot frees
+        every ``service_time / limit`` when all are busy (`release_gap`, smoothed)."""
+        self.release_gap += (service_time / limit - self.release_gap) * 0.1
+        self._on_release_gap()
+
+    def _on_release_gap(self) -> None:
+        """The release gap moved (hook for queues whose bounds scale with it)."""
 
     def _continues(self, rank: int, now: float) -> bool:
         """Whether class ``rank``, empty now, resumes its last busy period on a new item: it
@@ -545,6 +557,13 @@ class PriorityCoDelQueue(WaitQueue):
     ``target`` while no lower class was served meanwhile (every slot still busy: stale items
     aged out together, or slots freeing at once took every waiter) continues its busy period.
 
+    The bounds scale with the work: a standing class may always wait two *release gaps*
+    (service time / limit: how often a slot frees when all are busy, fed by the `Bulkhead`
+    from the requests it times), and the interval bound is never below that. For a fast
+    dependency (21 ms x 10 slots: a 2 ms gap) the 5 ms target stands; in front of a slow one
+    (1 s x 4 slots: 250 ms) a 5 ms or 100 ms bound would age every waiter out before any slot
+    frees and leave slots idle while work is refused.
+
     Defaults: ``target`` 5 ms, ``interval`` 100 ms (CoDel's), ``lifo`` on; ``max_wait`` (1 s)
     still caps both bounds, ``max_size`` the depth (a `Bulkhead` keeps its default queue as
     long as its current limit).
@@ -576,6 +595,31 @@ class PriorityCoDelQueue(WaitQueue):
         # the bounds in force: ``max_wait`` caps both
         self._short = min(target, self.max_wait)
         self._long = min(interval, self.max_wait)
+
+    def _on_release_gap(self) -> None:
+        # A standing class must be allowed to wait for the next slot or two: with a bound
+        # shorter than the gap between slot releases (a slow dependency: 80 ms x 8 slots frees
+        # one every 10 ms) every waiter ages out before a slot frees, and slots go idle while
+        # work is refused. So the target is at least two release gaps, the interval at least
+        # the target; both measured, not configured.
+        short = 2.0 * self.release_gap
+        if short < self.target:
+            short = self.target
+        self._short = min(short, self.max_wait)
+        self._memory = short
+        self._long = min(max(self.interval, short), self.max_wait)
+
+    @property
+    def short_bound(self) -> float:
+        """The allowed wait of a standing class now: ``target``, or two release gaps when
+        slots free less often than that (see `release_gap`), capped by ``max_wait``."""
+        return self._short
+
+    @property
+    def long_bound(self) -> float:
+        """The allowed wait of a class that keeps emptying: ``interval`` (at least
+        `short_bound`), capped by ``max_wait``."""
+        return self._long
 
     def standing(self, now: float, rank: int) -> bool:
         """Whether class ``rank`` has not emptied for a full interval (its own overload)."""

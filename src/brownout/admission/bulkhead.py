@@ -697,7 +697,8 @@ class Bulkhead:
             est = self._estimator
             if est is not None and outcome == _SUCCESS:
                 est.observe(p.operation, rtt)
-                self._queue.note_service(rtt, self._limit_value)
+                if self._queue.scales_with_service:
+                    self._queue.note_service(rtt, self._limit_value)
             if events.enabled:
                 self._emit_outcome(p, outcome, error, now, rtt)
         if self._queue.size:

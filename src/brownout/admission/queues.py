@@ -217,6 +217,9 @@ class WaitQueue:
             self._per_caller[item.caller] = self._per_caller.get(item.caller, 0) + 1
         return None, victim
 
+    scales_with_service = False
+    """Whether `note_service` matters (the `Bulkhead` skips the call otherwise)."""
+
     def note_service(self, service_time: float, limit: int) -> None:
         """One finished request's service time at ``limit`` concurrent slots: a slot frees
         every ``service_time / limit`` when all are busy (`release_gap`, smoothed)."""
@@ -595,6 +598,8 @@ class PriorityCoDelQueue(WaitQueue):
         # the bounds in force: ``max_wait`` caps both
         self._short = min(target, self.max_wait)
         self._long = min(interval, self.max_wait)
+
+    scales_with_service = True
 
     def _on_release_gap(self) -> None:
         # A standing class must be allowed to wait for the next slot or two: with a bound

@@ -7,7 +7,8 @@ it is what a user adds to their own Starlette or FastAPI app:
   more keep it busy while the front's own hop is in flight) and a FIFO queue as long as the
   limit with a 100 ms age bound;
 - ``adaptive``: a `Gradient2Limit` with its defaults and the bulkhead's default queue
-  (FIFO, as long as the limit, 1 s age bound): no number tuned for this demo.
+  (`PriorityCoDelQueue`: as long as the current limit, CoDel per priority class, so batch
+  absorbs the shedding): no number tuned for this demo.
 
 Both: the caller's budget header is honoured (an internal caller), the route decides the
 priority (interactive is ``CRITICAL``, batch ``SHEDDABLE``), and ``/healthz`` bypasses

@@ -400,3 +400,27 @@ def test_follows_the_real_overload_manager() -> None:
     manager.update()
     assert modes.active_names() == ()  # no longer subscribed
     assert [c[2] for c in rec.changes()] == ["level 1", "level 2", "level 0", "level 0"]
+
+
+def test_due_timers_work_on_uvloop() -> None:
+    """uvloop's call_at returns a plain Handle (no ``when()``) for an instant already due; the
+    lab's front runs on uvloop and crashed on the second reschedule (seen in the default lab)."""
+    import uvloop
+
+    from brownout import DegradedMode, DegradedModes
+
+    async def scenario() -> list[str]:
+        mode = DegradedMode("recs", "hide recommendations", enter_at_level=1, min_dwell=0.0002)
+        modes = DegradedModes([mode])
+        modes.set_level(1)
+        modes.set_level(0)  # leaving is due in 0.2 ms: uvloop rounds to 0 ms, a plain Handle
+        modes.evaluate()  # reschedules while that timer is still pending
+        modes.set_level(1)
+        await asyncio.sleep(0)
+        return list(modes.active_names())
+
+    loop = uvloop.new_event_loop()
+    try:
+        assert loop.run_until_complete(scenario()) == ["recs"]
+    finally:
+        loop.close()

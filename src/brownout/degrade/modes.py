@@ -172,7 +172,8 @@ class DegradedModes:
         self._level_trigger = "level 0"
         self._source: LevelSource | None = None
         self._unsubscribe: Callable[[], Any] | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
+        self._timer_at = math.inf
         self._reschedule(self._clock.now())
 
     # -- declarations -----------------------------------------------------------------------
@@ -440,9 +441,11 @@ class DegradedModes:
         self._due = due
         # With the loop's clock, a timer makes changes happen (and be reported) on time even
         # when no request asks; other clocks rely on the lazy check and `evaluate`.
+        # The instant is kept here, not read back with ``timer.when()``: uvloop's ``call_at``
+        # returns a plain Handle (no ``when``) for an instant that is already due.
         timer = self._timer
         if timer is not None:
-            if due != math.inf and timer.when() == max(due, now):
+            if due != math.inf and self._timer_at == max(due, now):
                 return  # already armed for that instant (the common case on level updates)
             timer.cancel()
             self._timer = None
@@ -451,7 +454,8 @@ class DegradedModes:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
                 return
-            self._timer = loop.call_at(max(due, now), self._on_timer)
+            self._timer_at = max(due, now)
+            self._timer = loop.call_at(self._timer_at, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None

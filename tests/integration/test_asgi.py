@@ -8,7 +8,6 @@ connection kept open), O1/O4 (abandoned counted, operation is the route template
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import sys
 import time
@@ -19,7 +18,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.authentication import (
@@ -30,6 +28,7 @@ from starlette.authentication import (
     UnauthenticatedUser,
 )
 from starlette.middleware.authentication import AuthenticationMiddleware
+from tests.integration.servers import serve
 
 import brownout
 from brownout import (
@@ -77,25 +76,6 @@ class Service:
     stats: Stats
     cancelled: list[str]
     connections: set[tuple[str, int]]
-
-
-@contextlib.asynccontextmanager
-async def serve(app: FastAPI) -> AsyncIterator[str]:
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        for _ in range(500):
-            if server.started:
-                break
-            await asyncio.sleep(0.01)
-        assert server.started, "uvicorn did not start"
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        server.force_exit = True
-        await asyncio.wait_for(task, 10)
 
 
 def build_app(

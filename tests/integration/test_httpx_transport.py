@@ -11,7 +11,6 @@ sending are retried; 500 and 4xx are not), R4, R5 (same key, growing attempt num
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -20,11 +19,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from tests.integration.servers import serve
 
 import brownout
 from brownout import (
@@ -72,25 +71,6 @@ def build_app(seen: Seen) -> Starlette:
         return JSONResponse({"ok": True})
 
     return Starlette(routes=[Route("/echo", echo, methods=["GET", "POST", "PUT", "DELETE"])])
-
-
-@contextlib.asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[str]:
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        for _ in range(500):
-            if server.started:
-                break
-            await asyncio.sleep(0.01)
-        assert server.started, "uvicorn did not start"
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        server.force_exit = True
-        await asyncio.wait_for(task, 10)
 
 
 @pytest.fixture

@@ -21,10 +21,8 @@ Counts, not time: the test is deterministic apart from scheduling.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -32,11 +30,11 @@ import grpc.aio
 import httpx
 import pytest
 import tenacity
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from tests.integration.servers import serve
 
 import brownout
 from brownout import Dependency, Reason, RetryBudget, RetryPolicy, Trust
@@ -54,25 +52,6 @@ ATTEMPTS = 3  # per calling layer, the original included
 RATIO = 0.1
 WINDOW = 60.0  # longer than the test: the window never slides during it
 MIN_PER_SECOND = 1 / WINDOW  # a reserve of one retry per window
-
-
-@contextlib.asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[str]:
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        for _ in range(500):
-            if server.started:
-                break
-            await asyncio.sleep(0.01)
-        assert server.started, "uvicorn did not start"
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        server.force_exit = True
-        await asyncio.wait_for(task, 10)
 
 
 def with_edge(routes: list[Route]) -> Starlette:

@@ -11,7 +11,6 @@ reconciler says so, and a resend applies it exactly once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import uuid
 from collections.abc import AsyncIterator
@@ -19,11 +18,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from tests.integration.servers import serve
 
 from brownout import Dependency, RetryPolicy, UnknownOutcome
 from brownout.integrations.httpx import BrownoutTransport
@@ -89,25 +88,6 @@ class PaymentServer:
                 Route("/charges/{key}", self.status),
             ]
         )
-
-
-@contextlib.asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[str]:
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        for _ in range(500):
-            if server.started:
-                break
-            await asyncio.sleep(0.01)
-        assert server.started, "uvicorn did not start"
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        server.force_exit = True
-        await asyncio.wait_for(task, 10)
 
 
 @pytest.fixture(params=["memory", "redis"])

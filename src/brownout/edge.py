@@ -44,8 +44,8 @@ from dataclasses import replace as dc_replace
 from typing import Any, Literal, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
 
 from .clock import now as _now
-from .context import RequestContext, _current
-from .deadline import Deadline
+from .context import _NEW, RequestContext, _ContextBuilder, _current
+from .deadline import Deadline, _new_deadline
 from .degrade.markers import served_by_fallback
 from .errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
 from .events import (
@@ -61,7 +61,13 @@ from .events import (
     hub,
 )
 from .priority import Priority, parse_priority
-from .propagation import PRIORITY_HEADER, HeaderGetter, InboundDeadlinePolicy, Trust
+from .propagation import (
+    BUDGET_HEADER,
+    PRIORITY_HEADER,
+    HeaderGetter,
+    InboundDeadlinePolicy,
+    Trust,
+)
 
 __all__ = [
     "ABANDONED",
@@ -757,13 +763,29 @@ class EdgePolicy:
         failure. Without a bulkhead, the edge reports the lifecycle itself, with latency from
         its own stopwatch. Quota refusals never reach a bulkhead, so the edge reports them.
         """
-        trust = self.trust_of(request)
+        fn = self._trust_fn
+        trust = self._fixed_trust if fn is None else fn(request)
         policy = route.deadline
+        events = self.events
         if budget is None:
-            seconds = policy.resolve(get, trust).seconds
+            # The common case, a request carrying no budget header, answered without building
+            # an `InboundBudget` (what ``policy.resolve`` would return: the route default).
+            if (
+                trust is not Trust.SIGNED
+                and (trust is Trust.TRUSTED or policy.honour_untrusted)
+                and get(BUDGET_HEADER) is None
+                and not policy.read_envoy
+            ):
+                seconds = policy.default
+            else:
+                seconds = policy.resolve(get, trust).seconds
         else:
             seconds = budget if budget < policy.maximum else policy.maximum
-        cls = self.classify(request, route, route.template, trust, get)
+        if self.classifier is None and trust is not Trust.TRUSTED and not events.enabled:
+            # No claim can be honoured and nobody listens for an ignored one: the route's own.
+            cls = Classification(route.priority, "unknown", route.template)
+        else:
+            cls = self.classify(request, route, route.template, trust, get)
         flight.classification = cls
         bulkhead = route.bulkhead
         flight.reports = bulkhead is None
@@ -782,32 +804,34 @@ class EdgePolicy:
                     flight.classification = cls
                 else:
                     return await self._refuse_quota(cls, decision)
-        events = self.events
         loop = asyncio.get_running_loop()
-        task = flight.task = asyncio.current_task()
+        task = flight.task = asyncio.current_task(loop)
         assert task is not None
         parent = _current.get()
         at = flight.started + seconds
         outer = parent.deadline
-        deadline = outer if outer is not None and outer.at <= at else Deadline(at)
+        if outer is not None and outer.at <= at:
+            deadline = outer
+        else:
+            deadline = _new_deadline(at) if at == at else Deadline(at)  # NaN: Deadline refuses
         flight.deadline = deadline
         refused_quota: QuotaDecision | None = None
         result: Any = None
         try:
             # The request context, set directly (what ``brownout.request(...)`` sets, without
             # its per-call dictionaries): deadline, priority, caller, operation, stopwatch.
-            token = _current.set(
-                RequestContext(
-                    deadline=deadline,
-                    priority=cls.priority,
-                    caller=cls.caller,
-                    operation=cls.operation,
-                    attempt=parent.attempt,
-                    idempotency_key=parent.idempotency_key,
-                    in_progress=cls.in_progress,
-                    started_at=flight.started,
-                )
-            )
+            # Filled through its mutable twin, as ``RequestContext._with_deadline`` does.
+            ctx = _NEW(_ContextBuilder)
+            ctx.deadline = deadline
+            ctx.priority = cls.priority
+            ctx.caller = cls.caller
+            ctx.operation = cls.operation
+            ctx.attempt = parent.attempt
+            ctx.idempotency_key = parent.idempotency_key
+            ctx.in_progress = cls.in_progress
+            ctx.started_at = flight.started
+            ctx.__class__ = RequestContext  # type: ignore[assignment]
+            token = _current.set(ctx)  # type: ignore[arg-type]
             marks: list[str] | None = None
             marks_token = None
             if self.degraded is not None:

@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
-from typing import Any, Literal, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from .clock import now as _now
 from .context import _NEW, RequestContext, _ContextBuilder, _current
@@ -846,7 +846,12 @@ class EdgePolicy:
                 sweeper = self._sweeper
                 if deadline.at - flight.started <= sweeper.period:
                     flight.timer = loop.call_at(deadline.at, _expire, flight, task)
-                sweeper.add(flight, loop)
+                if loop is sweeper.loop:  # sweeper.add, inlined for the hot path
+                    sweeper.pending[flight] = None
+                    if sweeper.timer is None:
+                        sweeper.timer = loop.call_later(sweeper.period, sweeper._sweep)
+                else:
+                    sweeper.add(flight, loop)
                 try:
                     if bulkhead is None:
                         if events.enabled:
@@ -947,8 +952,9 @@ class EdgePolicy:
             return await self._refuse_quota(cls, refused_quota, counted=True)
         if flight.abandoned:
             return self.record_abandoned(flight)
-        self._finished(flight, cls, deadline)
-        return cast(T, result)
+        if self.slowed is not None or flight.reports:
+            self._finished(flight, cls, deadline)
+        return result  # type: ignore[no-any-return]  # (typing.cast is a call on the hot path)
 
     def _finished(self, flight: Flight, cls: Classification, deadline: Deadline) -> None:
         if self.slowed is None and not (flight.reports and self.events.enabled):

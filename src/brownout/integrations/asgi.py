@@ -212,6 +212,10 @@ class _Exchange(Flight):
             task.cancel()
 
     def close(self) -> None:
+        # Break the cycles through ``self`` (``on_old`` is a bound method, ``app_receive``
+        # may be ``self``) so the exchange is freed by reference counting, not by the GC.
+        self.on_old = None
+        self.app_receive = self._receive
         w = self.watcher
         if w is not None:
             self.watcher = None

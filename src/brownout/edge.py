@@ -610,6 +610,7 @@ class EdgePolicy:
             self._resolved[template] = self._resolve(template, route)
             self._patterns.append((compile_template(template), template))
         self._unmatched = self._resolve(UNMATCHED, Route())
+        self._plain: dict[str, Classification] = {}
         self._refusals: dict[Reason, Refusal] = {r: self._build_refusal(r) for r in Reason}
         if self.sweep_period <= 0:
             raise ValueError("sweep_period must be > 0")
@@ -783,7 +784,12 @@ class EdgePolicy:
             seconds = budget if budget < policy.maximum else policy.maximum
         if self.classifier is None and trust is not Trust.TRUSTED and not events.enabled:
             # No claim can be honoured and nobody listens for an ignored one: the route's own.
-            cls = Classification(route.priority, "unknown", route.template)
+            # Immutable, so one per route serves every such request.
+            cls = self._plain.get(route.template)
+            if cls is None or cls.priority is not route.priority:
+                cls = Classification(route.priority, "unknown", route.template)
+                if len(self._plain) < 1024:
+                    self._plain[route.template] = cls
         else:
             cls = self.classify(request, route, route.template, trust, get)
         flight.classification = cls

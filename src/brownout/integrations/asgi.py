@@ -302,7 +302,7 @@ class BrownoutMiddleware:
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root) :] or "/"
-        if policy.is_health(path):
+        if path in policy.health_paths:  # policy.is_health, inlined
             await self.app(scope, receive, send)
             return
         exchange = _Exchange(
@@ -314,7 +314,9 @@ class BrownoutMiddleware:
             policy.degraded_names() if policy.degraded is not None else (),
             self.watch_disconnects,
         )
-        route = self._route(scope, path)
+        route = self._paths.get(path)
+        if route is None:
+            route = self._route(scope, path)
         try:
             outcome = await policy.serve(
                 scope, exchange.run, exchange, route=route, get=header_getter(scope["headers"])

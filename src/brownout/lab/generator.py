@@ -495,8 +495,6 @@ class _Pool:
     def finish(self, req: _Req, outcome: str, latency: float, never: bool = False) -> None:
         req.done = True
         self.outstanding -= 1
-        if self.outstanding == 0 and self.drained is not None:
-            self.drained.set()
         if req.timer is not None:
             req.timer.cancel()
             req.timer = None
@@ -522,6 +520,10 @@ class _Pool:
             req.on_done(req, outcome, latency)
         if req.retries is not None:
             req.retries.after(req, outcome, never)
+        # Only now: a retry scheduled just above is outstanding too. Checking before it made
+        # the last failure of a run signal "drained" with its retry still to come.
+        if self.outstanding == 0 and self.drained is not None:
+            self.drained.set()
 
     def on_lost(self, conn: _Conn) -> None:
         if conn not in self.conns:

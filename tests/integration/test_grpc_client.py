@@ -27,6 +27,11 @@ from brownout.retry import ExponentialBackoff, InMemoryOutcomeLedger, RetriesExh
 
 pytestmark = pytest.mark.integration
 
+GRPC_CLOCK_SLACK = 0.025
+"""grpc core computes ``context.time_remaining()`` against a cached clock that can lag real
+time by a few ms, so the server may see slightly more than the client sent (seen: +0.6 ms
+and +8.7 ms)."""
+
 ECHO = "/test.Client/Echo"
 READ = "/test.Client/Read"
 
@@ -106,7 +111,8 @@ async def test_budget_is_the_call_timeout_and_metadata_travels(server: tuple[str
             assert await call == b"r"
             assert await call.code() is grpc.StatusCode.OK
     mutation, query = seen.calls
-    assert 0.1 < mutation["time_remaining"] <= 0.4  # min(1.0, 0.5 - 0.1) as grpc-timeout (D3)
+    # min(1.0, 0.5 - 0.1) as grpc-timeout (D3); grpc core's cached clock can overstate a little
+    assert 0.1 < mutation["time_remaining"] <= 0.4 + GRPC_CLOCK_SLACK
     assert mutation["brownout-priority"] == "sheddable"
     assert mutation["idempotency-key"]  # a mutation is keyed
     assert "idempotency-key" not in query and "brownout-attempt" not in query
@@ -207,5 +213,5 @@ async def test_streaming_call_gets_budget_and_metadata(server: tuple[str, Seen])
         async with brownout.request(deadline=5.0, priority=Priority.SHEDDABLE_PLUS):
             got = [m async for m in ch.unary_stream("/test.Client/Numbers")(b"x")]
     assert got == [b"0", b"1", b"2"]
-    assert 0.3 < seen.calls[0]["time_remaining"] <= 0.8
+    assert 0.3 < seen.calls[0]["time_remaining"] <= 0.8 + GRPC_CLOCK_SLACK
     assert seen.calls[0]["brownout-priority"] == "sheddable_plus"

@@ -44,7 +44,7 @@ from dataclasses import replace as dc_replace
 from typing import Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from .clock import now as _now
-from .context import _NEW, RequestContext, _ContextBuilder, _current
+from .context import _current, _make_context
 from .deadline import Deadline, _new_deadline
 from .degrade.markers import served_by_fallback
 from .errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
@@ -826,18 +826,17 @@ class EdgePolicy:
         try:
             # The request context, set directly (what ``brownout.request(...)`` sets, without
             # its per-call dictionaries): deadline, priority, caller, operation, stopwatch.
-            # Filled through its mutable twin, as ``RequestContext._with_deadline`` does.
-            ctx = _NEW(_ContextBuilder)
-            ctx.deadline = deadline
-            ctx.priority = cls.priority
-            ctx.caller = cls.caller
-            ctx.operation = cls.operation
-            ctx.attempt = parent.attempt
-            ctx.idempotency_key = parent.idempotency_key
-            ctx.in_progress = cls.in_progress
-            ctx.started_at = flight.started
-            ctx.__class__ = RequestContext  # type: ignore[assignment]
-            token = _current.set(ctx)  # type: ignore[arg-type]
+            ctx = _make_context(
+                deadline,
+                cls.priority,
+                cls.caller,
+                cls.operation,
+                parent.attempt,
+                parent.idempotency_key,
+                cls.in_progress,
+                flight.started,
+            )
+            token = _current.set(ctx)
             marks: list[str] | None = None
             marks_token = None
             if self.degraded is not None:

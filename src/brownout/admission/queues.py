@@ -451,7 +451,42 @@ class LifoQueue(WaitQueue):
     lifo_policy = True
 
 
-class CoDelQueue(WaitQueue):
+class _IntervalQueue(WaitQueue):
+    """A queue that watches how long it has stood without emptying (CoDel's ``interval``);
+    standing a full interval is overload, and the allowed wait may drop to ``target``."""
+
+    def __init__(
+        self,
+        max_size: int,
+        max_wait: float,
+        *,
+        target: float,
+        interval: float,
+        caller_share: float,
+    ) -> None:
+        super().__init__(max_size, max_wait, caller_share=caller_share)
+        if not 0 < target <= interval:
+            raise ValueError("need 0 < target <= interval")
+        self.target = target
+        self.interval = interval
+
+    def overloaded(self, now: float) -> bool:
+        busy = self.busy_since
+        return busy is not None and now - busy >= self.interval
+
+    def _expiry(self, now: float, codel: bool) -> float | None:
+        oldest = self.oldest_enqueued()
+        if oldest is None:
+            return None
+        at = oldest + self.wait_bound(now)
+        busy = self.busy_since
+        if codel and busy is not None and not self.overloaded(now):
+            # when the queue has stood for a full interval the bound drops to the target
+            at = min(at, max(busy + self.interval, oldest + min(self.target, self.max_wait)))
+        return at
+
+
+class CoDelQueue(_IntervalQueue):
     """Controlled delay (Fail at Scale): allowed wait is ``interval`` while the queue has
     emptied within the last ``interval``, and ``target`` once it has stood for a full interval.
 
@@ -467,33 +502,19 @@ class CoDelQueue(WaitQueue):
         interval: float = 0.1,
         caller_share: float = 1.0,
     ) -> None:
-        super().__init__(max_size, max_wait, caller_share=caller_share)
-        if not 0 < target <= interval:
-            raise ValueError("need 0 < target <= interval")
-        self.target = target
-        self.interval = interval
-
-    def overloaded(self, now: float) -> bool:
-        busy = self.busy_since
-        return busy is not None and now - busy >= self.interval
+        super().__init__(
+            max_size, max_wait, target=target, interval=interval, caller_share=caller_share
+        )
 
     def wait_bound(self, now: float, rank: int | None = None) -> float:
         bound = self.target if self.overloaded(now) else self.interval
         return bound if bound < self.max_wait else self.max_wait
 
     def next_expiry(self, now: float) -> float | None:
-        oldest = self.oldest_enqueued()
-        if oldest is None:
-            return None
-        at = oldest + self.wait_bound(now)
-        busy = self.busy_since
-        if busy is not None and not self.overloaded(now):
-            # when the queue has stood for a full interval the bound drops to the target
-            at = min(at, max(busy + self.interval, oldest + min(self.target, self.max_wait)))
-        return at
+        return self._expiry(now, codel=True)
 
 
-class AdaptiveLifoQueue(WaitQueue):
+class AdaptiveLifoQueue(_IntervalQueue):
     """FIFO while the queue keeps emptying, LIFO once it has not emptied for ``interval``
     (overload), so fresh requests are served while stale ones age out. With ``codel=True``
     the allowed wait also drops to ``target`` while overloaded (Facebook's combination)."""
@@ -508,16 +529,10 @@ class AdaptiveLifoQueue(WaitQueue):
         target: float = 0.005,
         caller_share: float = 1.0,
     ) -> None:
-        super().__init__(max_size, max_wait, caller_share=caller_share)
-        if not 0 < target <= interval:
-            raise ValueError("need 0 < target <= interval")
-        self.interval = interval
+        super().__init__(
+            max_size, max_wait, target=target, interval=interval, caller_share=caller_share
+        )
         self.codel = codel
-        self.target = target
-
-    def overloaded(self, now: float) -> bool:
-        busy = self.busy_since
-        return busy is not None and now - busy >= self.interval
 
     def _lifo(self, now: float, rank: int) -> bool:
         return self.overloaded(now)
@@ -528,14 +543,7 @@ class AdaptiveLifoQueue(WaitQueue):
         return self.max_wait
 
     def next_expiry(self, now: float) -> float | None:
-        oldest = self.oldest_enqueued()
-        if oldest is None:
-            return None
-        at = oldest + self.wait_bound(now)
-        busy = self.busy_since
-        if self.codel and busy is not None and not self.overloaded(now):
-            at = min(at, max(busy + self.interval, oldest + min(self.target, self.max_wait)))
-        return at
+        return self._expiry(now, codel=self.codel)
 
 
 class PriorityCoDelQueue(WaitQueue):

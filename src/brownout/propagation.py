@@ -48,6 +48,7 @@ __all__ = [
     "InboundBudget",
     "InboundDeadlinePolicy",
     "Trust",
+    "context_headers",
     "decode_budget_ms",
     "decode_grpc_timeout",
     "encode_budget_ms",
@@ -311,6 +312,22 @@ class InboundDeadlinePolicy:
 # -- outbound ----------------------------------------------------------------------------------
 
 
+def context_headers(ctx: RequestContext) -> dict[str, str]:
+    """Priority, attempt and idempotency key of ``ctx`` as headers or gRPC metadata.
+
+    Defaults are left out (priority ``critical``, attempt 1, no key). gRPC clients send these
+    and carry the budget in ``grpc-timeout``; HTTP clients use `outbound_headers`.
+    """
+    headers: dict[str, str] = {}
+    if ctx.priority is not Priority.CRITICAL:
+        headers[PRIORITY_HEADER] = ctx.priority.label
+    if ctx.attempt != 1:
+        headers[ATTEMPT_HEADER] = str(ctx.attempt)
+    if ctx.idempotency_key is not None:
+        headers[IDEMPOTENCY_HEADER] = ctx.idempotency_key
+    return headers
+
+
 def outbound_headers(
     *,
     reserve: float = 0.0,
@@ -324,16 +341,10 @@ def outbound_headers(
     signed budget for a callee outside the trust boundary.
     """
     ctx = ctx if ctx is not None else current()
-    headers: dict[str, str] = {}
+    headers = context_headers(ctx)
     if ctx.deadline is not None:
         budget = ctx.deadline.remaining() - reserve
         headers[BUDGET_HEADER] = encode_budget_ms(budget)
         if signer is not None:
             headers[SIGNED_BUDGET_HEADER] = signer.sign(max(budget, 0.0))
-    if ctx.priority is not Priority.CRITICAL:
-        headers[PRIORITY_HEADER] = ctx.priority.label
-    if ctx.attempt != 1:
-        headers[ATTEMPT_HEADER] = str(ctx.attempt)
-    if ctx.idempotency_key is not None:
-        headers[IDEMPOTENCY_HEADER] = ctx.idempotency_key
     return headers

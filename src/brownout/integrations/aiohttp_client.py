@@ -36,17 +36,11 @@ from aiohttp import (
     ConnectionTimeoutError,
 )
 
-from ..context import current
 from ..dependency import Dependency
-from ..priority import Priority
 from ..propagation import (
-    ATTEMPT_HEADER,
-    BUDGET_HEADER,
     IDEMPOTENCY_HEADER,
-    PRIORITY_HEADER,
-    SIGNED_BUDGET_HEADER,
     BudgetSigner,
-    encode_budget_ms,
+    outbound_headers,
 )
 from ..retry.classify import ResponseError, RetriesExhausted, TransientError, parse_pushback
 
@@ -105,21 +99,8 @@ class BrownoutClientMiddleware:
             raise
 
     async def _attempt(self, request: ClientRequest, handler: ClientHandlerType) -> ClientResponse:
-        ctx = current()
-        headers = request.headers
-        deadline = ctx.deadline
-        if deadline is not None:
-            budget = deadline.remaining()
-            headers[BUDGET_HEADER] = encode_budget_ms(budget)
-            if self.signer is not None:
-                headers[SIGNED_BUDGET_HEADER] = self.signer.sign(budget)
-        if ctx.priority is not Priority.CRITICAL:
-            headers[PRIORITY_HEADER] = ctx.priority.label
-        if ctx.attempt != 1:
-            headers[ATTEMPT_HEADER] = str(ctx.attempt)
-        key = ctx.idempotency_key
-        if key is not None:
-            headers[IDEMPOTENCY_HEADER] = key
+        # Inside an attempt the context's deadline already is the attempt's budget.
+        request.headers.update(outbound_headers(signer=self.signer))
         try:
             response = await handler(request)
         except _NOT_SENT as e:

@@ -44,8 +44,13 @@ import grpc.aio
 from ..context import RequestContext, current
 from ..deadline import call_budget
 from ..dependency import Dependency
-from ..priority import Priority
-from ..propagation import ATTEMPT_HEADER, GRPC_PUSHBACK_KEY, IDEMPOTENCY_HEADER, PRIORITY_HEADER
+from ..propagation import (
+    ATTEMPT_HEADER,
+    GRPC_PUSHBACK_KEY,
+    IDEMPOTENCY_HEADER,
+    PRIORITY_HEADER,
+    context_headers,
+)
 from ..retry.classify import ResponseError, TransientError, parse_pushback
 
 __all__ = [
@@ -103,12 +108,8 @@ def _details(
         for k, v in details.metadata:
             if k not in _OURS:
                 metadata.add(k, v)
-    if ctx.priority is not Priority.CRITICAL:
-        metadata.add(PRIORITY_HEADER, ctx.priority.label)
-    if ctx.attempt != 1:
-        metadata.add(ATTEMPT_HEADER, str(ctx.attempt))
-    if ctx.idempotency_key is not None:
-        metadata.add(IDEMPOTENCY_HEADER, ctx.idempotency_key)
+    for k, v in context_headers(ctx).items():
+        metadata.add(k, v)
     return grpc.aio.ClientCallDetails(
         details.method, timeout, metadata, details.credentials, details.wait_for_ready
     )

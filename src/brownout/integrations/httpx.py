@@ -41,15 +41,10 @@ import httpx
 
 from ..context import current
 from ..dependency import Dependency
-from ..priority import Priority
 from ..propagation import (
-    ATTEMPT_HEADER,
-    BUDGET_HEADER,
     IDEMPOTENCY_HEADER,
-    PRIORITY_HEADER,
-    SIGNED_BUDGET_HEADER,
     BudgetSigner,
-    encode_budget_ms,
+    outbound_headers,
 )
 from ..retry.classify import ResponseError, RetriesExhausted, TransientError, parse_pushback
 
@@ -129,26 +124,17 @@ class BrownoutTransport(httpx.AsyncBaseTransport):
 
     async def _attempt(self, request: httpx.Request) -> httpx.Response:
         ctx = current()
-        headers = request.headers
+        # Inside an attempt the context's deadline already is the attempt's budget.
+        request.headers.update(outbound_headers(ctx=ctx, signer=self.signer))
         deadline = ctx.deadline
         if deadline is not None:
             budget = deadline.remaining()
-            headers[BUDGET_HEADER] = encode_budget_ms(budget)
-            if self.signer is not None:
-                headers[SIGNED_BUDGET_HEADER] = self.signer.sign(budget)
             given = request.extensions.get("timeout")
             timeouts: dict[str, float | None] = {}
             for k in _TIMEOUT_KEYS:
                 old = given.get(k) if given else None
                 timeouts[k] = budget if old is None or old > budget else old
             request.extensions["timeout"] = timeouts
-        if ctx.priority is not Priority.CRITICAL:
-            headers[PRIORITY_HEADER] = ctx.priority.label
-        if ctx.attempt != 1:
-            headers[ATTEMPT_HEADER] = str(ctx.attempt)
-        key = ctx.idempotency_key
-        if key is not None:
-            headers[IDEMPOTENCY_HEADER] = key
         try:
             response = await self.transport.handle_async_request(request)
         except _NOT_SENT as e:

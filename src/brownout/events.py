@@ -16,8 +16,9 @@ are seconds; ``remaining`` is the time left on the request's deadline (``None``:
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
-from typing import Protocol, TypeVar, dataclass_transform, runtime_checkable
+from typing import Any, Protocol, TypeVar, dataclass_transform, runtime_checkable
 
 from .errors import Reason
 from .priority import Priority
@@ -43,6 +44,7 @@ __all__ = [
     "RequestOffered",
     "RequestQueued",
     "RequestShed",
+    "RequestsTallied",
     "RetryBudgetExhausted",
     "Sink",
     "StaleServed",
@@ -225,9 +227,49 @@ class DeadlineHeaderIgnored(Event):
     problem: str
 
 
+TallyRow = tuple[str, Priority, str, int, int, int, int]
+"""(operation, priority, caller, offered, admitted, completed, completed_late) in a tally."""
+
+
+@_event
+class RequestsTallied(Event):
+    """Counts of routine per-request decisions since the last tally, in one event (O1).
+
+    When every sink on a hub accepts tallies (``accepts_tallies = True``: `brownout.Stats`,
+    `ShedLog`, `OtelHistogramSink`), a bulkhead does not build `RequestOffered`,
+    `RequestAdmitted` (without queueing) and `RequestCompleted` per request: it counts them in
+    a `brownout.ledger.Ledger` and the ledger emits this event when a reader asks
+    (`EventHub.flush`), when it holds too many rows, and at most every ``flush_interval``.
+    Everything unusual (queueing, sheds, expiry, failures, abandonment) is still one event each.
+
+    - ``rows``: counts by (operation, priority, caller); ``admitted`` counts admissions that
+      did not wait (queue wait 0.0; admissions after a wait are `RequestAdmitted` events).
+    - ``latencies``: (operation, priority, seconds) of *sampled* useful successes: every one
+      with a deadline (its clock reads are needed anyway) and one in the bulkhead's
+      ``estimate_every`` of the others.
+    - ``remaining``: remaining deadline on arrival (seconds) of each offered request that had
+      a deadline.
+    """
+
+    rows: tuple[TallyRow, ...]
+    latencies: tuple[tuple[str, Priority, float], ...]
+    remaining: tuple[float, ...]
+
+
+class Flushable(Protocol):
+    """Something holding tallied counts that a hub can ask to emit them (a `Ledger`)."""
+
+    def flush(self) -> None: ...
+
+
 @runtime_checkable
 class Sink(Protocol):
-    """Receives events. Must be cheap and must not block: it runs on the request path."""
+    """Receives events. Must be cheap and must not block: it runs on the request path.
+
+    A sink with a true ``accepts_tallies`` attribute declares that it understands
+    `RequestsTallied` and does not need routine per-request events; while every sink on a hub
+    says so, emitters count routine decisions instead of building an event for each.
+    """
 
     def emit(self, event: Event) -> None: ...
 
@@ -237,31 +279,56 @@ class EventHub:
 
     A sink that raises is logged (once per sink type) and never breaks the request that
     triggered the event.
+
+    ``enabled``: at least one sink listens (emitters skip building events otherwise).
+    ``tallying``: every sink accepts tallies, so emitters with a `Ledger` count routine
+    per-request decisions instead of emitting them (`RequestsTallied`). Readers of aggregated
+    state call `flush` first; a sink with a ``subscribed_to(hub)`` method is told which hubs
+    feed it so it can.
     """
 
-    __slots__ = ("_complained", "_sinks")
+    __slots__ = ("__weakref__", "_complained", "_ledgers", "_sinks", "enabled", "tallying")
 
     def __init__(self) -> None:
         self._sinks: tuple[Sink, ...] = ()
         self._complained: set[type] = set()
-
-    @property
-    def enabled(self) -> bool:
-        """True when at least one sink listens; emitters skip building events otherwise."""
-        return bool(self._sinks)
+        self._ledgers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.enabled = False
+        self.tallying = False
 
     def subscribe(self, sink: Sink) -> Sink:
         """Add a sink (idempotent); returns it so it can be kept for `unsubscribe`."""
         if sink not in self._sinks:
+            self.flush()  # counts so far belong to the sinks that were listening
             self._sinks = (*self._sinks, sink)
+            self._update()
+            told = getattr(sink, "subscribed_to", None)
+            if told is not None:
+                told(self)
         return sink
 
     def unsubscribe(self, sink: Sink) -> None:
+        self.flush()
         self._sinks = tuple(s for s in self._sinks if s is not sink)
+        self._update()
+
+    def _update(self) -> None:
+        sinks = self._sinks
+        self.enabled = bool(sinks)
+        self.tallying = bool(sinks) and all(getattr(s, "accepts_tallies", False) for s in sinks)
 
     @property
     def sinks(self) -> tuple[Sink, ...]:
         return self._sinks
+
+    def register_ledger(self, ledger: Flushable) -> None:
+        """Remember a ledger that emits here, so `flush` reaches it (held weakly)."""
+        self._ledgers.add(ledger)
+
+    def flush(self) -> None:
+        """Ask every ledger emitting on this hub to emit what it has counted."""
+        for ledger in list(self._ledgers):
+            ledger.flush()
 
     def emit(self, event: Event) -> None:
         for sink in self._sinks:

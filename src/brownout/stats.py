@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -33,6 +34,7 @@ from .events import (
     DeadlineHeaderIgnored,
     DegradedModeChanged,
     Event,
+    EventHub,
     LimitChanged,
     OutcomeUnknown,
     OverloadLevelChanged,
@@ -45,6 +47,7 @@ from .events import (
     RequestOffered,
     RequestQueued,
     RequestShed,
+    RequestsTallied,
     RetryBudgetExhausted,
 )
 from .priority import Priority
@@ -133,7 +136,7 @@ class LabelCap:
         self.max_values = max_values
         self._known: set[str] = set()
 
-    def __call__(self, value: str) -> str:
+    def __call__(self, value: str, weight: int = 1) -> str:
         known = self._known
         if value in known:
             return value
@@ -193,24 +196,26 @@ class TopKLabels:
         self._max_candidates = 4 * max_values
         self._seen = 0
 
-    def __call__(self, value: str) -> str:
-        self._seen += 1
+    def __call__(self, value: str, weight: int = 1) -> str:
+        """The label for ``value``; ``weight``: how many hits this lookup stands for (a
+        tally of several requests is looked up once)."""
+        self._seen += weight
         if self._seen >= self.epoch:
             self._rebalance()
         hits = self._hits
         n = hits.get(value)
         if n is not None:
-            hits[value] = n + 1
+            hits[value] = n + weight
             return value
         if len(hits) < self.max_values:
-            hits[value] = 1
+            hits[value] = weight
             return value
         cand = self._candidates
         c = cand.get(value)
         if c is not None:
-            cand[value] = c + 1
+            cand[value] = c + weight
         elif len(cand) < self._max_candidates:
-            cand[value] = 1
+            cand[value] = weight
         else:
             # Misra-Gries: decrement everyone; one-shot values vanish, heavy ones survive.
             self._candidates = {k: v - 1 for k, v in cand.items() if v > 1}
@@ -278,6 +283,16 @@ class LatencyHistogram:
         if seconds > self.max:
             self.max = seconds
 
+    def observe_many(self, seconds: float, n: int) -> None:
+        """``n`` observations of the same value (e.g. zero queue waits from a tally)."""
+        if n <= 0:
+            return
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += n
+        self.count += n
+        self.sum += seconds * n
+        if seconds > self.max:
+            self.max = seconds
+
     def quantile(self, q: float) -> float:
         """Estimate the ``q`` quantile (0..1) by interpolating inside the bucket; NaN if empty."""
         if self.count == 0:
@@ -342,7 +357,15 @@ class Stats:
     operations per event; reading (`count`, `snapshot`, `rows`, `gauges`, exporters) does the
     aggregation. ``max_series`` bounds the number of counter rows: past it, new rows fold the
     caller, then the operation, into ``"other"``.
+
+    `Stats` accepts tallies (`brownout.events.RequestsTallied`): while it and the other sinks
+    on a hub do, bulkheads count routine requests instead of emitting three events each, and
+    every read first flushes the hubs it is subscribed to (`sync`), so what a reader sees
+    includes every request that has finished. Success latency is then a sample: every
+    success with a deadline, and one in ``estimate_every`` (16) of those without.
     """
+
+    accepts_tallies = True
 
     def __init__(
         self,
@@ -404,7 +427,10 @@ class Stats:
         self._clock = clock if clock is not None else default_clock()
         self._watched: list[Callable[[], Observable | None]] = []
         self._complained: set[int] = set()
+        self._hubs: list[weakref.ref[EventHub]] = []
+        self._syncing = threading.Lock()
         self._dispatch: dict[type, Callable[[Any], None]] = {
+            RequestsTallied: self._tallied,
             RequestOffered: self._offered,
             RequestQueued: self._queued,
             RequestAdmitted: self._admitted,
@@ -430,15 +456,39 @@ class Stats:
         if handler is not None:
             handler(event)
 
+    def subscribed_to(self, hub: EventHub) -> None:
+        """Called by `EventHub.subscribe`: reads flush ``hub`` first (see `sync`)."""
+        if all(r() is not hub for r in self._hubs):
+            self._hubs.append(weakref.ref(hub))
+
+    def sync(self) -> None:
+        """Fold in what ledgers on the subscribed hubs have counted but not yet emitted.
+
+        Every read method calls it; call it yourself before reading the public tables
+        (`success_latency`, `queue_wait`, `remaining_on_arrival`) directly.
+        """
+        if not self._hubs:
+            return
+        with self._syncing:
+            for ref in list(self._hubs):
+                hub = ref()
+                if hub is not None:
+                    hub.flush()
+
     def _labels(self, e: Any) -> _Labels:
-        raw = (e.source, e.operation, e.priority, e.caller)
+        return self._labels_of(e.source, e.operation, e.priority, e.caller)
+
+    def _labels_of(
+        self, source: str, operation: str, priority: int, caller: str, weight: int = 1
+    ) -> _Labels:
+        raw = (source, operation, priority, caller)
         labels = self._label_cache.get(raw)
         if labels is None:
             labels = (
-                self.sources(e.source),
-                self.operations(e.operation),
-                _PRIORITY_LABELS[e.priority],
-                self.callers(e.caller),
+                self.sources(source),
+                self.operations(operation),
+                _PRIORITY_LABELS[priority],
+                self.callers(caller, weight),
             )
             if labels[3] != OTHER:
                 cache = self._label_cache
@@ -465,7 +515,7 @@ class Stats:
             self._rebalance_callers()
         return labels
 
-    def _bump(self, kind: str, labels: _Labels, reason: str = "") -> None:
+    def _bump(self, kind: str, labels: _Labels, reason: str = "", by: int = 1) -> None:
         key = (kind, labels, reason)
         rows = self._rows
         n = rows.get(key)
@@ -473,8 +523,8 @@ class Stats:
             if len(rows) >= self.max_series:
                 key = self._overflow(key)
             n = rows.get(key, 0)
-        rows[key] = n + 1
-        self._epoch_left -= 1
+        rows[key] = n + by
+        self._epoch_left -= by
         if self._epoch_left <= 0:
             self._rebalance_callers()
 
@@ -515,6 +565,35 @@ class Stats:
         if h is None:
             h = table[key] = LatencyHistogram()
         return h
+
+    def _tallied(self, e: RequestsTallied) -> None:
+        source = e.source
+        admitted_now = 0
+        for operation, priority, caller, offered, admitted, completed, late in e.rows:
+            labels = self._labels_of(
+                source, operation, priority, caller, offered + admitted + completed + late
+            )
+            if offered:
+                self._bump("offered", labels, "", offered)
+            if admitted:
+                self._bump("admitted", labels, "", admitted)
+                admitted_now += admitted
+            if completed:
+                self._bump("completed", labels, "", completed)
+            if late:
+                self._bump("completed_late", labels, "", late)
+        hop = self.sources(source)
+        if admitted_now:
+            self._hist(self.queue_wait, hop).observe_many(0.0, admitted_now)
+        if e.remaining:
+            h = self._hist(self.remaining_on_arrival, hop)
+            for seconds in e.remaining:
+                h.observe(seconds)
+        ops = self.operations
+        for operation, priority, seconds in e.latencies:
+            self._hist(self.success_latency, (ops(operation), _PRIORITY_LABELS[priority])).observe(
+                seconds
+            )
 
     def _offered(self, e: RequestOffered) -> None:
         labels = self._count("offered", e)
@@ -637,6 +716,7 @@ class Stats:
 
         An observable's reading replaces an event-derived one with the same name and labels.
         """
+        self.sync()
         out: dict[tuple[str, tuple[tuple[str, str], ...]], Gauge] = {}
 
         def put(name: str, labels: Mapping[str, str], value: float) -> None:
@@ -684,6 +764,7 @@ class Stats:
     def rows(self) -> dict[Row, int]:
         """Counter values by (kind, source, operation, priority, caller, reason): what
         exporters read. A fresh dict."""
+        self.sync()
         return {
             (kind, *labels, reason): n for (kind, labels, reason), n in list(self._rows.items())
         }
@@ -692,6 +773,7 @@ class Stats:
     def counters(self) -> dict[Key, int]:
         """Counter values summed over sources, keyed (kind, operation, priority, caller,
         reason). A fresh dict: read it, do not write to it."""
+        self.sync()
         out: dict[Key, int] = {}
         for (kind, (_src, op, pr, ca), re), n in list(self._rows.items()):
             key = (kind, op, pr, ca, re)
@@ -711,6 +793,7 @@ class Stats:
         """Sum of one counter over every label set matching the given labels."""
         if kind not in COUNTER_KINDS:
             raise ValueError(f"unknown counter {kind!r}; one of {COUNTER_KINDS}")
+        self.sync()
         total = 0
         for (k, (src, op, pr, ca), re), n in list(self._rows.items()):
             if (
@@ -728,6 +811,7 @@ class Stats:
         self, operation: str | None = None, priority: str | None = None
     ) -> LatencyHistogram:
         """Merged success-latency histogram for the matching operation/priority."""
+        self.sync()
         out = LatencyHistogram()
         for (op, pr), h in list(self.success_latency.items()):
             if (operation is None or op == operation) and (priority is None or pr == priority):
@@ -740,6 +824,7 @@ class Stats:
 
     def series_count(self) -> int:
         """How many counter and histogram series exist: what the label caps bound."""
+        self.sync()
         return (
             len(self._rows)
             + len(self.success_latency)
@@ -749,6 +834,7 @@ class Stats:
 
     def snapshot(self) -> dict[str, Any]:
         """A JSON-able summary: totals per kind and reason, success latency, state gauges."""
+        self.sync()
         totals: dict[str, int] = dict.fromkeys(COUNTER_KINDS, 0)
         shed_by_reason: dict[str, int] = {}
         for (kind, _labels, reason), n in list(self._rows.items()):
@@ -774,6 +860,7 @@ class Stats:
 
     def reset(self) -> None:
         """Forget all counts and histograms (label caps keep what they learned)."""
+        self.sync()  # counts pending in ledgers belong to the period being forgotten
         self._rows.clear()
         self._activity_base.clear()
         self.success_latency.clear()

@@ -47,6 +47,7 @@ from ..events import (
     RequestShed,
 )
 from ..events import hub as default_hub
+from ..ledger import ADMITTED, COMPLETED, HELD, LATE, OFFERED, Ledger
 from ..priority import Priority
 from .estimator import LatencyEstimator
 from .limits import Limit
@@ -64,6 +65,7 @@ _UNTIMED_SHARED = -1e300  # untimed, but must take the full release path (share 
 _NEW, _QUEUED, _ADMITTED, _DONE = 0, 1, 2, 3
 _SUCCESS, _FAILED, _DROPPED, _IGNORED = 0, 1, 2, 3
 _CRITICAL_PLUS = Priority.CRITICAL_PLUS
+_OFFERED, _ADMITTED_NOW, _COMPLETED, _LATE, _HELD = OFFERED, ADMITTED, COMPLETED, LATE, HELD
 _CAPACITY_REASONS = frozenset(
     {Reason.QUEUE_FULL, Reason.QUEUE_TIMEOUT, Reason.OVERLOADED, Reason.FAIR_SHARE}
 )
@@ -87,6 +89,7 @@ class Permit(QueueItem):
     __slots__ = (
         "_bulkhead",
         "_future",
+        "_row",
         "_state",
         "_timer",
         "admitted_at",
@@ -95,6 +98,8 @@ class Permit(QueueItem):
     )
 
     _future: asyncio.Future[None]
+    _row: list[int] | None
+    """This permit's row in the bulkhead's `Ledger` while the hub tallies, else None."""
     _timer: asyncio.TimerHandle | None
     """Deadline timer, only when the deadline comes before the queue's age bound."""
     in_flight_at_admit: int
@@ -120,6 +125,7 @@ class Permit(QueueItem):
         self.deadline_at = deadline_at
         self.in_progress = in_progress
         self._state = _NEW
+        self._row = None
         # queued, queue_wait, admitted_at are set when they become meaningful (hot path).
 
     # -- outcome reports -------------------------------------------------------------------
@@ -150,11 +156,40 @@ class Permit(QueueItem):
         n = b._in_flight
         # Fast path, inlined: a plain bulkhead (no adaptive limit, no overload manager) with
         # room, nothing queued, no deadline to check and nobody listening.
-        if n < b._limit_value and b._plain and not b._queue.size and not b._events.enabled:
+        if n < b._limit_value and b._plain and not b._queue.size:
             d_at = self.deadline_at
-            # With a deadline, only work that clearly fits stays on the fast path; refusals
-            # (expired, too short) take the full path below, which reports them.
-            if d_at == _INF or b._fits(self.operation, d_at):
+            events = b._events
+            if not events.enabled:
+                # With a deadline, only work that clearly fits stays on the fast path;
+                # refusals (expired, too short) take the full path below, which reports them.
+                if d_at == _INF or b._fits(self.operation, d_at):
+                    n += 1
+                    b._in_flight = n
+                    self.in_flight_at_admit = n
+                    self.queue_wait = 0.0
+                    self._state = _ADMITTED
+                    tick = b._tick - 1
+                    if tick:
+                        b._tick = tick
+                        self.admitted_at = _UNTIMED
+                    else:
+                        b._time_sample(self)
+                    return self
+            elif d_at == _INF and events.tallying:
+                # Observed, and every sink accepts tallies: count, do not build events.
+                ledger = b._ledger
+                if ledger is None:
+                    ledger = b._new_ledger()
+                try:
+                    row = ledger.index[self.caller][self.operation][self.priority]
+                except KeyError:
+                    row = None
+                if row is None:
+                    row = ledger.row(self.operation, self.priority, self.caller)
+                row[_OFFERED] += 1
+                row[_ADMITTED_NOW] += 1
+                row[_HELD] += 1
+                self._row = row
                 n += 1
                 b._in_flight = n
                 self.in_flight_at_admit = n
@@ -184,6 +219,10 @@ class Permit(QueueItem):
                 self._state = _DONE
                 b = self._bulkhead
                 b._in_flight -= 1
+                row = self._row
+                if row is not None:  # tallied, no deadline (those are timed): goodput
+                    row[_COMPLETED] += 1
+                    row[_HELD] -= 1
                 if b._queue.size:
                     b._drain()
                 return
@@ -266,8 +305,11 @@ class Bulkhead:
         self._plain = overload is None and not self._adaptive and self._held is None
         if estimate_every < 1:
             raise ValueError("estimate_every must be at least 1")
-        self._sample_every = estimate_every if estimator is not None else 1 << 62
+        # One admission in ``estimate_every`` is timed: for the estimator, and for the latency
+        # sample of a tallying hub (`_time_sample` skips the clock when neither needs it).
+        self._sample_every = estimate_every
         self._tick = 1
+        self._ledger: Ledger | None = None
         self._in_flight = 0
         self._sweep: asyncio.TimerHandle | None = None
         self._sweep_loop: asyncio.AbstractEventLoop | None = None
@@ -359,6 +401,7 @@ class Bulkhead:
             p.deadline_at = self._deadline_at(deadline)
         p.in_progress = ctx.in_progress if in_progress is None else in_progress
         p._state = _NEW
+        p._row = None
         return p
 
     def try_admit(
@@ -417,25 +460,44 @@ class Bulkhead:
         """Entry checks and the fast path. True: admitted; False: should wait; or raises."""
         events = self._events
         d_at = p.deadline_at
+        now: float | None = None
         if events.enabled:
-            now = self._clock.now()
-            events.emit(
-                RequestOffered(
-                    now,
-                    self.name,
-                    p.operation,
-                    p.priority,
-                    p.caller,
-                    None if d_at == _INF else max(0.0, d_at - now),
+            if events.tallying:
+                ledger = self._ledger
+                if ledger is None:
+                    ledger = self._new_ledger()
+                try:
+                    row = ledger.index[p.caller][p.operation][p.priority]
+                except KeyError:
+                    row = None
+                if row is None:
+                    row = ledger.row(p.operation, p.priority, p.caller)
+                row[_OFFERED] += 1
+                p._row = row
+                if d_at != _INF:
+                    now = self._clock.now()
+                    ledger.sample_remaining(max(0.0, d_at - now))
+            else:
+                now = self._clock.now()
+                events.emit(
+                    RequestOffered(
+                        now,
+                        self.name,
+                        p.operation,
+                        p.priority,
+                        p.caller,
+                        None if d_at == _INF else max(0.0, d_at - now),
+                    )
                 )
-            )
         ov = self._overload
         if ov is not None and p.priority < ov.shed_below:
             raise self._refuse(
                 p, Reason.OVERLOADED, "shedding this priority under overload", 0.0, justified=True
             )
         if d_at != _INF:
-            left = d_at - self._clock.now()
+            if now is None:
+                now = self._clock.now()
+            left = d_at - now
             if left <= 0.0:
                 raise self._refuse(p, Reason.DEADLINE_EXPIRED, "the deadline already passed", 0.0)
             est = self._estimator
@@ -456,10 +518,10 @@ class Bulkhead:
             # waiters held back by their share keep slots free for work that outranks them
             or self._queue.peek_rank() < rank_of(p.priority, p.in_progress)
         ):
-            self._grant(p, n, 0.0)
+            self._grant(p, n, 0.0, now, False)
             return True
         if p.priority is _CRITICAL_PLUS and n < self._limit_value + self._reserve:
-            self._grant(p, n, 0.0)
+            self._grant(p, n, 0.0, now, False)
             return True
         return False
 
@@ -477,20 +539,46 @@ class Bulkhead:
                 return True
         return self._queue.peek_rank() // 2 > priority
 
-    def _grant(self, p: Permit, n: int, queue_wait: float) -> None:
+    def _grant(self, p: Permit, n: int, queue_wait: float, now: float | None, queued: bool) -> None:
+        """Give ``p`` a slot. ``now``: a clock reading already taken, if any."""
         n += 1
         self._in_flight = n
         p.in_flight_at_admit = n
         p.queue_wait = queue_wait
         p._state = _ADMITTED
         events = self._events
-        if events.enabled:
-            p.admitted_at = now = self._clock.now()
+        row = p._row
+        if row is not None:
+            # Tallied: count a plain admission; one that waited is news (its queue wait).
+            row[_HELD] += 1
+            if queued:
+                if now is None:
+                    now = self._clock.now()
+                events.emit(
+                    RequestAdmitted(now, self.name, p.operation, p.priority, p.caller, queue_wait)
+                )
+            else:
+                row[_ADMITTED_NOW] += 1
+            if p.deadline_at != _INF or self._adaptive or queued:
+                # Timed: a deadline needs a clock reading at release anyway (within it or
+                # late?), and this one was taken at admission.
+                p.admitted_at = self._clock.now() if now is None else now
+            else:
+                tick = self._tick - 1
+                if tick:
+                    self._tick = tick
+                    p.admitted_at = _UNTIMED
+                else:
+                    self._time_sample(p)
+        elif events.enabled:
+            if now is None:
+                now = self._clock.now()
+            p.admitted_at = now
             events.emit(
                 RequestAdmitted(now, self.name, p.operation, p.priority, p.caller, queue_wait)
             )
         elif self._adaptive:
-            p.admitted_at = self._clock.now()
+            p.admitted_at = self._clock.now() if now is None else now
         else:
             tick = self._tick - 1
             if tick:
@@ -505,11 +593,23 @@ class Bulkhead:
                 p.admitted_at = _UNTIMED_SHARED
 
     def _time_sample(self, p: Permit) -> None:
-        # The estimator needs a sample now and then, not every request: timing one admission
-        # in ``estimate_every`` keeps two clock reads off most fast paths. Without an
-        # estimator the countdown is so long it never reaches zero in practice.
+        # The estimator and the latency sample of a tallying hub need a sample now and then,
+        # not every request: timing one admission in ``estimate_every`` keeps two clock reads
+        # off most fast paths.
         self._tick = self._sample_every
-        p.admitted_at = _UNTIMED if self._estimator is None else self._clock.now()
+        if self._estimator is None and not (p._row is not None and self._events.tallying):
+            p.admitted_at = _UNTIMED
+        else:
+            p.admitted_at = self._clock.now()
+
+    def _new_ledger(self) -> Ledger:
+        self._ledger = Ledger(self.name, self._events, self._clock)
+        return self._ledger
+
+    @property
+    def ledger(self) -> Ledger | None:
+        """Routine outcomes counted while the hub tallies (`brownout.ledger`), else None."""
+        return self._ledger
 
     async def _wait(self, p: Permit) -> None:
         q = self._queue
@@ -671,7 +771,7 @@ class Bulkhead:
                 continue
             if p._timer is not None:
                 p._timer.cancel()
-            self._grant(p, n, now - p.enqueued_at)
+            self._grant(p, n, now - p.enqueued_at, now, True)
             p._future.set_result(None)
 
     # -- release ---------------------------------------------------------------------------
@@ -685,6 +785,9 @@ class Bulkhead:
         held = self._held
         if held is not None:
             held[p.priority] -= 1
+        row = p._row
+        if row is not None:
+            row[_HELD] -= 1
         if start > _UNTIMED_SHARED:
             now = self._clock.now()
             rtt = now - start
@@ -699,10 +802,34 @@ class Bulkhead:
                 est.observe(p.operation, rtt)
                 if self._queue.scales_with_service:
                     self._queue.note_service(rtt, self._limit_value)
-            if events.enabled:
+            if row is not None:
+                self._tally_outcome(p, row, outcome, error, now, rtt)
+            elif events.enabled:
                 self._emit_outcome(p, outcome, error, now, rtt)
+        elif row is not None:
+            # Tallied and untimed, so no deadline: a success is goodput. Anything else is
+            # news; its latency was not measured (NaN).
+            if outcome == _SUCCESS:
+                row[_COMPLETED] += 1
+            else:
+                self._emit_outcome(p, outcome, error, self._clock.now(), math.nan)
         if self._queue.size:
             self._drain()
+
+    def _tally_outcome(
+        self, p: Permit, row: list[int], outcome: int, error: str | None, now: float, rtt: float
+    ) -> None:
+        if outcome != _SUCCESS:
+            self._emit_outcome(p, outcome, error, now, rtt)
+            return
+        ledger = self._ledger
+        assert ledger is not None
+        if now <= p.deadline_at:
+            row[_COMPLETED] += 1
+            ledger.sample_latency(p.operation, p.priority, rtt + p.queue_wait)
+        else:
+            row[_LATE] += 1
+        ledger.tick(now)
 
     def _emit_outcome(
         self, p: Permit, outcome: int, error: str | None, now: float, rtt: float

@@ -45,6 +45,9 @@ class ShedLog:
     periodically while `run` is running (start it as a task to get summaries after a burst ends).
     """
 
+    accepts_tallies = True
+    """Only sheds matter here, and those are always one event each: tallies are ignored."""
+
     def __init__(
         self,
         logger: logging.Logger | None = None,

@@ -20,7 +20,7 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
 
 from ..clock import Clock, default_clock
-from ..events import Event, RequestAdmitted, RequestCompleted, RequestOffered
+from ..events import Event, RequestAdmitted, RequestCompleted, RequestOffered, RequestsTallied
 from ..stats import Gauge, LabelCap, LatencyHistogram, Stats
 from .catalog import COUNTERS, GAUGES, HISTOGRAMS, STATE_COUNTERS
 
@@ -148,6 +148,7 @@ class OtelMetrics:
     def _hist_items(
         self, table: str, labels: tuple[str, ...]
     ) -> list[tuple[Mapping[str, str], LatencyHistogram]]:
+        self.stats.sync()
         htable: dict[Any, LatencyHistogram] = getattr(self.stats, table)
         out: list[tuple[Mapping[str, str], LatencyHistogram]] = []
         for key, hist in list(htable.items()):
@@ -175,7 +176,14 @@ class OtelMetrics:
 
 class OtelHistogramSink:
     """An event sink recording real OpenTelemetry histograms: useful-success latency (O3),
-    queue wait and remaining deadline on arrival per hop (O2). Subscribe it to a hub."""
+    queue wait and remaining deadline on arrival per hop (O2). Subscribe it to a hub.
+
+    It accepts tallies (`RequestsTallied`): the success latencies it records are then the
+    ledger's sample (every success with a deadline, one in ``estimate_every`` of the others)
+    and arrive when the ledger flushes (at most ``flush_interval``, 1 s, after the request).
+    """
+
+    accepts_tallies = True
 
     def __init__(
         self,
@@ -197,7 +205,9 @@ class OtelHistogramSink:
         self._sources = LabelCap(max_sources)
 
     def emit(self, event: Event) -> None:
-        if isinstance(event, RequestCompleted):
+        if isinstance(event, RequestsTallied):
+            self._tallied(event)
+        elif isinstance(event, RequestCompleted):
             if event.useful:
                 attrs = {"operation": self._operations(event.operation)}
                 attrs["priority"] = event.priority.label
@@ -206,3 +216,14 @@ class OtelHistogramSink:
             self._queue_wait.record(event.queue_wait, {"source": self._sources(event.source)})
         elif isinstance(event, RequestOffered) and event.remaining is not None:
             self._remaining.record(event.remaining, {"source": self._sources(event.source)})
+
+    def _tallied(self, e: RequestsTallied) -> None:
+        source = {"source": self._sources(e.source)}
+        admitted_now = sum(row[4] for row in e.rows)
+        for _ in range(admitted_now):  # the API records one value at a time
+            self._queue_wait.record(0.0, source)
+        for seconds in e.remaining:
+            self._remaining.record(seconds, source)
+        for operation, priority, seconds in e.latencies:
+            attrs = {"operation": self._operations(operation), "priority": priority.label}
+            self._success.record(seconds, attrs)

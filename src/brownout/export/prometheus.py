@@ -114,6 +114,7 @@ class BrownoutCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         stats = self.stats
+        stats.sync()  # one flush of the ledgers for the whole scrape
         families = self._counter_families()
         sums: dict[tuple[str, tuple[str, ...]], int] = {}
         for (kind, src, op, pr, ca, reason), n in list(stats.rows.items()):

@@ -31,12 +31,17 @@ from .priority import Priority
 if TYPE_CHECKING:
     from .clock import Clock
 
-__all__ = ["ADMITTED", "COMPLETED", "HELD", "LATE", "OFFERED", "Ledger"]
+__all__ = ["ADMITTED", "COMPLETED", "FAST", "LATE", "OFFERED", "OTHER", "WAITED", "Ledger", "held"]
 
-OFFERED, ADMITTED, COMPLETED, LATE, HELD = 0, 1, 2, 3, 4
-"""Row columns: the four counted outcomes, then how many permits hold the row now."""
-_COUNTED = 4
-_ROW_LEN = _COUNTED + 1 + _COUNTED  # counts, held, then the counts at the last flush
+FAST, OFFERED, ADMITTED, COMPLETED, LATE, WAITED, OTHER = 0, 1, 2, 3, 4, 5, 6
+"""Row columns. ``FAST``: offered and admitted at once on a bulkhead's fast path (one
+increment where the others take two); ``OFFERED`` and ``ADMITTED`` (without waiting): the same
+on the full path; ``COMPLETED`` within the deadline, ``LATE`` after it. ``WAITED`` (admitted
+after queueing) and ``OTHER`` (settled otherwise: failed, dropped, cancelled) are reported as
+events; they are counted here only so `held` needs no increment of its own on the fast path."""
+_COUNTED = 5  # FAST .. LATE are emitted; their values at the last flush follow the row
+_BASE = OTHER + 1
+_ROW_LEN = _BASE + _COUNTED
 _MAX_SAMPLES = 4096
 
 _BY_VALUE = tuple(sorted(Priority))
@@ -45,6 +50,11 @@ _PRIORITIES = len(_BY_VALUE)
 Index = dict[str, dict[str, list[list[int] | None]]]
 """caller -> operation -> a row per priority (None until used). Nested rather than keyed by a
 tuple: three subscripts cost half a tuple's build, hash and lookup on the admission path."""
+
+
+def held(row: list[int]) -> int:
+    """How many permits hold this row now (admitted and not yet settled)."""
+    return row[FAST] + row[ADMITTED] + row[WAITED] - row[COMPLETED] - row[LATE] - row[OTHER]
 
 
 class Ledger:
@@ -101,9 +111,7 @@ class Ledger:
             return row
         if self.row_count >= self.max_rows:
             self._compact()
-        by_priority = self.index.setdefault(caller, {}).setdefault(
-            operation, [None] * _PRIORITIES
-        )
+        by_priority = self.index.setdefault(caller, {}).setdefault(operation, [None] * _PRIORITIES)
         row = by_priority[priority] = [0] * _ROW_LEN
         self.row_count += 1
         return row
@@ -143,16 +151,24 @@ class Ledger:
             rows: list[TallyRow] = []
             for operation, priority, caller, row in self._rows():
                 # Read each count once: an increment racing this flush lands in the next one.
-                offered, admitted, completed, late = row[0], row[1], row[2], row[3]
-                d = (
-                    offered - row[5],
-                    admitted - row[6],
-                    completed - row[7],
-                    late - row[8],
-                )
-                if d[0] or d[1] or d[2] or d[3]:
-                    row[5], row[6], row[7], row[8] = offered, admitted, completed, late
-                    rows.append((operation, priority, caller, *d))
+                now_counts = row[:_COUNTED]
+                last = row[_BASE:]
+                if now_counts != last:
+                    fast, offered, admitted, completed, late = (
+                        a - b for a, b in zip(now_counts, last)
+                    )
+                    row[_BASE:] = now_counts
+                    rows.append(
+                        (
+                            operation,
+                            priority,
+                            caller,
+                            fast + offered,
+                            fast + admitted,
+                            completed,
+                            late,
+                        )
+                    )
             latencies, self.latencies = self.latencies, []
             remaining, self.remaining = self.remaining, []
             if not (rows or latencies or remaining):
@@ -169,7 +185,7 @@ class Ledger:
             index: Index = {}
             kept = 0
             for operation, priority, caller, row in self._rows():
-                if row[HELD] > 0:
+                if held(row) > 0:
                     by_priority = index.setdefault(caller, {}).setdefault(
                         operation, [None] * _PRIORITIES
                     )

@@ -20,7 +20,7 @@ from brownout.events import (
     RequestOffered,
     RequestsTallied,
 )
-from brownout.ledger import HELD, Ledger
+from brownout.ledger import Ledger, held
 
 pytestmark = pytest.mark.looptime
 
@@ -174,10 +174,11 @@ async def test_a_row_held_by_a_running_permit_survives_compaction() -> None:
     for i in range(3 * ledger.max_rows):
         async with b.admit(priority=Priority.SHEDDABLE, caller=f"c{i}", operation="/q"):
             pass
-    assert ledger.index["long"]["/stream"][Priority.CRITICAL] is not None
+    row = ledger.index["long"]["/stream"][Priority.CRITICAL]
+    assert row is not None and held(row) == 1
     await permit.__aexit__(None, None, None)
     row = ledger.index["long"]["/stream"][Priority.CRITICAL]
-    assert row is not None and row[HELD] == 0
+    assert row is not None and held(row) == 0
     assert stats.count("completed", caller="long") == 1
 
 

@@ -47,7 +47,7 @@ from ..events import (
     RequestShed,
 )
 from ..events import hub as default_hub
-from ..ledger import ADMITTED, COMPLETED, HELD, LATE, OFFERED, Ledger
+from ..ledger import ADMITTED, COMPLETED, FAST, LATE, OFFERED, OTHER, WAITED, Ledger
 from ..priority import Priority
 from .estimator import LatencyEstimator
 from .limits import Limit
@@ -65,7 +65,7 @@ _UNTIMED_SHARED = -1e300  # untimed, but must take the full release path (share 
 _NEW, _QUEUED, _ADMITTED, _DONE = 0, 1, 2, 3
 _SUCCESS, _FAILED, _DROPPED, _IGNORED = 0, 1, 2, 3
 _CRITICAL_PLUS = Priority.CRITICAL_PLUS
-_OFFERED, _ADMITTED_NOW, _COMPLETED, _LATE, _HELD = OFFERED, ADMITTED, COMPLETED, LATE, HELD
+_FAST, _OFFERED, _ADMITTED_NOW, _COMPLETED, _LATE = FAST, OFFERED, ADMITTED, COMPLETED, LATE
 _CAPACITY_REASONS = frozenset(
     {Reason.QUEUE_FULL, Reason.QUEUE_TIMEOUT, Reason.OVERLOADED, Reason.FAIR_SHARE}
 )
@@ -175,21 +175,9 @@ class Permit(QueueItem):
                     else:
                         b._time_sample(self)
                     return self
-            elif d_at == _INF and events.tallying:
+            elif d_at == _INF and self._row is not None:
                 # Observed, and every sink accepts tallies: count, do not build events.
-                ledger = b._ledger
-                if ledger is None:
-                    ledger = b._new_ledger()
-                try:
-                    row = ledger.index[self.caller][self.operation][self.priority]
-                except KeyError:
-                    row = None
-                if row is None:
-                    row = ledger.row(self.operation, self.priority, self.caller)
-                row[_OFFERED] += 1
-                row[_ADMITTED_NOW] += 1
-                row[_HELD] += 1
-                self._row = row
+                self._row[_FAST] += 1
                 n += 1
                 b._in_flight = n
                 self.in_flight_at_admit = n
@@ -222,7 +210,6 @@ class Permit(QueueItem):
                 row = self._row
                 if row is not None:  # tallied, no deadline (those are timed): goodput
                     row[_COMPLETED] += 1
-                    row[_HELD] -= 1
                 if b._queue.size:
                     b._drain()
                 return
@@ -388,9 +375,21 @@ class Bulkhead:
         # hot path (about 100 ns of a ~600 ns admit+release).
         p: Permit = _new(Permit)
         p._bulkhead = self
-        p.priority = ctx.priority if priority is None else priority
-        p.caller = ctx.caller if caller is None else caller
-        p.operation = ctx.operation if operation is None else operation
+        p.priority = priority = ctx.priority if priority is None else priority
+        p.caller = caller = ctx.caller if caller is None else caller
+        p.operation = operation = ctx.operation if operation is None else operation
+        if self._events.tallying:
+            # Every sink accepts tallies: this permit's outcomes are counted in its row.
+            ledger = self._ledger
+            if ledger is None:
+                ledger = self._new_ledger()
+            try:
+                row = ledger.index[caller][operation][priority]
+            except KeyError:
+                row = None
+            p._row = row if row is not None else ledger.row(operation, priority, caller)
+        else:
+            p._row = None
         if deadline is None:
             deadline = ctx.deadline
         if deadline is None:
@@ -401,7 +400,6 @@ class Bulkhead:
             p.deadline_at = self._deadline_at(deadline)
         p.in_progress = ctx.in_progress if in_progress is None else in_progress
         p._state = _NEW
-        p._row = None
         return p
 
     def try_admit(
@@ -462,20 +460,13 @@ class Bulkhead:
         d_at = p.deadline_at
         now: float | None = None
         if events.enabled:
-            if events.tallying:
-                ledger = self._ledger
-                if ledger is None:
-                    ledger = self._new_ledger()
-                try:
-                    row = ledger.index[p.caller][p.operation][p.priority]
-                except KeyError:
-                    row = None
-                if row is None:
-                    row = ledger.row(p.operation, p.priority, p.caller)
+            row = p._row
+            if row is not None:  # tallied (see `admit`)
                 row[_OFFERED] += 1
-                p._row = row
                 if d_at != _INF:
                     now = self._clock.now()
+                    ledger = self._ledger
+                    assert ledger is not None
                     ledger.sample_remaining(max(0.0, d_at - now))
             else:
                 now = self._clock.now()
@@ -550,8 +541,8 @@ class Bulkhead:
         row = p._row
         if row is not None:
             # Tallied: count a plain admission; one that waited is news (its queue wait).
-            row[_HELD] += 1
             if queued:
+                row[WAITED] += 1
                 if now is None:
                     now = self._clock.now()
                 events.emit(
@@ -786,8 +777,6 @@ class Bulkhead:
         if held is not None:
             held[p.priority] -= 1
         row = p._row
-        if row is not None:
-            row[_HELD] -= 1
         if start > _UNTIMED_SHARED:
             now = self._clock.now()
             rtt = now - start
@@ -812,6 +801,7 @@ class Bulkhead:
             if outcome == _SUCCESS:
                 row[_COMPLETED] += 1
             else:
+                row[OTHER] += 1
                 self._emit_outcome(p, outcome, error, self._clock.now(), math.nan)
         if self._queue.size:
             self._drain()
@@ -820,6 +810,7 @@ class Bulkhead:
         self, p: Permit, row: list[int], outcome: int, error: str | None, now: float, rtt: float
     ) -> None:
         if outcome != _SUCCESS:
+            row[OTHER] += 1
             self._emit_outcome(p, outcome, error, now, rtt)
             return
         ledger = self._ledger

@@ -31,7 +31,18 @@ from .priority import Priority
 if TYPE_CHECKING:
     from .clock import Clock
 
-__all__ = ["ADMITTED", "COMPLETED", "FAST", "LATE", "OFFERED", "OTHER", "WAITED", "Ledger", "held"]
+__all__ = [
+    "ADMITTED",
+    "COMPLETED",
+    "FAST",
+    "LATE",
+    "MAX_SAMPLES",
+    "OFFERED",
+    "OTHER",
+    "WAITED",
+    "Ledger",
+    "held",
+]
 
 FAST, OFFERED, ADMITTED, COMPLETED, LATE, WAITED, OTHER = 0, 1, 2, 3, 4, 5, 6
 """Row columns. ``FAST``: offered and admitted at once on a bulkhead's fast path (one
@@ -42,7 +53,8 @@ events; they are counted here only so `held` needs no increment of its own on th
 _COUNTED = 5  # FAST .. LATE are emitted; their values at the last flush follow the row
 _BASE = OTHER + 1
 _ROW_LEN = _BASE + _COUNTED
-_MAX_SAMPLES = 4096
+MAX_SAMPLES = 4096
+"""Latency or remaining-deadline samples held before a flush."""
 
 _BY_VALUE = tuple(sorted(Priority))
 _PRIORITIES = len(_BY_VALUE)
@@ -128,13 +140,13 @@ class Ledger:
     def sample_latency(self, operation: str, priority: Priority, seconds: float) -> None:
         latencies = self.latencies
         latencies.append((operation, priority, seconds))
-        if len(latencies) >= _MAX_SAMPLES:
+        if len(latencies) >= MAX_SAMPLES:
             self.flush()
 
     def sample_remaining(self, seconds: float) -> None:
         remaining = self.remaining
         remaining.append(seconds)
-        if len(remaining) >= _MAX_SAMPLES:
+        if len(remaining) >= MAX_SAMPLES:
             self.flush()
 
     def tick(self, now: float) -> None:

@@ -283,6 +283,20 @@ class LatencyHistogram:
         if seconds > self.max:
             self.max = seconds
 
+    def observe_all(self, values: list[float]) -> None:
+        """Observe every value (a batch from a tally)."""
+        if not values:
+            return
+        counts = self.counts
+        bounds = self.bounds
+        for seconds in values:
+            counts[bisect.bisect_left(bounds, seconds)] += 1
+        self.count += len(values)
+        self.sum += math.fsum(values)
+        top = max(values)
+        if top > self.max:
+            self.max = top
+
     def observe_many(self, seconds: float, n: int) -> None:
         """``n`` observations of the same value (e.g. zero queue waits from a tally)."""
         if n <= 0:
@@ -589,11 +603,19 @@ class Stats:
             h = self._hist(self.remaining_on_arrival, hop)
             for seconds in e.remaining:
                 h.observe(seconds)
-        ops = self.operations
+        # Grouped per histogram first: one label lookup per (operation, priority), not per
+        # sample (a flush can carry thousands).
+        groups: dict[tuple[str, Priority], list[float]] = {}
         for operation, priority, seconds in e.latencies:
-            self._hist(self.success_latency, (ops(operation), _PRIORITY_LABELS[priority])).observe(
-                seconds
-            )
+            group = groups.get((operation, priority))
+            if group is None:
+                groups[(operation, priority)] = [seconds]
+            else:
+                group.append(seconds)
+        ops = self.operations
+        for (operation, priority), values in groups.items():
+            key = (ops(operation), _PRIORITY_LABELS[priority])
+            self._hist(self.success_latency, key).observe_all(values)
 
     def _offered(self, e: RequestOffered) -> None:
         labels = self._count("offered", e)

@@ -47,7 +47,17 @@ from ..events import (
     RequestShed,
 )
 from ..events import hub as default_hub
-from ..ledger import ADMITTED, COMPLETED, FAST, LATE, OFFERED, OTHER, WAITED, Ledger
+from ..ledger import (
+    ADMITTED,
+    COMPLETED,
+    FAST,
+    LATE,
+    MAX_SAMPLES,
+    OFFERED,
+    OTHER,
+    WAITED,
+    Ledger,
+)
 from ..priority import Priority
 from .estimator import LatencyEstimator
 from .limits import Limit
@@ -65,6 +75,7 @@ _UNTIMED_SHARED = -1e300  # untimed, but must take the full release path (share 
 _NEW, _QUEUED, _ADMITTED, _DONE = 0, 1, 2, 3
 _SUCCESS, _FAILED, _DROPPED, _IGNORED = 0, 1, 2, 3
 _CRITICAL_PLUS = Priority.CRITICAL_PLUS
+_MAX_SAMPLES = MAX_SAMPLES
 _FAST, _OFFERED, _ADMITTED_NOW, _COMPLETED, _LATE = FAST, OFFERED, ADMITTED, COMPLETED, LATE
 _CAPACITY_REASONS = frozenset(
     {Reason.QUEUE_FULL, Reason.QUEUE_TIMEOUT, Reason.OVERLOADED, Reason.FAIR_SHARE}
@@ -817,10 +828,11 @@ class Bulkhead:
         assert ledger is not None
         if now <= p.deadline_at:
             row[_COMPLETED] += 1
-            ledger.sample_latency(p.operation, p.priority, rtt + p.queue_wait)
+            ledger.latencies.append((p.operation, p.priority, rtt + p.queue_wait))
         else:
             row[_LATE] += 1
-        ledger.tick(now)
+        if now >= ledger.next_flush or len(ledger.latencies) >= _MAX_SAMPLES:
+            ledger.flush(now)
 
     def _emit_outcome(
         self, p: Permit, outcome: int, error: str | None, now: float, rtt: float

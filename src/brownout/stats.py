@@ -443,6 +443,7 @@ class Stats:
         self._complained: set[int] = set()
         self._hubs: list[weakref.ref[EventHub]] = []
         self._syncing = threading.Lock()
+        self._recording = threading.Lock()
         self._dispatch: dict[type, Callable[[Any], None]] = {
             RequestsTallied: self._tallied,
             RequestOffered: self._offered,
@@ -468,7 +469,10 @@ class Stats:
     def emit(self, event: Event) -> None:
         handler = self._dispatch.get(type(event))
         if handler is not None:
-            handler(event)
+            # A tally can arrive on a scrape thread (a read flushes the ledgers there) while
+            # the loop thread records events: updates are serialized so none is lost.
+            with self._recording:
+                handler(event)
 
     def subscribed_to(self, hub: EventHub) -> None:
         """Called by `EventHub.subscribe`: reads flush ``hub`` first (see `sync`)."""
@@ -883,6 +887,10 @@ class Stats:
     def reset(self) -> None:
         """Forget all counts and histograms (label caps keep what they learned)."""
         self.sync()  # counts pending in ledgers belong to the period being forgotten
+        with self._recording:
+            self._forget()
+
+    def _forget(self) -> None:
         self._rows.clear()
         self._activity_base.clear()
         self.success_latency.clear()

@@ -216,6 +216,33 @@ async def test_a_flush_from_another_thread_loses_no_count() -> None:
     assert stats.count("offered") == 10_000
 
 
+async def test_tallies_folded_on_a_scrape_thread_and_events_on_the_loop_lose_nothing() -> None:
+    # "admitted" arrives both ways: tallied (admitted at once) and as events (after a wait).
+    b, stats, _hub = observed(limit=4, reserve=0)
+    stop = threading.Event()
+
+    def scraper() -> None:
+        while not stop.is_set():
+            stats.rows  # noqa: B018 - a read flushes the ledger on this thread
+
+    async def work() -> None:
+        async with b.admit(priority=Priority.CRITICAL, caller="web", operation="/q"):
+            await asyncio.sleep(0)
+
+    t = threading.Thread(target=scraper)
+    t.start()
+    try:
+        for _ in range(100):
+            await asyncio.gather(*(work() for _ in range(8)))  # 4 run, 4 wait
+    finally:
+        stop.set()
+        t.join()
+    assert stats.count("admitted") == 800
+    assert stats.count("completed") == 800
+    assert stats.count("queued") >= 100  # the event path was exercised every round
+    assert stats.queue_wait["api"].count == 800  # zero waits tallied + real waits as events
+
+
 def test_ledger_rejects_a_bad_bound() -> None:
     with pytest.raises(ValueError):
         Ledger("x", EventHub(), ManualClock(), max_rows=0)

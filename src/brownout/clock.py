@@ -10,8 +10,10 @@ the time base of the standard asyncio and uvloop loops.
 from __future__ import annotations
 
 import time
-from asyncio import _get_running_loop
-from typing import Protocol, runtime_checkable
+from asyncio import BaseEventLoop, _get_running_loop
+from collections.abc import Callable
+from threading import get_ident
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["Clock", "LoopClock", "ManualClock", "MonotonicClock", "default_clock", "now"]
 
@@ -25,12 +27,43 @@ class Clock(Protocol):
         ...
 
 
+_STOCK_TIME = BaseEventLoop.time
+
+# (loop, its class, thread id, the loop's time function): the last loop found running.
+# On CPython 3.11, `asyncio._get_running_loop()` makes a getpid() system call on every
+# call (~180 ns here). A stock loop records the thread running it in ``_thread_id`` (None
+# once stopped), so a loop whose ``_thread_id`` is this thread *is* this thread's running
+# loop (one loop runs per thread at a time). A mismatch (another thread, a stopped loop, no
+# loop) takes the slow path and refreshes the cache. Only stock loops are cached; a stock
+# loop's `time()` is ``time.monotonic()``, called directly; a subclass that overrides
+# `time()` (virtual time, e.g. looptime) is read through its own method. The class is
+# checked on every hit because looptime switches a loop's ``__class__`` between runs; a
+# ``time`` attribute set on the instance makes the loop uncacheable. The cache keeps the
+# last loop alive until another replaces it.
+_running: tuple[Any, type, int, Callable[[], float]] | None = None
+
+
+def _slow_now() -> float:
+    global _running
+    loop = _get_running_loop()
+    if loop is None:
+        return time.monotonic()
+    if isinstance(loop, BaseEventLoop) and "time" not in vars(loop):
+        cls = type(loop)
+        fn = time.monotonic if cls.time is _STOCK_TIME else loop.time
+        _running = (loop, cls, get_ident(), fn)
+        return fn()
+    return loop.time()
+
+
 def now() -> float:
     """Monotonic now: the running loop's time when there is one, else ``time.monotonic()``."""
-    loop = _get_running_loop()
-    if loop is not None:
-        return loop.time()
-    return time.monotonic()
+    cached = _running
+    if cached is not None:
+        loop = cached[0]
+        if loop._thread_id == cached[2] == get_ident() and type(loop) is cached[1]:
+            return cached[3]()
+    return _slow_now()
 
 
 class LoopClock:
@@ -39,10 +72,12 @@ class LoopClock:
     __slots__ = ()
 
     def now(self) -> float:
-        loop = _get_running_loop()
-        if loop is not None:
-            return loop.time()
-        return time.monotonic()
+        cached = _running
+        if cached is not None:
+            loop = cached[0]
+            if loop._thread_id == cached[2] == get_ident() and type(loop) is cached[1]:
+                return cached[3]()
+        return _slow_now()
 
     def __repr__(self) -> str:
         return "LoopClock()"

@@ -1,0 +1,103 @@
+"""The default clock reads the running loop's time, through a cache that must never go stale:
+another thread, a stopped loop, a loop whose class changed (looptime), a patched instance."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from brownout.clock import LoopClock, now
+
+
+class FixedTimeLoop(asyncio.SelectorEventLoop):
+    """A loop on virtual time (as looptime's subclasses are)."""
+
+    offset = 1_000_000.0
+
+    def time(self) -> float:
+        return self.offset + super().time()
+
+
+def read_inside(loop: asyncio.AbstractEventLoop) -> tuple[float, float, float]:
+    async def read() -> tuple[float, float, float]:
+        return LoopClock().now(), now(), asyncio.get_running_loop().time()
+
+    return loop.run_until_complete(read())
+
+
+def test_inside_a_stock_loop_it_is_the_loop_time_and_outside_it_is_monotonic() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        for _ in range(3):  # the second and third reads come from the cache
+            clock_now, module_now, loop_now = read_inside(loop)
+            assert abs(clock_now - loop_now) < 0.01
+            assert abs(module_now - loop_now) < 0.01
+    finally:
+        loop.close()
+    # the cached loop has stopped: outside any loop the clock is time.monotonic()
+    assert abs(LoopClock().now() - time.monotonic()) < 0.01
+
+
+def test_a_loop_with_its_own_time_is_read_through_it() -> None:
+    loop = FixedTimeLoop()
+    try:
+        for _ in range(3):
+            clock_now, module_now, loop_now = read_inside(loop)
+            assert clock_now > FixedTimeLoop.offset
+            assert abs(clock_now - loop_now) < 0.01 and abs(module_now - loop_now) < 0.01
+    finally:
+        loop.close()
+
+
+def test_a_class_switched_between_runs_is_noticed() -> None:
+    loop = asyncio.SelectorEventLoop()
+    try:
+        stock, _, _ = read_inside(loop)  # cached as a stock loop
+        assert stock < FixedTimeLoop.offset
+        loop.__class__ = FixedTimeLoop  # what looptime does to a test's loop
+        switched, _, loop_now = read_inside(loop)
+        assert switched > FixedTimeLoop.offset
+        assert abs(switched - loop_now) < 0.01
+    finally:
+        loop.close()
+
+
+def test_a_time_patched_on_the_instance_is_honoured() -> None:
+    loop = asyncio.new_event_loop()
+    loop.time = lambda: 42.0  # type: ignore[method-assign]
+    try:
+        clock_now, module_now, _ = read_inside(loop)
+        assert clock_now == 42.0 and module_now == 42.0
+    finally:
+        loop.close()
+
+
+def test_two_threads_with_their_own_loops_each_read_their_own() -> None:
+    results: dict[str, list[bool]] = {"stock": [], "virtual": []}
+    start = threading.Barrier(2)
+
+    def run(kind: str) -> None:
+        loop = FixedTimeLoop() if kind == "virtual" else asyncio.new_event_loop()
+
+        async def reads() -> None:
+            for _ in range(200):
+                # in lock step: each read follows one by the other thread, whose loop is then
+                # in the cache (and running)
+                start.wait()
+                virtual = LoopClock().now() > FixedTimeLoop.offset
+                results[kind].append(virtual == (kind == "virtual"))
+                time.sleep(0.0005)
+
+        try:
+            loop.run_until_complete(reads())
+        finally:
+            loop.close()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in results]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["stock"] and all(results["stock"])
+    assert results["virtual"] and all(results["virtual"])

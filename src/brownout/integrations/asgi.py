@@ -41,7 +41,6 @@ from ..edge import (
     Flight,
     Refusal,
     ResolvedRoute,
-    header_getter,
     ratelimit_headers,
 )
 from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
@@ -64,6 +63,7 @@ _PROBLEM = b"application/problem+json"
 _DEGRADED = b"brownout-degraded"
 _RETRY = RETRY_HEADER.encode()
 _NEVER = DO_NOT_RETRY_VALUE.encode()
+_ENCODED: dict[str, bytes] = {}
 
 
 def _template_in(routes: Any, path: str, prefix: str, depth: int = 0) -> str | None:
@@ -153,6 +153,19 @@ class _Exchange(Flight):
         self.response_done = False
         """Set once the last response byte left: servers answer ``receive`` with
         ``http.disconnect`` after that, which is not the client going away."""
+
+    def header(self, name: str) -> bytes | None:
+        """The request's header ``name`` (lower case), as `EdgePolicy.serve` reads them: a
+        bound method of the exchange instead of a closure built per request."""
+        key = _ENCODED.get(name)
+        if key is None:
+            key = name.encode("latin-1")
+            if len(_ENCODED) < 64:
+                _ENCODED[name] = key
+        for k, v in self.scope["headers"]:
+            if k == key:
+                return v  # type: ignore[no-any-return]
+        return None
 
     def run(self) -> Awaitable[None]:
         """The application's call, as `EdgePolicy.serve` wants it."""
@@ -339,7 +352,7 @@ class BrownoutMiddleware:
                 exchange.run,
                 exchange,
                 route=route,
-                get=header_getter(scope["headers"]),
+                get=exchange.header,
                 loop=loop,
             )
         finally:

@@ -4,7 +4,8 @@ Prints, in one run:
 
 1. overhead per request of `BrownoutMiddleware` on a trivial FastAPI endpoint against the bare
    app (target <= 1.15x), calling the ASGI app in-process with a synthetic scope, so the
-   figure is the middleware's, not the network's; also against a bare Starlette endpoint;
+   figure is the middleware's, not the network's; also against a bare Starlette endpoint and,
+   as a diagnostic, around a no-op ASGI app (the middleware's own cost, without a framework);
 2. server CPU (``time.process_time``) per refused request vs per served request of the lab's
    demo front endpoint (``/api/interactive`` behind a fixed limit of 10 and a queue of 5, its
    dependency in a subprocess so its CPU is not counted), target ratio < 0.2. Refusals are
@@ -118,10 +119,25 @@ def starlette_app(protected: bool) -> Starlette:
     return app
 
 
+_START = {"type": "http.response.start", "status": 200, "headers": []}
+_BODY = {"type": "http.response.body", "body": b'{"hello":"world"}'}
+
+
+async def noop_app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+    await send(_START)
+    await send(_BODY)
+
+
+def noop_pair() -> tuple[App, App]:
+    policy = EdgePolicy(bulkhead=Bulkhead("api", FixedLimit(1000)))
+    return noop_app, BrownoutMiddleware(noop_app, policy=policy)
+
+
 async def overhead() -> None:
-    pairs = {
+    pairs: dict[str, tuple[App, App]] = {
         "FastAPI": (fastapi_app(False), fastapi_app(True)),
         "Starlette": (starlette_app(False), starlette_app(True)),
+        "no-op app": noop_pair(),
     }
     for bare, protected in pairs.values():  # warm up (middleware stacks are built lazily)
         await per_request(bare, "/hello", 200)
@@ -135,11 +151,11 @@ async def overhead() -> None:
             best_bare, best_mw = min(best_bare, b), min(best_mw, m)
             ratios.append(m / b)
         ratios.sort()
+        what = "(diagnostic: no framework)" if name == "no-op app" else "(target <= 1.15x)"
         print(
             f"{name:9s} trivial endpoint: bare {best_bare * 1e6:6.1f} us, with middleware "
             f"{best_mw * 1e6:6.1f} us (+{(best_mw - best_bare) * 1e6:.1f} us): best/best "
-            f"{best_mw / best_bare:.3f}x, median round {ratios[len(ratios) // 2]:.3f}x "
-            "(target <= 1.15x)"
+            f"{best_mw / best_bare:.3f}x, median round {ratios[len(ratios) // 2]:.3f}x {what}"
         )
 
 

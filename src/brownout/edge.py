@@ -846,10 +846,10 @@ class EdgePolicy:
                 marks = []
                 marks_token = served_by_fallback.set(marks)
             try:
-                # Against the stopwatch's start, not a second clock read: a deadline that
-                # passes in the microseconds since is caught by its timer (armed below, as
-                # it is that close).
-                if deadline.at <= flight.started:
+                # Against the stopwatch's start when nothing was awaited since (no second
+                # clock read; a deadline passing in those microseconds is caught by its timer,
+                # armed below as it is that close); after a quota check, against now.
+                if deadline.at <= (flight.started if self.quota is None else loop.time()):
                     raise DeadlineExceeded("the deadline expired before the work started")
                 # One loop timer enforces the deadline, as asyncio.timeout does: it cancels
                 # the task, and that cancellation becomes DeadlineExceeded below.

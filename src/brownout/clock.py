@@ -10,12 +10,20 @@ the time base of the standard asyncio and uvloop loops.
 from __future__ import annotations
 
 import time
-from asyncio import BaseEventLoop, _get_running_loop
+from asyncio import AbstractEventLoop, BaseEventLoop, _get_running_loop
 from collections.abc import Callable
 from threading import get_ident
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Clock", "LoopClock", "ManualClock", "MonotonicClock", "default_clock", "now"]
+__all__ = [
+    "Clock",
+    "LoopClock",
+    "ManualClock",
+    "MonotonicClock",
+    "default_clock",
+    "now",
+    "running_loop",
+]
 
 
 @runtime_checkable
@@ -43,17 +51,48 @@ _STOCK_TIME = BaseEventLoop.time
 _running: tuple[Any, type, int, Callable[[], float]] | None = None
 
 
-def _slow_now() -> float:
+def _remember(loop: AbstractEventLoop) -> Callable[[], float]:
+    """Cache ``loop`` as this thread's running loop if it is cacheable; its time function."""
     global _running
-    loop = _get_running_loop()
-    if loop is None:
-        return time.monotonic()
     if isinstance(loop, BaseEventLoop) and "time" not in vars(loop):
         cls = type(loop)
         fn = time.monotonic if cls.time is _STOCK_TIME else loop.time
         _running = (loop, cls, get_ident(), fn)
-        return fn()
-    return loop.time()
+        return fn
+    return loop.time
+
+
+def _slow_now() -> float:
+    loop = _get_running_loop()
+    if loop is None:
+        return time.monotonic()
+    return _remember(loop)()
+
+
+def running_loop() -> AbstractEventLoop:
+    """The running event loop: `asyncio.get_running_loop()`, cheaper on CPython 3.11.
+
+    There, every `asyncio.get_running_loop()` makes a getpid() system call; this answers from
+    the clock's cache of the running loop when it is valid (see the comment on ``_running``).
+    Raises `RuntimeError` when no loop runs in this thread, as asyncio does.
+    """
+    loop = _loop_or_none()
+    if loop is None:
+        raise RuntimeError("no running event loop")
+    return loop
+
+
+def _loop_or_none() -> AbstractEventLoop | None:
+    """`running_loop`, or None outside a loop (asyncio's ``_get_running_loop``, cached)."""
+    cached = _running
+    if cached is not None:
+        loop: AbstractEventLoop = cached[0]
+        if cached[0]._thread_id == cached[2] == get_ident():
+            return loop
+    found = _get_running_loop()
+    if found is not None:
+        _remember(found)
+    return found
 
 
 def now() -> float:

@@ -17,13 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-from asyncio import _get_running_loop
 from asyncio import current_task as _current_task
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from .clock import default_clock
+from .clock import _loop_or_none, default_clock
 from .deadline import Deadline, _new_deadline
 from .errors import DeadlineExceeded
 from .priority import Priority
@@ -285,7 +284,7 @@ class DeadlineScope:
             self._token = None
 
     async def __aenter__(self) -> RequestContext:
-        loop = _get_running_loop()
+        loop = _loop_or_none()
         seconds = self._seconds
         if self._changes is None and loop is not None and type(seconds) in (float, int):
             # Fast path of `async with brownout.deadline(s)`: one clock read, no helpers.

@@ -17,7 +17,14 @@ __all__ = ["Deadline", "call_budget"]
 _DEFAULT_CLOCK = default_clock()
 
 
-class Deadline:
+class _DeadlineSlots:
+    __slots__ = ("at", "clock")
+
+    at: float
+    clock: Clock
+
+
+class Deadline(_DeadlineSlots):
     """An immutable point in monotonic time by which an operation must be finished.
 
     >>> d = Deadline.after(1.5)
@@ -25,7 +32,7 @@ class Deadline:
     True
     """
 
-    __slots__ = ("at", "clock")
+    __slots__ = ()
 
     at: float
     """The instant, in the clock's time base (the loop's time for the default clock)."""
@@ -87,15 +94,23 @@ class Deadline:
 
 
 _NEW = object.__new__
-_SET = object.__setattr__
+
+
+class _DeadlineBuilder(_DeadlineSlots):
+    __slots__ = ()
 
 
 def _new_deadline(at: float) -> Deadline:
-    """A Deadline on the default clock, skipping validation (``at`` is known good)."""
-    d = _NEW(Deadline)
-    _SET(d, "at", at)
-    _SET(d, "clock", _DEFAULT_CLOCK)
-    return d
+    """A Deadline on the default clock, skipping validation (``at`` is known good).
+
+    Built as a layout-identical mutable twin whose class is then switched (the same trick as
+    `context._make_context`): about half the cost of two ``object.__setattr__`` calls.
+    """
+    d = _NEW(_DeadlineBuilder)
+    d.at = at
+    d.clock = _DEFAULT_CLOCK
+    d.__class__ = Deadline  # type: ignore[assignment]
+    return d  # type: ignore[return-value]
 
 
 def call_budget(

@@ -44,6 +44,7 @@ from dataclasses import replace as dc_replace
 from typing import Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from .clock import now as _now
+from .clock import running_loop
 from .context import _current, _make_context
 from .deadline import Deadline, _new_deadline
 from .degrade.markers import served_by_fallback
@@ -814,7 +815,7 @@ class EdgePolicy:
                 demote = True
                 cls = flight.classification
         if loop is None:
-            loop = asyncio.get_running_loop()
+            loop = running_loop()
         task = flight.task = asyncio.current_task(loop)
         assert task is not None
         parent = _current.get()

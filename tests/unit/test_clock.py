@@ -7,7 +7,10 @@ import asyncio
 import threading
 import time
 
-from brownout.clock import LoopClock, now
+import pytest
+
+from brownout.clock import LoopClock, now, running_loop
+from brownout.deadline import Deadline, _new_deadline
 
 
 class FixedTimeLoop(asyncio.SelectorEventLoop):
@@ -101,3 +104,25 @@ def test_two_threads_with_their_own_loops_each_read_their_own() -> None:
         t.join()
     assert results["stock"] and all(results["stock"])
     assert results["virtual"] and all(results["virtual"])
+
+
+def test_running_loop_is_asyncios_answer_and_raises_outside_a_loop() -> None:
+    loop = asyncio.new_event_loop()
+
+    async def both() -> tuple[asyncio.AbstractEventLoop, asyncio.AbstractEventLoop]:
+        return running_loop(), running_loop()  # the second from the cache
+
+    try:
+        first, second = loop.run_until_complete(both())
+        assert first is loop and second is loop
+    finally:
+        loop.close()
+    with pytest.raises(RuntimeError):
+        running_loop()  # the cached loop stopped: no stale answer
+
+
+def test_new_deadline_is_an_ordinary_immutable_deadline() -> None:
+    d = _new_deadline(12.5)
+    assert type(d) is Deadline and d.at == 12.5 and d == Deadline(12.5)
+    with pytest.raises(AttributeError):
+        d.at = 1.0  # type: ignore[misc]

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from types import TracebackType
 from typing import ParamSpec, Protocol, TypeVar
 
-from ..clock import Clock, default_clock
+from ..clock import Clock, default_clock, running_loop
 from ..context import _current
 from ..deadline import Deadline
 from ..errors import Reason, Rejected
@@ -643,7 +643,7 @@ class Bulkhead:
         if victim is not None:
             self._settle_refused(victim, Reason.QUEUE_FULL, now)  # type: ignore[arg-type]
         p._state = _QUEUED
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         p._future = fut
         # Age bounds are enforced by one sweep timer for the whole queue; only a deadline

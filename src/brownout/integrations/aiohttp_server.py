@@ -25,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..clock import running_loop
 from ..edge import ABANDONED, EdgePolicy, Flight, Refusal, ratelimit_headers
 from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
@@ -83,7 +84,7 @@ class BrownoutAiohttpMiddleware:
         policy = self.policy
         if policy.is_health(request.path):
             return await handler(request)
-        loop = asyncio.get_running_loop()  # once per request (a system call on CPython 3.11)
+        loop = running_loop()  # once per request (asyncio's is a system call on CPython 3.11)
         flight = Flight(loop.time())
         if self.watch_disconnects:
             flight.on_old = _gone(request, flight)

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from ..clock import running_loop
 from ..edge import (
     ABANDONED,
     EdgePolicy,
@@ -333,7 +334,7 @@ class BrownoutMiddleware:
         if path in policy.health_paths:  # policy.is_health, inlined
             await self.app(scope, receive, send)
             return
-        loop = asyncio.get_running_loop()  # once per request: a system call on CPython 3.11
+        loop = running_loop()  # once per request (asyncio's is a system call on CPython 3.11)
         exchange = _Exchange(
             loop.time(),
             self.app,

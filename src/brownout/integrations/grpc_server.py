@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import grpc
 import grpc.aio
 
+from ..clock import running_loop
 from ..edge import ABANDONED, EdgePolicy, Flight, Refusal, ResolvedRoute
 from ..errors import Reason
 from ..propagation import GRPC_PUSHBACK_KEY, HeaderGetter
@@ -202,7 +203,7 @@ async def _run(
     context: grpc.aio.ServicerContext[Any, Any],
     call: Callable[[], Awaitable[Any]],
 ) -> Any:
-    loop = asyncio.get_running_loop()  # once per call (a system call on CPython 3.11)
+    loop = running_loop()  # once per call (asyncio's is a system call on CPython 3.11)
     flight = Flight(loop.time())
     metadata: Any = context.invocation_metadata() or ()
     remaining = context.time_remaining()

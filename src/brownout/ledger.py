@@ -40,6 +40,7 @@ __all__ = [
     "OFFERED",
     "OTHER",
     "WAITED",
+    "Index",
     "Ledger",
     "held",
 ]
@@ -203,7 +204,9 @@ class Ledger:
                     )
                     by_priority[priority] = row
                     kept += 1
-            self.index = index
+            # In place: emitters hold this dict (`Bulkhead` looks rows up through it).
+            self.index.clear()
+            self.index.update(index)
             self.row_count = kept
 
     def __repr__(self) -> str:

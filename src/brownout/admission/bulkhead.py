@@ -56,6 +56,7 @@ from ..ledger import (
     OFFERED,
     OTHER,
     WAITED,
+    Index,
     Ledger,
 )
 from ..priority import Priority
@@ -186,9 +187,9 @@ class Permit(QueueItem):
                     else:
                         b._time_sample(self)
                     return self
-            elif d_at == _INF and self._row is not None:
+            elif d_at == _INF and (row := self._row) is not None:
                 # Observed, and every sink accepts tallies: count, do not build events.
-                self._row[_FAST] += 1
+                row[_FAST] += 1
                 n += 1
                 b._in_flight = n
                 self.in_flight_at_admit = n
@@ -308,6 +309,7 @@ class Bulkhead:
         self._sample_every = estimate_every
         self._tick = 1
         self._ledger: Ledger | None = None
+        self._ledger_index: Index | None = None
         self._in_flight = 0
         self._sweep: asyncio.TimerHandle | None = None
         self._sweep_loop: asyncio.AbstractEventLoop | None = None
@@ -391,14 +393,18 @@ class Bulkhead:
         p.operation = operation = ctx.operation if operation is None else operation
         if self._events.tallying:
             # Every sink accepts tallies: this permit's outcomes are counted in its row.
-            ledger = self._ledger
-            if ledger is None:
-                ledger = self._new_ledger()
+            index = self._ledger_index
+            if index is None:
+                index = self._new_ledger().index
             try:
-                row = ledger.index[caller][operation][priority]
+                row = index[caller][operation][priority]
             except KeyError:
                 row = None
-            p._row = row if row is not None else ledger.row(operation, priority, caller)
+            if row is None:
+                ledger = self._ledger
+                assert ledger is not None
+                row = ledger.row(operation, priority, caller)
+            p._row = row
         else:
             p._row = None
         if deadline is None:
@@ -605,8 +611,9 @@ class Bulkhead:
             p.admitted_at = self._clock.now()
 
     def _new_ledger(self) -> Ledger:
-        self._ledger = Ledger(self.name, self._events, self._clock)
-        return self._ledger
+        ledger = self._ledger = Ledger(self.name, self._events, self._clock)
+        self._ledger_index = ledger.index  # the same dict for the ledger's life
+        return ledger
 
     @property
     def ledger(self) -> Ledger | None:
@@ -802,9 +809,21 @@ class Bulkhead:
                 est.observe(p.operation, rtt)
                 if self._queue.scales_with_service:
                     self._queue.note_service(rtt, self._limit_value)
-            if row is not None:
-                self._tally_outcome(p, row, outcome, error, now, rtt)
-            elif events.enabled:
+            if row is None:
+                if events.enabled:
+                    self._emit_outcome(p, outcome, error, now, rtt)
+            elif outcome == _SUCCESS:  # tallied (inline: one call less per timed request)
+                ledger = self._ledger
+                assert ledger is not None
+                if now <= p.deadline_at:
+                    row[_COMPLETED] += 1
+                    ledger.latencies.append((p.operation, p.priority, rtt + p.queue_wait))
+                else:
+                    row[_LATE] += 1
+                if now >= ledger.next_flush or len(ledger.latencies) >= _MAX_SAMPLES:
+                    ledger.flush(now)
+            else:
+                row[OTHER] += 1
                 self._emit_outcome(p, outcome, error, now, rtt)
         elif row is not None:
             # Tallied and untimed, so no deadline: a success is goodput. Anything else is
@@ -816,23 +835,6 @@ class Bulkhead:
                 self._emit_outcome(p, outcome, error, self._clock.now(), math.nan)
         if self._queue.size:
             self._drain()
-
-    def _tally_outcome(
-        self, p: Permit, row: list[int], outcome: int, error: str | None, now: float, rtt: float
-    ) -> None:
-        if outcome != _SUCCESS:
-            row[OTHER] += 1
-            self._emit_outcome(p, outcome, error, now, rtt)
-            return
-        ledger = self._ledger
-        assert ledger is not None
-        if now <= p.deadline_at:
-            row[_COMPLETED] += 1
-            ledger.latencies.append((p.operation, p.priority, rtt + p.queue_wait))
-        else:
-            row[_LATE] += 1
-        if now >= ledger.next_flush or len(ledger.latencies) >= _MAX_SAMPLES:
-            ledger.flush(now)
 
     def _emit_outcome(
         self, p: Permit, outcome: int, error: str | None, now: float, rtt: float

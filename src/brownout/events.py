@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, dataclass_transform, runtime_checkable
+from typing import Protocol, TypeVar, dataclass_transform, runtime_checkable
 
 from .errors import Reason
 from .priority import Priority
@@ -292,7 +292,7 @@ class EventHub:
     def __init__(self) -> None:
         self._sinks: tuple[Sink, ...] = ()
         self._complained: set[type] = set()
-        self._ledgers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._ledgers: weakref.WeakSet[Flushable] = weakref.WeakSet()
         self.enabled = False
         self.tallying = False
 

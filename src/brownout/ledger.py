@@ -138,22 +138,11 @@ class Ledger:
                         out.append((operation, priority, caller, row))
         return out
 
-    def sample_latency(self, operation: str, priority: Priority, seconds: float) -> None:
-        latencies = self.latencies
-        latencies.append((operation, priority, seconds))
-        if len(latencies) >= MAX_SAMPLES:
-            self.flush()
-
     def sample_remaining(self, seconds: float) -> None:
         remaining = self.remaining
         remaining.append(seconds)
         if len(remaining) >= MAX_SAMPLES:
             self.flush()
-
-    def tick(self, now: float) -> None:
-        """Called with a clock reading now and then: flush when the interval has passed."""
-        if now >= self.next_flush:
-            self.flush(now)
 
     def flush(self, now: float | None = None) -> None:
         """Emit everything counted since the last flush as one `RequestsTallied`."""

@@ -24,7 +24,7 @@ import logging
 import math
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from .clock import Clock, default_clock
@@ -283,7 +283,7 @@ class LatencyHistogram:
         if seconds > self.max:
             self.max = seconds
 
-    def observe_all(self, values: list[float]) -> None:
+    def observe_all(self, values: Sequence[float]) -> None:
         """Observe every value (a batch from a tally)."""
         if not values:
             return
@@ -604,9 +604,7 @@ class Stats:
         if admitted_now:
             self._hist(self.queue_wait, hop).observe_many(0.0, admitted_now)
         if e.remaining:
-            h = self._hist(self.remaining_on_arrival, hop)
-            for seconds in e.remaining:
-                h.observe(seconds)
+            self._hist(self.remaining_on_arrival, hop).observe_all(e.remaining)
         # Grouped per histogram first: one label lookup per (operation, priority), not per
         # sample (a flush can carry thousands).
         groups: dict[tuple[str, Priority], list[float]] = {}

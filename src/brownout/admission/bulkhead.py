@@ -167,29 +167,21 @@ class Permit(QueueItem):
         b = self._bulkhead
         n = b._in_flight
         # Fast path, inlined: a plain bulkhead (no adaptive limit, no overload manager) with
-        # room, nothing queued, no deadline to check and nobody listening.
+        # room and nothing queued, and either nobody listening or every sink taking tallies.
         if n < b._limit_value and b._plain and not b._queue.size:
             d_at = self.deadline_at
-            events = b._events
-            if not events.enabled:
+            row = self._row
+            if row is not None:
+                # Tallied (see `admit`): count, build no event. With a deadline, the full
+                # path times the work (within the deadline or late is decided at release).
+                fast = d_at == _INF
+            else:
                 # With a deadline, only work that clearly fits stays on the fast path;
                 # refusals (expired, too short) take the full path below, which reports them.
-                if d_at == _INF or b._fits(self.operation, d_at):
-                    n += 1
-                    b._in_flight = n
-                    self.in_flight_at_admit = n
-                    self.queue_wait = 0.0
-                    self._state = _ADMITTED
-                    tick = b._tick - 1
-                    if tick:
-                        b._tick = tick
-                        self.admitted_at = _UNTIMED
-                    else:
-                        b._time_sample(self)
-                    return self
-            elif d_at == _INF and (row := self._row) is not None:
-                # Observed, and every sink accepts tallies: count, do not build events.
-                row[_FAST] += 1
+                fast = not b._events.enabled and (d_at == _INF or b._fits(self.operation, d_at))
+            if fast:
+                if row is not None:
+                    row[_FAST] += 1
                 n += 1
                 b._in_flight = n
                 self.in_flight_at_admit = n
@@ -605,7 +597,7 @@ class Bulkhead:
         # not every request: timing one admission in ``estimate_every`` keeps two clock reads
         # off most fast paths.
         self._tick = self._sample_every
-        if self._estimator is None and not (p._row is not None and self._events.tallying):
+        if self._estimator is None and p._row is None:
             p.admitted_at = _UNTIMED
         else:
             p.admitted_at = self._clock.now()

@@ -276,10 +276,104 @@ async def refusal_cost() -> None:
         await backend.wait()
 
 
+# -- served: uvicorn over loopback, server CPU per request ---------------------------------------
+
+
+SERVED_N = 4_000
+SERVED_CONCURRENCY = 8
+
+
+def serve(kind: str) -> None:
+    """Child process: uvicorn (its defaults pick uvloop and httptools when installed, as
+    ``uvicorn[standard]`` does) serving the trivial FastAPI app on an ephemeral port."""
+    import socket
+
+    import uvicorn
+
+    app = fastapi_app(kind == "protected")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    print(f"PORT {sock.getsockname()[1]}", flush=True)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds of every thread of process ``pid``, in nanoseconds' resolution (Linux
+    ``/proc/<pid>/task/<tid>/schedstat``; ``/proc/<pid>/stat`` counts 10 ms ticks)."""
+    import os
+
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total / 1e9
+
+
+async def served_round(session: Any, url: str, pid: int, n: int) -> float:
+    async def worker(count: int) -> None:
+        for _ in range(count):
+            async with session.get(url) as r:
+                await r.read()
+                assert r.status == 200, r.status
+
+    c = process_cpu(pid)
+    await asyncio.gather(*(worker(n // SERVED_CONCURRENCY) for _ in range(SERVED_CONCURRENCY)))
+    return (process_cpu(pid) - c) / n
+
+
+async def served() -> None:
+    import aiohttp
+
+    servers = {}
+    for kind in ("bare", "protected"):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--serve", kind, stdout=asyncio.subprocess.PIPE
+        )
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        assert line.startswith("PORT "), line
+        servers[kind] = (proc, f"http://127.0.0.1:{int(line.split()[1])}/hello")
+    try:
+        sessions = {}
+        for kind, (proc, url) in servers.items():
+            # One keep-alive pool per server; warm up its connections and caches.
+            sessions[kind] = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=SERVED_CONCURRENCY)
+            )
+            await served_round(sessions[kind], url, proc.pid, 800)
+        best = {kind: float("inf") for kind in servers}
+        ratios = []
+        for _ in range(REPS):
+            got = {}
+            for kind, (proc, url) in servers.items():
+                got[kind] = await served_round(sessions[kind], url, proc.pid, SERVED_N)
+                best[kind] = min(best[kind], got[kind])
+            ratios.append(got["protected"] / got["bare"])
+        for session in sessions.values():
+            await session.close()
+        ratios.sort()
+        bare, mw = best["bare"], best["protected"]
+        print(
+            f"FastAPI   served by uvicorn over loopback: server CPU per request bare "
+            f"{bare * 1e6:6.1f} us, with middleware {mw * 1e6:6.1f} us "
+            f"(+{(mw - bare) * 1e6:.1f} us): best/best {mw / bare:.3f}x, median round "
+            f"{ratios[len(ratios) // 2]:.3f}x (target <= 1.15x)"
+        )
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            await proc.wait()
+
+
 async def main() -> None:
     await overhead()
+    await served()
     await refusal_cost()
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    if sys.argv[1:2] == ["--serve"]:
+        serve(sys.argv[2])
+    else:
+        asyncio.run(main())

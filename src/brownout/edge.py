@@ -43,9 +43,10 @@ from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
 from typing import Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
 
+from .admission.bulkhead import Bulkhead
+from .clock import default_clock, running_loop
 from .clock import now as _now
-from .clock import running_loop
-from .context import _current, _make_context
+from .context import _get_current, _make_context, _reset_current, _set_current
 from .deadline import Deadline, _new_deadline
 from .degrade.markers import served_by_fallback
 from .errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
@@ -65,6 +66,7 @@ from .priority import Priority, parse_priority
 from .propagation import (
     BUDGET_HEADER,
     PRIORITY_HEADER,
+    SIGNED_BUDGET_HEADER,
     HeaderGetter,
     InboundDeadlinePolicy,
     Trust,
@@ -72,6 +74,7 @@ from .propagation import (
 
 __all__ = [
     "ABANDONED",
+    "EXPRESS_HEADERS",
     "UNMATCHED",
     "Abandoned",
     "Admission",
@@ -79,6 +82,7 @@ __all__ = [
     "Classifier",
     "DegradedModes",
     "EdgePolicy",
+    "Express",
     "Flight",
     "QuotaCheck",
     "QuotaDecision",
@@ -468,6 +472,12 @@ class Flight:
         self.reports = True
         """True when the edge, not a bulkhead, reports this request's lifecycle events."""
 
+    def old(self) -> bool:
+        """Called by the sweep once the request is older than the sweep period: runs the
+        ``on_old`` hook. True once no further calls are needed."""
+        on_old = self.on_old
+        return True if on_old is None else on_old()
+
 
 class _Sweeper:
     """One loop timer for every request in flight through a policy (per event loop).
@@ -507,15 +517,30 @@ class _Sweeper:
         for flight in list(pending):
             if flight.started > cutoff:
                 break  # insertion order is arrival order: the rest are younger
-            done = True
             if flight.timer is None and flight.deadline is not None and flight.task is not None:
                 flight.timer = loop.call_at(flight.deadline.at, _expire, flight, flight.task)
-            if flight.on_old is not None:
-                done = flight.on_old()
-            if done:
+            if flight.old():
                 del pending[flight]
         if pending:
             self.timer = loop.call_later(self.period, self._sweep)
+
+
+class Express(NamedTuple):
+    """A route's plan for adapters' fast path (`EdgePolicy.express`): a request without
+    brownout headers, arriving at an uncontended bulkhead, gets the route's default budget
+    and classification and is admitted with `Bulkhead.admit_uncontended`."""
+
+    bulkhead: Bulkhead
+    seconds: float
+    """The route's default budget."""
+    classification: Classification
+
+
+EXPRESS_HEADERS = frozenset(
+    name.encode("latin-1") for name in (BUDGET_HEADER, SIGNED_BUDGET_HEADER, PRIORITY_HEADER)
+)
+"""Request headers (lower case, bytes) that send a request off the fast path: the edge has a
+decision to make about them (honour, clamp, or ignore and report)."""
 
 
 class Abandoned:
@@ -542,6 +567,7 @@ def _no_header(name: str) -> None:
 # attribute lookup); the hot path compares against these module-level names instead.
 _SIGNED = Trust.SIGNED
 _TRUSTED = Trust.TRUSTED
+_LOOP_CLOCK = default_clock()
 
 
 def _expire(flight: Flight, task: asyncio.Task[Any]) -> None:
@@ -818,7 +844,7 @@ class EdgePolicy:
             loop = running_loop()
         task = flight.task = asyncio.current_task(loop)
         assert task is not None
-        parent = _current.get()
+        parent = _get_current()
         seconds += flight.started  # now the deadline's instant
         deadline = parent.deadline
         if (
@@ -840,7 +866,7 @@ class EdgePolicy:
                 cls.in_progress,
                 flight.started,
             )
-            token = _current.set(ctx)
+            token = _set_current(ctx)
             marks: list[str] | None = None
             marks_token = None
             if self.degraded is not None:
@@ -909,55 +935,17 @@ class EdgePolicy:
                         flight.timer.cancel()
                     flight.task = None
             finally:
-                _current.reset(token)
+                _reset_current(token)
                 if marks_token is not None:
                     served_by_fallback.reset(marks_token)
-        except Rejected as e:
-            if not flight.admitted:
+        except (asyncio.CancelledError, Exception) as e:
+            if isinstance(e, Rejected) and not flight.admitted:
                 # Refused at admission: the bulkhead already reported the shed.
                 return await self._held(self.refusal(e.reason, e.retry_after))
-            # A refusal from inside the handler (a dependency's breaker, budget, ...).
-            if flight.reports:
-                self._failed(flight, f"rejected_{e.reason.value}")
-            if flight.response_started:
+            answer = self.answer_raised(e, flight, task, answers)
+            if answer is None:
                 raise
-            return self.refusal(e.reason, e.retry_after)
-        except DeadlineExceeded:
-            if flight.abandoned:
-                return self.record_abandoned(flight)
-            if flight.admitted and flight.reports and events.enabled:
-                events.emit(
-                    RequestExpired(
-                        _now(), self.name, cls.operation, cls.priority, cls.caller, "running", 0.0
-                    )
-                )
-            if flight.response_started:
-                raise
-            return self.refusal(Reason.DEADLINE_EXPIRED)
-        except asyncio.CancelledError:
-            if flight.abandoned:
-                task.uncancel()
-                return self.record_abandoned(flight)
-            raise
-        except UnknownOutcome:
-            # D6: the retry layer below already gave up on this mutation; the caller must
-            # reconcile by key, so the answer says "do not retry" instead of a bare 500.
-            if flight.abandoned:
-                return self.record_abandoned(flight)
-            if flight.reports:
-                self._failed(flight, "UnknownOutcome")
-            if flight.response_started:
-                raise
-            return self.refusal(Reason.OUTCOME_UNKNOWN)
-        except Exception as e:
-            if flight.abandoned:
-                return self.record_abandoned(flight)
-            if flight.reports:
-                if answers and isinstance(e, answers):
-                    self._finished(flight, cls, deadline)
-                else:
-                    self._failed(flight, type(e).__name__)
-            raise
+            return answer
         if refused_quota is not None:
             return await self._refuse_quota(cls, refused_quota, counted=True)
         if flight.abandoned:
@@ -965,6 +953,90 @@ class EdgePolicy:
         if self.slowed is not None or flight.reports:
             self._finished(flight, cls, deadline)
         return result  # type: ignore[no-any-return]  # (typing.cast is a call on the hot path)
+
+    def answer_raised(
+        self,
+        e: BaseException,
+        flight: Flight,
+        task: asyncio.Task[Any],
+        answers: tuple[type[BaseException], ...] = (),
+    ) -> Refusal | Abandoned | None:
+        """The answer to an exception out of an admitted handler (or its admission after a
+        quota check): a `Refusal` to write, `ABANDONED`, or ``None`` to let ``e`` propagate.
+        Adapters' fast paths share it with `serve`. The permit, if any, is already settled.
+        """
+        if isinstance(e, Rejected):
+            # A refusal from inside the handler (a dependency's breaker, budget, ...).
+            if flight.reports:
+                self._failed(flight, f"rejected_{e.reason.value}")
+            if flight.response_started:
+                return None
+            return self.refusal(e.reason, e.retry_after)
+        if isinstance(e, DeadlineExceeded):
+            if flight.abandoned:
+                return self.record_abandoned(flight)
+            cls = flight.classification
+            if flight.admitted and flight.reports and self.events.enabled and cls is not None:
+                self.events.emit(
+                    RequestExpired(
+                        _now(), self.name, cls.operation, cls.priority, cls.caller, "running", 0.0
+                    )
+                )
+            if flight.response_started:
+                return None
+            return self.refusal(Reason.DEADLINE_EXPIRED)
+        if isinstance(e, asyncio.CancelledError):
+            if flight.abandoned:
+                task.uncancel()
+                return self.record_abandoned(flight)
+            return None
+        if flight.abandoned:
+            return self.record_abandoned(flight)
+        if isinstance(e, UnknownOutcome):
+            # D6: the retry layer below already gave up on this mutation; the caller must
+            # reconcile by key, so the answer says "do not retry" instead of a bare 500.
+            if flight.reports:
+                self._failed(flight, "UnknownOutcome")
+            if flight.response_started:
+                return None
+            return self.refusal(Reason.OUTCOME_UNKNOWN)
+        if flight.reports and isinstance(e, Exception):
+            cls = flight.classification
+            deadline = flight.deadline
+            if answers and isinstance(e, answers) and cls is not None and deadline is not None:
+                self._finished(flight, cls, deadline)
+            else:
+                self._failed(flight, type(e).__name__)
+        return None
+
+    def express(self, route: ResolvedRoute) -> Express | None:
+        """The fast path's plan for ``route``, or ``None`` when only `serve` can handle it.
+
+        A route qualifies when nothing about its requests needs more than the defaults: a
+        `Bulkhead` on the loop's clock, no quota hook, classifier, degraded modes or slowed
+        refusals, a fixed trust other than ``SIGNED``, no Envoy header. Each request then
+        still takes `serve` if it carries a brownout header (a budget or a priority claim),
+        runs inside another request's context, or finds the bulkhead contended (see
+        `Bulkhead.admit_uncontended`). Read once per route, like the rest of the policy.
+        """
+        bulkhead = route.bulkhead
+        if (
+            not isinstance(bulkhead, Bulkhead)
+            or bulkhead._clock is not _LOOP_CLOCK
+            or self.quota is not None
+            or self.classifier is not None
+            or self.degraded is not None
+            or self.slowed is not None
+            or self._trust_fn is not None
+            or self._fixed_trust is _SIGNED
+            or route.deadline.read_envoy
+        ):
+            return None
+        return Express(
+            bulkhead,
+            route.deadline.default,
+            Classification(route.priority, "unknown", route.template),
+        )
 
     async def _check_quota(
         self, cls: Classification, flight: Flight, guarded: bool

@@ -31,7 +31,7 @@ from types import TracebackType
 from typing import ParamSpec, Protocol, TypeVar
 
 from ..clock import Clock, default_clock, running_loop
-from ..context import _current
+from ..context import _get_current
 from ..deadline import Deadline
 from ..errors import Reason, Rejected
 from ..events import (
@@ -143,6 +143,14 @@ class Permit(QueueItem):
     # -- outcome reports -------------------------------------------------------------------
     def success(self) -> None:
         """The work completed: release the slot; its rtt is a sample for the limit."""
+        if self.admitted_at == _UNTIMED and self._row is None and self._state == _ADMITTED:
+            # Untimed and untallied (see `__aexit__`): nothing to learn, nothing to count.
+            self._state = _DONE
+            b = self._bulkhead
+            b._in_flight -= 1
+            if b._queue.size:
+                b._drain()
+            return
         self._bulkhead._release(self, _SUCCESS, None)
 
     def dropped(self) -> None:
@@ -218,7 +226,14 @@ class Permit(QueueItem):
                     b._drain()
                 return
             self._bulkhead._release(self, _SUCCESS, None)
-        elif issubclass(exc_type, (TimeoutError, asyncio.CancelledError)):
+        else:
+            self.settle_raised(exc_type)
+
+    def settle_raised(self, exc_type: type[BaseException]) -> None:
+        """Settle by the exception the work raised, as ``async with`` does: a timeout or a
+        cancellation is a drop, a downstream `brownout.Rejected` is ignored, anything else
+        failed (for adapters that hold a permit without the context manager)."""
+        if issubclass(exc_type, (TimeoutError, asyncio.CancelledError)):
             self._bulkhead._release(self, _DROPPED, exc_type.__name__)
         elif issubclass(exc_type, Rejected):
             self._bulkhead._release(self, _IGNORED, exc_type.__name__)
@@ -375,7 +390,7 @@ class Bulkhead:
         Fields not given come from the request context (`brownout.current()`). Waits in the
         queue when the bulkhead is full; raises `brownout.Rejected` when refused.
         """
-        ctx = _current.get()
+        ctx = _get_current()
         # Built field by field rather than through Permit.__init__: one frame less on the
         # hot path (about 100 ns of a ~600 ns admit+release).
         p: Permit = _new(Permit)
@@ -436,6 +451,88 @@ class Bulkhead:
                 permit, Reason.OVERLOADED, "this priority holds its share", 0.0, justified=True
             )
         raise self._refuse(permit, Reason.OVERLOADED, "at the concurrency limit", 0.0)
+
+    def admit_uncontended(
+        self,
+        priority: Priority,
+        caller: str,
+        operation: str,
+        deadline_at: float,
+        now: float,
+    ) -> Permit | None:
+        """A permit granted at once when nothing stands in the way, else ``None`` with nothing
+        counted (the caller then takes `admit`, which decides and reports everything else).
+
+        For adapters' fast paths (the ASGI edge): a request with a deadline on this
+        bulkhead's clock (``deadline_at``, read at ``now``), arriving while the bulkhead has
+        room, nobody waits, no share or overload rule applies, the deadline leaves the
+        expected service time, and the hub is off or tallies. It is counted as offered and
+        admitted exactly as `admit` would, timed from ``now``; settle it with `Permit.success`
+        (or `Permit.failed`, `Permit.settle_raised`).
+        """
+        n = self._in_flight
+        if (
+            n >= self._limit_value
+            or self._queue.size
+            or self._held is not None
+            or deadline_at <= now
+        ):
+            return None
+        ov = self._overload
+        if ov is not None and priority < ov.shed_below:
+            return None
+        est = self._estimator
+        if est is not None:
+            need = est.estimates.get(operation)
+            if need is not None and deadline_at - now < need:
+                return None
+        events = self._events
+        row: list[int] | None = None
+        if events.enabled:
+            if not events.tallying:
+                return None
+            index = self._ledger_index
+            if index is None:
+                index = self._new_ledger().index
+            try:
+                row = index[caller][operation][priority]
+            except KeyError:
+                row = None
+            ledger = self._ledger
+            assert ledger is not None
+            if row is None:
+                row = ledger.row(operation, priority, caller)
+            row[_OFFERED] += 1
+            row[_ADMITTED_NOW] += 1
+            ledger.sample_remaining(deadline_at - now)
+        # Built field by field, as in `admit`.
+        p: Permit = _new(Permit)
+        p._bulkhead = self
+        p.priority = priority
+        p.caller = caller
+        p.operation = operation
+        p.deadline_at = deadline_at
+        p.in_progress = False
+        p._row = row
+        n += 1
+        self._in_flight = n
+        p.in_flight_at_admit = n
+        p.queue_wait = 0.0
+        p._state = _ADMITTED
+        if row is not None or self._adaptive:
+            # Timed from the arrival the caller read: within the deadline or late is decided
+            # at release (tallied), and an adaptive limit learns from every rtt.
+            p.admitted_at = now
+        else:
+            # Nobody counts late work: time one in ``estimate_every``, as `_grant` does.
+            tick = self._tick - 1
+            if tick:
+                self._tick = tick
+                p.admitted_at = _UNTIMED
+            else:
+                self._tick = self._sample_every
+                p.admitted_at = now if est is not None else _UNTIMED
+        return p
 
     def __call__(self, fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
         """Decorate an async function: each call runs under a permit of this bulkhead."""

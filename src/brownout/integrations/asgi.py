@@ -35,15 +35,22 @@ from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from ..admission.bulkhead import Permit
 from ..clock import running_loop
+from ..context import _EMPTY as _NO_REQUEST
+from ..context import _get_current, _make_context, _reset_current, _set_current
+from ..deadline import _new_deadline
 from ..edge import (
-    ABANDONED,
+    EXPRESS_HEADERS,
     EdgePolicy,
+    Express,
     Flight,
     Refusal,
     ResolvedRoute,
+    _expire,
     ratelimit_headers,
 )
+from ..errors import DeadlineExceeded
 from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
 __all__ = ["BrownoutMiddleware"]
@@ -65,6 +72,23 @@ _DEGRADED = b"brownout-degraded"
 _RETRY = RETRY_HEADER.encode()
 _NEVER = DO_NOT_RETRY_VALUE.encode()
 _ENCODED: dict[str, bytes] = {}
+current_task = asyncio.current_task
+
+
+class _Path:
+    """What the middleware caches per request path: the resolved route and, when the route
+    has an express plan (`EdgePolicy.express`), that plan's fields as slots (CPython 3.11
+    does not specialize reads of NamedTuple fields; slot reads it does)."""
+
+    __slots__ = ("bulkhead", "classification", "operation", "priority", "route", "seconds")
+
+    def __init__(self, route: ResolvedRoute, express: Express | None) -> None:
+        self.route = route
+        self.bulkhead = express.bulkhead if express is not None else None
+        self.seconds = express.seconds if express is not None else 0.0
+        self.classification = express.classification if express is not None else None
+        self.priority = route.priority
+        self.operation = route.template
 
 
 def _template_in(routes: Any, path: str, prefix: str, depth: int = 0) -> str | None:
@@ -102,7 +126,6 @@ class _Exchange(Flight):
         "_receive",
         "_waiter",
         "app",
-        "app_receive",
         "body_done",
         "degraded",
         "disconnected",
@@ -110,6 +133,7 @@ class _Exchange(Flight):
         "response_done",
         "scope",
         "send",
+        "watch",
         "watcher",
         "watching",
     )
@@ -125,8 +149,9 @@ class _Exchange(Flight):
         watch: bool,
     ) -> None:
         # Flight's fields, set here rather than through Flight.__init__ (one call less).
+        # ``on_old`` stays None: the sweep calls `old` (no bound method, no reference cycle).
         self.started = started
-        self.on_old = self.fire if watch else None
+        self.on_old = None
         self.task = None
         self.timer = None
         self.deadline = None
@@ -141,7 +166,9 @@ class _Exchange(Flight):
         self.app = app
         self.scope = scope
         self._receive = receive
-        self.app_receive: Receive = self if watch else receive
+        self.watch = watch
+        """Listen for ``http.disconnect`` once old: the application's ``receive`` is then
+        this exchange (`__call__`), never the server's directly."""
         self.send = send
         self.degraded = degraded
         self.watcher: asyncio.Task[None] | None = None
@@ -170,7 +197,7 @@ class _Exchange(Flight):
 
     def run(self) -> Awaitable[None]:
         """The application's call, as `EdgePolicy.serve` wants it."""
-        return self.app(self.scope, self.app_receive, self.tracked_send)
+        return self.app(self.scope, self if self.watch else self._receive, self.tracked_send)
 
     def tracked_send(self, message: Message) -> Awaitable[None]:
         # Not a coroutine: it notes the message and returns the server's ``send`` awaitable,
@@ -186,7 +213,8 @@ class _Exchange(Flight):
                 message["headers"] = headers
         elif kind == "http.response.body" and not message.get("more_body", False):
             self.response_done = True
-        return self.send(message)
+        send = self.send  # (a slot read, then a call: ``self.send(...)`` is not specialized)
+        return send(message)
 
     async def __call__(self) -> Message:
         buffer = self._buffer
@@ -219,16 +247,16 @@ class _Exchange(Flight):
                 self._buffer = deque()
             self._buffer.append(msg)
 
-    def fire(self) -> bool:
+    def old(self) -> bool:
         """The request is old: listen for a disconnect if the body is consumed. True when
         no further sweeps are needed."""
-        if self.response_done:
+        if not self.watch or self.response_done:
             return True  # answered; whatever runs now (background tasks) is not abandoned
         if self.disconnected:
             self._disconnected()
             return True
         if not self.reading and (self.body_done or _declares_no_body(self.scope)):
-            self.watcher = asyncio.get_running_loop().create_task(self.watch(self._disconnected))
+            self.watcher = asyncio.get_running_loop().create_task(self._watch(self._disconnected))
             return True
         return False  # the application is still reading the body: try again next sweep
 
@@ -241,17 +269,14 @@ class _Exchange(Flight):
             task.cancel()
 
     def close(self) -> None:
-        # Break the cycles through ``self`` (``on_old`` is a bound method, ``app_receive``
-        # may be ``self``) so the exchange is freed by reference counting, not by the GC.
-        self.on_old = None
-        self.app_receive = self._receive
+        """Stop the disconnect watch, if one started (it holds the exchange)."""
         w = self.watcher
         if w is not None:
             self.watcher = None
             if not w.done():
                 w.cancel()
 
-    async def watch(self, on_disconnect: Callable[[], None]) -> None:
+    async def _watch(self, on_disconnect: Callable[[], None]) -> None:
         self.watching = True
         try:
             while True:
@@ -299,10 +324,10 @@ class BrownoutMiddleware:
         self.app = app
         self.policy = policy
         self.watch_disconnects = watch_disconnects
-        self._paths: dict[str, ResolvedRoute] = {}
+        self._paths: dict[str, _Path] = {}
         self._path_cache_size = path_cache_size
 
-    def _route(self, scope: Scope, path: str) -> ResolvedRoute:
+    def _route(self, scope: Scope, path: str) -> _Path:
         cache = self._paths
         try:
             return cache[path]
@@ -319,8 +344,8 @@ class BrownoutMiddleware:
         route = self.policy.route(template)
         if len(cache) >= self._path_cache_size:
             cache.clear()  # crude but bounded; ids in paths would otherwise grow it forever
-        cache[path] = route
-        return route
+        entry = cache[path] = _Path(route, self.policy.express(route))
+        return entry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -335,8 +360,98 @@ class BrownoutMiddleware:
             await self.app(scope, receive, send)
             return
         loop = running_loop()  # once per request (asyncio's is a system call on CPython 3.11)
+        started = loop.time()
+        entry = self._paths.get(path)
+        if entry is None:
+            entry = self._route(scope, path)
+        bulkhead = entry.bulkhead
+        permit: Permit | None = None
+        if bulkhead is not None and _get_current() is _NO_REQUEST:
+            for k, _ in scope["headers"]:
+                if k in EXPRESS_HEADERS:
+                    break
+            else:
+                permit = bulkhead.admit_uncontended(
+                    entry.priority, "unknown", entry.operation, started + entry.seconds, started
+                )
+        if permit is None:
+            await self._serve(scope, receive, send, loop, started, entry.route)
+            return
+        # The express path (`EdgePolicy.express`): what `serve` does for a request with the
+        # route's defaults at an uncontended bulkhead, inline, in this one coroutine frame.
+        # It is most requests of a healthy service, so it is worth the bytecode it saves.
+        app = self.app
+        watch = self.watch_disconnects
+        exchange = _Exchange(started, app, scope, receive, send, (), watch)
+        deadline = exchange.deadline = _new_deadline(started + entry.seconds)
+        exchange.classification = entry.classification
+        exchange.admitted = True
+        exchange.reports = False
+        task = exchange.task = current_task(loop)
+        assert task is not None
+        token = _set_current(
+            _make_context(
+                deadline, entry.priority, "unknown", entry.operation, 1, None, False, started
+            )
+        )
+        sweeper = policy._sweeper
+        if entry.seconds <= sweeper.period:
+            exchange.timer = loop.call_at(deadline.at, _expire, exchange, task)
+        if loop is sweeper.loop:  # sweeper.add, inlined
+            sweeper.pending[exchange] = None
+            if sweeper.timer is None:
+                sweeper.timer = loop.call_later(sweeper.period, sweeper._sweep)
+        else:
+            sweeper.add(exchange, loop)
+        cancelling = task.cancelling()
+        try:
+            try:
+                await app(scope, exchange if watch else receive, exchange.tracked_send)
+            finally:
+                sweeper.pending.pop(exchange, None)
+                if exchange.timer is not None:
+                    exchange.timer.cancel()
+                exchange.task = None
+                _reset_current(token)
+                if exchange.watcher is not None:
+                    exchange.close()
+        except (asyncio.CancelledError, Exception) as e:
+            permit.settle_raised(type(e))
+            if (
+                exchange.expired
+                and isinstance(e, asyncio.CancelledError)
+                and task.uncancel() <= cancelling  # our deadline timer, not a shutdown
+            ):
+                expired = DeadlineExceeded("the deadline expired; the work was cancelled")
+                answer = policy.answer_raised(expired, exchange, task)
+                if answer is None:
+                    raise expired from None
+                await _write_answer(answer, send)
+                return
+            answer = policy.answer_raised(e, exchange, task)
+            if answer is None:
+                raise
+            await _write_answer(answer, send)
+            return
+        status = exchange.status
+        if status >= 500:
+            permit.failed(f"status_{status}")
+        else:
+            permit.success()
+
+    async def _serve(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        loop: asyncio.AbstractEventLoop,
+        started: float,
+        route: ResolvedRoute,
+    ) -> None:
+        """Everything the express path does not take: `EdgePolicy.serve`."""
+        policy = self.policy
         exchange = _Exchange(
-            loop.time(),
+            started,
             self.app,
             scope,
             receive,
@@ -344,9 +459,6 @@ class BrownoutMiddleware:
             policy.degraded_names() if policy.degraded is not None else (),
             self.watch_disconnects,
         )
-        route = self._paths.get(path)
-        if route is None:
-            route = self._route(scope, path)
         try:
             outcome = await policy.serve(
                 scope,
@@ -358,10 +470,12 @@ class BrownoutMiddleware:
             )
         finally:
             exchange.close()
-        if outcome is ABANDONED or outcome is None:
-            return
-        if isinstance(outcome, Refusal):
-            await _write_refusal(outcome, send)
+        await _write_answer(outcome, send)
+
+
+async def _write_answer(outcome: Any, send: Send) -> None:
+    if isinstance(outcome, Refusal):
+        await _write_refusal(outcome, send)
 
 
 async def _write_refusal(refusal: Refusal, send: Send) -> None:

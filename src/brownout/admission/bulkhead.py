@@ -64,7 +64,7 @@ from .estimator import LatencyEstimator
 from .limits import Limit
 from .queues import CRITICAL_PLUS_RANK, PriorityCoDelQueue, QueueItem, WaitQueue, rank_of
 
-__all__ = ["Bulkhead", "OverloadState", "Permit"]
+__all__ = ["Bulkhead", "OverloadState", "Permit", "Untracked"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -245,6 +245,30 @@ class Permit(QueueItem):
         return f"<Permit {self._bulkhead.name} {self.priority.label} {state}>"
 
 
+class Untracked:
+    """An admission nothing learns from (`Bulkhead.admit_uncontended`): settling it only
+    frees the slot. One per bulkhead, shared by every such admission; the caller settles
+    each admission exactly once (nothing here can tell two apart)."""
+
+    __slots__ = ("_bulkhead",)
+
+    def __init__(self, bulkhead: Bulkhead) -> None:
+        self._bulkhead = bulkhead
+
+    def success(self) -> None:
+        b = self._bulkhead
+        b._in_flight -= 1
+        if b._queue.size:
+            b._drain()
+
+    def failed(self, error: str = "error") -> None:
+        # Untracked only while nobody listens (the hub was off): nothing to report.
+        self.success()
+
+    def settle_raised(self, exc_type: type[BaseException]) -> None:
+        self.success()
+
+
 class Bulkhead:
     """A concurrency budget for one dependency or class of work (A1).
 
@@ -318,6 +342,7 @@ class Bulkhead:
         self._ledger: Ledger | None = None
         self._ledger_index: Index | None = None
         self._in_flight = 0
+        self._untracked = Untracked(self)
         self._sweep: asyncio.TimerHandle | None = None
         self._sweep_loop: asyncio.AbstractEventLoop | None = None
 
@@ -459,24 +484,23 @@ class Bulkhead:
         operation: str,
         deadline_at: float,
         now: float,
-    ) -> Permit | None:
-        """A permit granted at once when nothing stands in the way, else ``None`` with nothing
+    ) -> Permit | Untracked | None:
+        """Admission at once when nothing stands in the way, else ``None`` with nothing
         counted (the caller then takes `admit`, which decides and reports everything else).
 
-        For adapters' fast paths (the ASGI edge): a request with a deadline on this
-        bulkhead's clock (``deadline_at``, read at ``now``), arriving while the bulkhead has
-        room, nobody waits, no share or overload rule applies, the deadline leaves the
-        expected service time, and the hub is off or tallies. It is counted as offered and
-        admitted exactly as `admit` would, timed from ``now``; settle it with `Permit.success`
-        (or `Permit.failed`, `Permit.settle_raised`).
+        For adapters' fast paths (the ASGI edge): work with a deadline on this bulkhead's
+        clock (``deadline_at``, in the future; ``now`` is when it was read) arriving while
+        the bulkhead has room, nobody waits, no share or overload rule applies, the deadline
+        leaves the expected service time, and the hub is off or tallies. It is counted as
+        offered and admitted exactly as `admit` would.
+
+        The result is settled exactly once, by `success`, `failed` or `settle_raised`. It is
+        a `Permit` timed from ``now`` when something learns from this admission (a tallying
+        hub, an adaptive limit, the estimator's one sample in ``estimate_every``), else the
+        bulkhead's shared `Untracked`, which only frees the slot: nothing to allocate.
         """
         n = self._in_flight
-        if (
-            n >= self._limit_value
-            or self._queue.size
-            or self._held is not None
-            or deadline_at <= now
-        ):
+        if n >= self._limit_value or self._queue.size or self._held is not None:
             return None
         ov = self._overload
         if ov is not None and priority < ov.shed_below:
@@ -486,25 +510,56 @@ class Bulkhead:
             need = est.estimates.get(operation)
             if need is not None and deadline_at - now < need:
                 return None
-        events = self._events
-        row: list[int] | None = None
-        if events.enabled:
-            if not events.tallying:
-                return None
-            index = self._ledger_index
-            if index is None:
-                index = self._new_ledger().index
-            try:
-                row = index[caller][operation][priority]
-            except KeyError:
-                row = None
-            ledger = self._ledger
-            assert ledger is not None
-            if row is None:
-                row = ledger.row(operation, priority, caller)
-            row[_OFFERED] += 1
-            row[_ADMITTED_NOW] += 1
-            ledger.sample_remaining(deadline_at - now)
+        if self._events.enabled:
+            return self._admit_tallied(priority, caller, operation, deadline_at, now, n)
+        if not self._adaptive:
+            tick = self._tick - 1
+            if tick or est is None:
+                # Nobody counts late work and the estimator skips this one: untimed.
+                self._tick = tick or self._sample_every
+                self._in_flight = n + 1
+                return self._untracked
+            self._tick = self._sample_every
+        return self._timed_permit(priority, caller, operation, deadline_at, now, n, None)
+
+    def _admit_tallied(
+        self,
+        priority: Priority,
+        caller: str,
+        operation: str,
+        deadline_at: float,
+        now: float,
+        n: int,
+    ) -> Permit | None:
+        if not self._events.tallying:
+            return None
+        index = self._ledger_index
+        if index is None:
+            index = self._new_ledger().index
+        try:
+            row = index[caller][operation][priority]
+        except KeyError:
+            row = None
+        ledger = self._ledger
+        assert ledger is not None
+        if row is None:
+            row = ledger.row(operation, priority, caller)
+        row[_OFFERED] += 1
+        row[_ADMITTED_NOW] += 1
+        ledger.sample_remaining(deadline_at - now)
+        # Timed: within the deadline or late is decided at release.
+        return self._timed_permit(priority, caller, operation, deadline_at, now, n, row)
+
+    def _timed_permit(
+        self,
+        priority: Priority,
+        caller: str,
+        operation: str,
+        deadline_at: float,
+        now: float,
+        n: int,
+        row: list[int] | None,
+    ) -> Permit:
         # Built field by field, as in `admit`.
         p: Permit = _new(Permit)
         p._bulkhead = self
@@ -519,19 +574,7 @@ class Bulkhead:
         p.in_flight_at_admit = n
         p.queue_wait = 0.0
         p._state = _ADMITTED
-        if row is not None or self._adaptive:
-            # Timed from the arrival the caller read: within the deadline or late is decided
-            # at release (tallied), and an adaptive limit learns from every rtt.
-            p.admitted_at = now
-        else:
-            # Nobody counts late work: time one in ``estimate_every``, as `_grant` does.
-            tick = self._tick - 1
-            if tick:
-                self._tick = tick
-                p.admitted_at = _UNTIMED
-            else:
-                self._tick = self._sample_every
-                p.admitted_at = now if est is not None else _UNTIMED
+        p.admitted_at = now
         return p
 
     def __call__(self, fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:

@@ -33,9 +33,11 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
+from threading import get_ident
 from typing import Any
 
-from ..admission.bulkhead import Permit
+from .. import clock as _clock
+from ..admission.bulkhead import Permit, Untracked
 from ..clock import running_loop
 from ..context import _EMPTY as _NO_REQUEST
 from ..context import _get_current, _make_context, _reset_current, _set_current
@@ -359,13 +361,26 @@ class BrownoutMiddleware:
         if path in policy.health_paths:  # policy.is_health, inlined
             await self.app(scope, receive, send)
             return
-        loop = running_loop()  # once per request (asyncio's is a system call on CPython 3.11)
-        started = loop.time()
+        # The running loop and the stopwatch's start: `running_loop()` and ``loop.time()``,
+        # answered inline from the clock's cache when it holds this thread's stock loop
+        # (asyncio's own lookup is a system call on CPython 3.11; see `brownout.clock`).
+        cached = _clock._running
+        loop: asyncio.AbstractEventLoop
+        if (
+            cached is not None
+            and cached[0]._thread_id == cached[2] == get_ident()
+            and type(cached[0]) is cached[1]
+        ):
+            loop = cached[0]  # type: ignore[assignment]  # (narrowed to object by the type check)
+            started = cached[3]()
+        else:
+            loop = running_loop()
+            started = loop.time()
         entry = self._paths.get(path)
         if entry is None:
             entry = self._route(scope, path)
         bulkhead = entry.bulkhead
-        permit: Permit | None = None
+        permit: Permit | Untracked | None = None
         if bulkhead is not None and _get_current() is _NO_REQUEST:
             for k, _ in scope["headers"]:
                 if k in EXPRESS_HEADERS:

@@ -785,3 +785,119 @@ async def test_a_slow_dependency_keeps_its_slots_busy() -> None:
     await asyncio.gather(*tasks)
     assert served >= 0.97 * 4 * 30
     assert b.queue.short_bound == pytest.approx(0.5, rel=0.05)  # type: ignore[attr-defined]
+
+
+# -- admit_uncontended: the edge's express admission ------------------------------------------
+
+
+def plain(limit: int = 2, *, sink: object | None = None, **kw):  # type: ignore[no-untyped-def]
+    events = EventHub()
+    if sink is not None:
+        events.subscribe(sink)  # type: ignore[arg-type]
+    return Bulkhead("backend", FixedLimit(limit), FifoQueue(8, 5.0), events=events, **kw)
+
+
+def now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+async def test_admit_uncontended_refuses_nothing_it_just_declines() -> None:
+    """Every case that needs a decision (queue, wait, shed) returns None with nothing counted,
+    so the caller's `admit` decides and reports it (A2, D7, S1)."""
+    t = now()
+    full = plain(1)
+    async with full.admit():
+        assert full.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t) is None
+    shares = plain(4, shares={Priority.SHEDDABLE: 0.5})
+    assert shares.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t) is None
+
+    class Shedding:
+        shed_below = int(Priority.CRITICAL)
+
+    shed = plain(4, overload=Shedding())
+    assert shed.admit_uncontended(Priority.SHEDDABLE, "c", "op", t + 1, t) is None
+    assert shed.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t) is not None
+    est = LatencyEstimator(min_samples=1)
+    est.observe("op", 0.5)
+    short = plain(4, estimator=est)
+    assert short.admit_uncontended(Priority.CRITICAL, "c", "op", t + 0.1, t) is None
+    rec = Recorder()  # a listener that takes events one by one: the full path reports them
+    assert plain(4, sink=rec).admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t) is None
+    for b in (full, shares, short):
+        assert b.in_flight == 0
+    assert rec.events == []
+
+
+async def test_untracked_admissions_only_hold_a_slot() -> None:
+    b = plain(2, deadline_aware=False)
+    t = now()
+    first = b.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t)
+    second = b.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t)
+    assert isinstance(first, brownout.admission.bulkhead.Untracked)
+    assert first is second  # shared: nothing allocated per admission
+    assert b.in_flight == 2
+    assert b.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t) is None  # at the limit
+    first.success()
+    assert b.in_flight == 1
+    second.settle_raised(asyncio.CancelledError)
+    assert b.in_flight == 0
+
+
+async def test_untracked_release_hands_the_slot_to_a_waiter() -> None:
+    b = plain(1, deadline_aware=False)
+    t = now()
+    held = b.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t)
+    assert held is not None
+    got: list[int] = []
+
+    async def waiter() -> None:
+        async with b.admit():
+            got.append(b.in_flight)
+
+    task = asyncio.create_task(waiter())
+    await asyncio.sleep(0.01)
+    assert b.queue_depth == 1
+    held.failed("status_500")
+    await task
+    assert got == [1]
+    assert b.in_flight == 0
+
+
+async def test_one_admission_in_estimate_every_is_timed_for_the_estimator() -> None:
+    b = plain(4, estimate_every=4)
+    estimator = b.estimator
+    assert estimator is not None
+    kinds = []
+    for _ in range(8):
+        t = now()
+        p = b.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t)
+        assert p is not None
+        kinds.append(type(p).__name__)
+        await asyncio.sleep(0.01)
+        p.success()
+    assert kinds.count("Permit") == 2 and kinds.count("Untracked") == 6
+    assert estimator._ops["op"].count == 2  # type: ignore[attr-defined]
+    assert b.in_flight == 0
+
+
+async def test_tallied_express_admissions_count_like_admit() -> None:
+    """With a tallying hub an express admission is a timed Permit in the ledger's row: the
+    same offered / admitted / completed (or late) counts `admit` gives (O1)."""
+    stats = brownout.Stats()
+    b = plain(4, sink=stats)
+    t = now()
+    on_time = b.admit_uncontended(Priority.SHEDDABLE_PLUS, "web", "op", t + 1, t)
+    late = b.admit_uncontended(Priority.SHEDDABLE_PLUS, "web", "op", t + 0.05, t)
+    failed = b.admit_uncontended(Priority.SHEDDABLE_PLUS, "web", "op", t + 1, t)
+    assert all(isinstance(p, brownout.Permit) for p in (on_time, late, failed))
+    await asyncio.sleep(0.1)
+    assert on_time is not None and late is not None and failed is not None
+    on_time.success()
+    late.success()
+    failed.settle_raised(RuntimeError)
+    assert stats.count("offered", operation="op", caller="web") == 3
+    assert stats.count("admitted", operation="op", caller="web") == 3
+    assert stats.count("completed", operation="op") == 1  # goodput: within the deadline
+    assert stats.count("completed_late", operation="op") == 1
+    assert stats.count("failed", operation="op") == 1
+    assert b.in_flight == 0

@@ -1,0 +1,254 @@
+"""The ASGI edge's express path against a real uvicorn server and a real httpx client.
+
+A request that carries no brownout header, on a route whose policy needs nothing beyond the
+defaults, at an uncontended bulkhead, is served inline by the middleware instead of through
+`EdgePolicy.serve` (`EdgePolicy.express`, `Bulkhead.admit_uncontended`). These tests check that
+it behaves and counts exactly as the general path does: D2/D3 (deadline from the route
+default, in the request context), D5 (cancel at expiry or disconnect), S2 (problem+json
+refusals), O1 (every outcome counted: completed, failed, expired, abandoned).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from tests.integration.servers import serve
+
+import brownout
+from brownout import (
+    Bulkhead,
+    EventHub,
+    FifoQueue,
+    FixedLimit,
+    Priority,
+    Reason,
+    Rejected,
+    Stats,
+)
+from brownout.admission.bulkhead import Permit, Untracked
+from brownout.edge import EdgePolicy, Route
+from brownout.integrations.asgi import BrownoutMiddleware
+
+pytestmark = pytest.mark.integration
+
+
+class CountingBulkhead(Bulkhead):
+    """A real bulkhead that also counts how many admissions took the express path."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.express = 0
+
+    def admit_uncontended(self, *args: Any) -> Permit | Untracked | None:
+        admitted = super().admit_uncontended(*args)
+        if admitted is not None:
+            self.express += 1
+        return admitted
+
+
+@dataclass
+class Service:
+    base: str
+    stats: Stats
+    bulkhead: CountingBulkhead
+    cancelled: list[str] = field(default_factory=list)
+    seen: list[dict[str, Any]] = field(default_factory=list)
+
+
+def build_app(hub: EventHub, bulkhead: Bulkhead, cancelled: list[str], seen: list[Any]) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/items/{id}")
+    async def item(id: int, hold: float = 0.0) -> dict[str, Any]:
+        ctx = brownout.current()
+        seen.append(
+            {
+                "remaining": ctx.remaining(),
+                "priority": ctx.priority,
+                "operation": ctx.operation,
+                "in_flight": bulkhead.in_flight,
+            }
+        )
+        try:
+            await asyncio.sleep(hold)
+        except asyncio.CancelledError:
+            cancelled.append(f"items/{id}")
+            raise
+        return {"id": id}
+
+    @app.get("/broken")
+    async def broken() -> JSONResponse:
+        return JSONResponse({"oops": True}, status_code=500)
+
+    @app.get("/raises")
+    async def raises() -> None:
+        raise RuntimeError("boom")
+
+    @app.get("/breaker")
+    async def breaker() -> None:
+        raise Rejected(Reason.BREAKER_OPEN, "the inventory breaker is open")
+
+    policy = EdgePolicy(
+        bulkhead=bulkhead,
+        routes={"/items/{id}": Route(default=1.5, maximum=5.0)},
+        events=hub,
+    )
+    app.add_middleware(BrownoutMiddleware, policy=policy)
+    return app
+
+
+async def start(hub_has_stats: bool = True) -> AsyncIterator[Service]:
+    hub = EventHub()
+    stats = Stats()
+    if hub_has_stats:
+        hub.subscribe(stats)
+    # A plain FIFO queue: the default CoDel queue may refuse a waiter held 250 ms (by design).
+    bulkhead = CountingBulkhead(
+        "api", FixedLimit(1), FifoQueue(max_size=4, max_wait=2.0), events=hub
+    )
+    svc = Service("", stats, bulkhead)
+    app = build_app(hub, bulkhead, svc.cancelled, svc.seen)
+    async with serve(app) as base:
+        svc.base = base
+        yield svc
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[Service]:
+    async for svc in start():
+        yield svc
+
+
+async def settle() -> None:
+    await asyncio.sleep(0.05)  # the bulkhead settles just after the last byte left
+
+
+async def test_a_plain_request_takes_the_express_path_with_the_route_defaults(
+    service: Service,
+) -> None:
+    async with httpx.AsyncClient(base_url=service.base) as client:
+        r = await client.get("/items/1")
+    assert r.status_code == 200
+    assert service.bulkhead.express == 1
+    seen = service.seen[0]
+    assert 1.0 < seen["remaining"] <= 1.5  # D2: the route default, in the request context
+    assert seen["priority"] is Priority.CRITICAL
+    assert seen["operation"] == "/items/{id}"
+    assert seen["in_flight"] == 1  # admitted: it holds a slot while it runs
+    await settle()
+    assert service.bulkhead.in_flight == 0
+    assert service.stats.count("offered", operation="/items/{id}") == 1
+    assert service.stats.count("admitted", operation="/items/{id}") == 1
+    assert service.stats.count("completed", operation="/items/{id}") == 1
+
+
+async def test_express_and_general_paths_count_alike(service: Service) -> None:
+    async with httpx.AsyncClient(base_url=service.base) as client:
+        for i in range(5):
+            assert (await client.get(f"/items/{i}")).status_code == 200
+        for i in range(5):  # a budget header sends a request through EdgePolicy.serve
+            r = await client.get(f"/items/{i}", headers={"brownout-budget-ms": "800"})
+            assert r.status_code == 200
+    assert service.bulkhead.express == 5
+    assert service.seen[-1]["remaining"] <= 0.8
+    await settle()
+    for kind in ("offered", "admitted", "completed"):
+        assert service.stats.count(kind, operation="/items/{id}") == 10, kind
+    assert service.stats.count("failed") == 0
+
+
+async def test_express_expiry_cancels_the_handler_and_answers_504(service: Service) -> None:
+    async with httpx.AsyncClient(base_url=service.base) as client:
+        t0 = time.perf_counter()
+        r = await client.get("/items/7?hold=10")
+        took = time.perf_counter() - t0
+    assert service.bulkhead.express == 1
+    assert r.status_code == 504
+    assert r.headers["content-type"] == "application/problem+json"
+    assert r.json()["reason"] == "deadline_expired"
+    assert took < 5.0  # the 1.5 s route default, with a generous margin for a busy machine
+    assert "items/7" in service.cancelled  # D5: the work stopped
+    await settle()
+    assert service.stats.count("expired", reason="running") == 1
+    assert service.stats.count("completed") == 0
+    assert service.bulkhead.in_flight == 0
+
+
+async def test_express_5xx_and_exceptions_are_failures(service: Service) -> None:
+    async with httpx.AsyncClient(base_url=service.base) as client:
+        assert (await client.get("/broken")).status_code == 500
+        assert (await client.get("/raises")).status_code == 500
+    assert service.bulkhead.express == 2
+    await settle()
+    assert service.stats.count("failed", operation="/broken") == 1
+    assert service.stats.count("failed", operation="/raises") == 1
+    assert service.stats.count("completed") == 0
+    assert service.bulkhead.in_flight == 0
+
+
+async def test_express_refusal_from_inside_the_handler_is_problem_json(service: Service) -> None:
+    async with httpx.AsyncClient(base_url=service.base) as client:
+        r = await client.get("/breaker")
+        again = await client.get("/items/1")  # the connection and the slot are still usable
+    assert service.bulkhead.express == 2
+    assert r.status_code == 503
+    assert r.json()["reason"] == "breaker_open"
+    assert again.status_code == 200
+    await settle()
+    assert service.bulkhead.in_flight == 0
+
+
+async def test_express_client_disconnect_cancels_and_counts_abandoned(service: Service) -> None:
+    host, port = service.base.removeprefix("http://").split(":")
+    _reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /items/5?hold=3 HTTP/1.1\r\nhost: x\r\n\r\n")
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    writer.close()
+    await writer.wait_closed()
+    for _ in range(150):
+        if "items/5" in service.cancelled:
+            break
+        await asyncio.sleep(0.02)
+    assert service.bulkhead.express == 1
+    assert "items/5" in service.cancelled  # D5
+    await settle()
+    assert service.stats.count("abandoned") == 1  # O1: not a success
+    assert service.stats.count("completed") == 0
+    assert service.bulkhead.in_flight == 0
+
+
+async def test_a_contended_bulkhead_sends_requests_through_the_queue(service: Service) -> None:
+    async with httpx.AsyncClient(base_url=service.base) as client:
+        holder = asyncio.create_task(client.get("/items/1?hold=0.4"))
+        await asyncio.sleep(0.15)  # the limit of 1 is held: the next one must queue
+        queued = await client.get("/items/2")
+        assert (await holder).status_code == 200
+    assert queued.status_code == 200
+    assert service.bulkhead.express == 1
+    await settle()
+    assert service.stats.count("completed", operation="/items/{id}") == 2
+
+
+async def test_without_listeners_express_admissions_allocate_nothing_and_still_free_slots() -> None:
+    async for svc in start(hub_has_stats=False):
+        async with httpx.AsyncClient(base_url=svc.base) as client:
+            for _ in range(100):
+                assert (await client.get("/items/1")).status_code == 200
+            assert (await client.get("/raises")).status_code == 500
+            assert (await client.get("/items/2?hold=10")).status_code == 504
+        await settle()
+        assert svc.bulkhead.express == 102
+        assert svc.bulkhead.in_flight == 0
+        # The estimator still learns, from one admission in estimate_every (16): 100
+        # requests give it the 5 samples it needs for an estimate.
+        estimates = svc.bulkhead.estimator.estimates if svc.bulkhead.estimator else {}
+        assert "/items/{id}" in estimates

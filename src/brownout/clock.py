@@ -48,7 +48,7 @@ _STOCK_TIME = BaseEventLoop.time
 # checked on every hit because looptime switches a loop's ``__class__`` between runs; a
 # ``time`` attribute set on the instance makes the loop uncacheable. The cache keeps the
 # last loop alive until another replaces it.
-_running: tuple[Any, type, int, Callable[[], float]] | None = None
+_running: tuple[Any, Any, int, Callable[[], float]] | None = None
 
 
 def _remember(loop: AbstractEventLoop) -> Callable[[], float]:

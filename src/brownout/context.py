@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from .clock import _loop_or_none, default_clock
-from .deadline import Deadline, _new_deadline
+from .deadline import Deadline, _DeadlineBuilder, _new_deadline
 from .errors import DeadlineExceeded
 from .priority import Priority
 
@@ -176,6 +176,29 @@ def _make_context(
     new.attempt = attempt
     new.idempotency_key = idempotency_key
     new.in_progress = in_progress
+    new.started_at = started_at
+    new.__class__ = RequestContext  # type: ignore[assignment]
+    return new  # type: ignore[return-value]
+
+
+def _inbound_context(
+    at: float, priority: Priority, caller: str, operation: str, started_at: float
+) -> RequestContext:
+    """A new inbound request's context, unchecked: a fresh `Deadline` at ``at`` on the default
+    clock, first attempt, no idempotency key. One call for what `_new_deadline` and
+    `_make_context` build (the edge's express path; ``ctx.deadline`` is the deadline)."""
+    d = _NEW(_DeadlineBuilder)
+    d.at = at
+    d.clock = _CLOCK
+    d.__class__ = Deadline  # type: ignore[assignment]
+    new = _NEW(_ContextBuilder)
+    new.deadline = d  # type: ignore[assignment]  # (a Deadline once its class is set)
+    new.priority = priority
+    new.caller = caller
+    new.operation = operation
+    new.attempt = 1
+    new.idempotency_key = None
+    new.in_progress = False
     new.started_at = started_at
     new.__class__ = RequestContext  # type: ignore[assignment]
     return new  # type: ignore[return-value]

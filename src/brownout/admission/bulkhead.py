@@ -500,11 +500,14 @@ class Bulkhead:
         bulkhead's shared `Untracked`, which only frees the slot: nothing to allocate.
         """
         n = self._in_flight
-        if n >= self._limit_value or self._queue.size or self._held is not None:
+        if n >= self._limit_value or self._queue.size:
             return None
-        ov = self._overload
-        if ov is not None and priority < ov.shed_below:
-            return None
+        if not self._plain:  # shares, an overload manager or an adaptive limit
+            if self._held is not None:
+                return None
+            ov = self._overload
+            if ov is not None and priority < ov.shed_below:
+                return None
         est = self._estimator
         if est is not None:
             need = est.estimates.get(operation)

@@ -40,10 +40,10 @@ from .. import clock as _clock
 from ..admission.bulkhead import Permit, Untracked
 from ..clock import running_loop
 from ..context import _EMPTY as _NO_REQUEST
-from ..context import _get_current, _make_context, _reset_current, _set_current
-from ..deadline import _new_deadline
+from ..context import _get_current, _inbound_context, _reset_current, _set_current
 from ..edge import (
     EXPRESS_HEADERS,
+    Classification,
     EdgePolicy,
     Express,
     Flight,
@@ -75,6 +75,14 @@ _RETRY = RETRY_HEADER.encode()
 _NEVER = DO_NOT_RETRY_VALUE.encode()
 _ENCODED: dict[str, bytes] = {}
 current_task = asyncio.current_task
+
+
+class _NoLoop:
+    _thread_id = None
+
+
+# Stands for `_clock._running` when nothing is cached: it never matches.
+_NOT_CACHED: tuple[Any, Any, int, Callable[[], float]] = (_NoLoop(), _NoLoop, -1, float)
 
 
 class _Path:
@@ -149,6 +157,7 @@ class _Exchange(Flight):
         send: Send,
         degraded: tuple[str, ...],
         watch: bool,
+        express: Classification | None = None,
     ) -> None:
         # Flight's fields, set here rather than through Flight.__init__ (one call less).
         # ``on_old`` stays None: the sweep calls `old` (no bound method, no reference cycle).
@@ -157,14 +166,16 @@ class _Exchange(Flight):
         self.task = None
         self.timer = None
         self.deadline = None
-        self.classification = None
+        # ``express``: the classification of a request the middleware admitted itself
+        # (the express path); the bulkhead reports its lifecycle.
+        self.classification = express
         self.quota = None
-        self.admitted = False
+        self.admitted = express is not None
         self.response_started = False
         self.status = 0
         self.abandoned = False
         self.expired = False
-        self.reports = True
+        self.reports = express is None
         self.app = app
         self.scope = scope
         self._receive = receive
@@ -208,15 +219,17 @@ class _Exchange(Flight):
         if kind == "http.response.start":
             self.response_started = True
             self.status = message["status"]
-            degraded = self.degraded
-            if degraded:
-                headers = list(message.get("headers", ()))
-                headers.append((_DEGRADED, ", ".join(degraded).encode()))
-                message["headers"] = headers
+            if self.degraded:
+                self._announce_degraded(message)
         elif kind == "http.response.body" and not message.get("more_body", False):
             self.response_done = True
         send = self.send  # (a slot read, then a call: ``self.send(...)`` is not specialized)
         return send(message)
+
+    def _announce_degraded(self, start: Message) -> None:
+        headers = list(start.get("headers", ()))
+        headers.append((_DEGRADED, ", ".join(self.degraded).encode()))
+        start["headers"] = headers
 
     async def __call__(self) -> Message:
         buffer = self._buffer
@@ -364,15 +377,11 @@ class BrownoutMiddleware:
         # The running loop and the stopwatch's start: `running_loop()` and ``loop.time()``,
         # answered inline from the clock's cache when it holds this thread's stock loop
         # (asyncio's own lookup is a system call on CPython 3.11; see `brownout.clock`).
-        cached = _clock._running
+        cached, loop_type, thread, read_clock = _clock._running or _NOT_CACHED
         loop: asyncio.AbstractEventLoop
-        if (
-            cached is not None
-            and cached[0]._thread_id == cached[2] == get_ident()
-            and type(cached[0]) is cached[1]
-        ):
-            loop = cached[0]  # type: ignore[assignment]  # (narrowed to object by the type check)
-            started = cached[3]()
+        if cached._thread_id == thread == get_ident() and type(cached) is loop_type:
+            loop = cached
+            started = read_clock()
         else:
             loop = running_loop()
             started = loop.time()
@@ -397,18 +406,15 @@ class BrownoutMiddleware:
         # It is most requests of a healthy service, so it is worth the bytecode it saves.
         app = self.app
         watch = self.watch_disconnects
-        exchange = _Exchange(started, app, scope, receive, send, (), watch)
-        deadline = exchange.deadline = _new_deadline(started + entry.seconds)
-        exchange.classification = entry.classification
-        exchange.admitted = True
-        exchange.reports = False
+        exchange = _Exchange(started, app, scope, receive, send, (), watch, entry.classification)
+        ctx = _inbound_context(
+            started + entry.seconds, entry.priority, "unknown", entry.operation, started
+        )
+        deadline = exchange.deadline = ctx.deadline
+        assert deadline is not None
         task = exchange.task = current_task(loop)
         assert task is not None
-        token = _set_current(
-            _make_context(
-                deadline, entry.priority, "unknown", entry.operation, 1, None, False, started
-            )
-        )
+        token = _set_current(ctx)
         sweeper = policy._sweeper
         if entry.seconds <= sweeper.period:
             exchange.timer = loop.call_at(deadline.at, _expire, exchange, task)
@@ -426,7 +432,6 @@ class BrownoutMiddleware:
                 sweeper.pending.pop(exchange, None)
                 if exchange.timer is not None:
                     exchange.timer.cancel()
-                exchange.task = None
                 _reset_current(token)
                 if exchange.watcher is not None:
                     exchange.close()

@@ -279,7 +279,8 @@ async def refusal_cost() -> None:
 # -- served: uvicorn over loopback, server CPU per request ---------------------------------------
 
 
-SERVED_N = 4_000
+SERVED_N = 6_000
+SERVED_REPS = 9
 SERVED_CONCURRENCY = 8
 
 
@@ -344,7 +345,7 @@ async def served() -> None:
             await served_round(sessions[kind], url, proc.pid, 800)
         best = {kind: float("inf") for kind in servers}
         ratios = []
-        for _ in range(REPS):
+        for _ in range(SERVED_REPS):
             got = {}
             for kind, (proc, url) in servers.items():
                 got[kind] = await served_round(sessions[kind], url, proc.pid, SERVED_N)

@@ -294,6 +294,7 @@ def serve(kind: str) -> None:
     app = fastapi_app(kind == "protected")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)  # connections made before uvicorn is up wait instead of being refused
     print(f"PORT {sock.getsockname()[1]}", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
     uvicorn.Server(config).run(sockets=[sock])

@@ -393,6 +393,9 @@ def _listen() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
+    # Listening before the port is announced: a client that connects while uvicorn is still
+    # starting waits in the backlog instead of being refused.
+    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 

@@ -253,8 +253,11 @@ async def refusal_cost() -> None:
             for _ in range(REPS):
                 await set_backend_latency(port, 0.0)
                 best_served = min(best_served, await cpu_per_request(app, CPU_N // 4, 200))
-                # Saturate: slow dependency, limit + queue held by in-flight requests.
-                await set_backend_latency(port, 30.0)
+                # Saturate: slow dependency, limit + queue held by in-flight requests. Held
+                # 2 s, far longer than the refusals take to measure (~20 ms); the dependency's
+                # connections stay busy that long after the holders are cancelled, and the
+                # next round's served requests wait for them (30 s made the bench take 3 min).
+                await set_backend_latency(port, 2.0)
                 holders = [
                     asyncio.create_task(app(scope_for("/api/interactive"), receive, Sink()))
                     for _ in range(LIMIT + QUEUE)

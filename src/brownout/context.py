@@ -182,7 +182,12 @@ def _make_context(
 
 
 def _inbound_context(
-    at: float, priority: Priority, caller: str, operation: str, started_at: float
+    at: float,
+    priority: Priority,
+    caller: str,
+    operation: str,
+    in_progress: bool,
+    started_at: float,
 ) -> RequestContext:
     """A new inbound request's context, unchecked: a fresh `Deadline` at ``at`` on the default
     clock, first attempt, no idempotency key. One call for what `_new_deadline` and
@@ -198,7 +203,7 @@ def _inbound_context(
     new.operation = operation
     new.attempt = 1
     new.idempotency_key = None
-    new.in_progress = False
+    new.in_progress = in_progress
     new.started_at = started_at
     new.__class__ = RequestContext  # type: ignore[assignment]
     return new  # type: ignore[return-value]

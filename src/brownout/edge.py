@@ -534,6 +534,8 @@ class Express(NamedTuple):
     seconds: float
     """The route's default budget."""
     classification: Classification
+    """What the route gives a request without headers (the classifier's starting point)."""
+    classifier: Classifier | None
 
 
 EXPRESS_HEADERS = frozenset(
@@ -1012,23 +1014,22 @@ class EdgePolicy:
     def express(self, route: ResolvedRoute) -> Express | None:
         """The fast path's plan for ``route``, or ``None`` when only `serve` can handle it.
 
-        A route qualifies when nothing about its requests needs more than the defaults: a
-        `Bulkhead` on the loop's clock, no quota hook, classifier, degraded modes or slowed
-        refusals, a fixed trust other than ``SIGNED``, no Envoy header. Each request then
-        still takes `serve` if it carries a brownout header (a budget or a priority claim),
-        runs inside another request's context, or finds the bulkhead contended (see
-        `Bulkhead.admit_uncontended`). Read once per route, like the rest of the policy.
+        A route qualifies when its requests need nothing `serve` adds beyond admission: a
+        `Bulkhead` on the loop's clock, no quota hook, degraded modes or slowed refusals, no
+        Envoy header. Each request then still takes `serve` if it carries a brownout header
+        (a budget, signed or not, or a priority claim: trust only matters for those), runs
+        inside another request's context, or finds the bulkhead contended (see
+        `Bulkhead.admit_uncontended`). The classifier, if any, runs on the express path too,
+        with the same default classification `serve` would give it. Read once per route, like
+        the rest of the policy.
         """
         bulkhead = route.bulkhead
         if (
             not isinstance(bulkhead, Bulkhead)
             or bulkhead._clock is not _LOOP_CLOCK
             or self.quota is not None
-            or self.classifier is not None
             or self.degraded is not None
             or self.slowed is not None
-            or self._trust_fn is not None
-            or self._fixed_trust is _SIGNED
             or route.deadline.read_envoy
         ):
             return None
@@ -1036,6 +1037,7 @@ class EdgePolicy:
             bulkhead,
             route.deadline.default,
             Classification(route.priority, "unknown", route.template),
+            self.classifier,
         )
 
     async def _check_quota(

@@ -32,9 +32,10 @@ from brownout import (
     Reason,
     Rejected,
     Stats,
+    Trust,
 )
 from brownout.admission.bulkhead import Permit, Untracked
-from brownout.edge import EdgePolicy, Route
+from brownout.edge import Classification, EdgePolicy, Route
 from brownout.integrations.asgi import BrownoutMiddleware
 
 pytestmark = pytest.mark.integration
@@ -252,3 +253,49 @@ async def test_without_listeners_express_admissions_allocate_nothing_and_still_f
         # requests give it the 5 samples it needs for an estimate.
         estimates = svc.bulkhead.estimator.estimates if svc.bulkhead.estimator else {}
         assert "/items/{id}" in estimates
+
+
+async def test_the_classifier_runs_on_the_express_path_and_trust_does_not_matter() -> None:
+    """A classifier and a trust function do not send header-less requests off the express
+    path: the classifier sees the route's default classification, as under `serve` (S4: trust
+    only decides about headers, and these requests carry none)."""
+    hub = EventHub()
+    stats = Stats()
+    hub.subscribe(stats)
+    bulkhead = CountingBulkhead("api", FixedLimit(4), events=hub)
+    seen: list[Any] = []
+    classified: list[Classification] = []
+
+    def classify(scope: Any, default: Classification) -> Classification:
+        classified.append(default)
+        caller = dict(scope["headers"]).get(b"x-tenant", b"anonymous").decode()
+        return default._replace(caller=caller, priority=Priority.SHEDDABLE)
+
+    app = FastAPI()
+
+    @app.get("/items/{id}")
+    async def item(id: int) -> dict[str, Any]:
+        ctx = brownout.current()
+        seen.append((ctx.caller, ctx.priority, ctx.operation))
+        return {"id": id}
+
+    policy = EdgePolicy(
+        bulkhead=bulkhead,
+        classifier=classify,
+        trust=lambda scope: Trust.UNTRUSTED,
+        events=hub,
+    )
+    app.add_middleware(BrownoutMiddleware, policy=policy)
+    async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+        r = await client.get("/items/3", headers={"x-tenant": "acme"})
+        forged = await client.get("/items/4", headers={"brownout-priority": "critical_plus"})
+    assert r.status_code == 200 and forged.status_code == 200
+    assert bulkhead.express == 1  # the forged claim went through serve, which ignores it
+    assert classified[0] == Classification(Priority.CRITICAL, "unknown", "/items/{id}")
+    assert seen == [
+        ("acme", Priority.SHEDDABLE, "/items/{id}"),
+        ("anonymous", Priority.SHEDDABLE, "/items/{id}"),
+    ]
+    await settle()
+    assert stats.count("completed", caller="acme", priority="sheddable") == 1
+    assert stats.count("completed", caller="anonymous", priority="sheddable") == 1

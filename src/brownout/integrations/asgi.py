@@ -95,15 +95,18 @@ class _Path:
     has an express plan (`EdgePolicy.express`), that plan's fields as slots (CPython 3.11
     does not specialize reads of NamedTuple fields; slot reads it does)."""
 
-    __slots__ = ("bulkhead", "classification", "operation", "priority", "route", "seconds")
+    __slots__ = ("bulkhead", "classification", "classifier", "route", "seconds")
 
     def __init__(self, route: ResolvedRoute, express: Express | None) -> None:
         self.route = route
         self.bulkhead = express.bulkhead if express is not None else None
         self.seconds = express.seconds if express is not None else 0.0
-        self.classification = express.classification if express is not None else None
-        self.priority = route.priority
-        self.operation = route.template
+        self.classification = (
+            express.classification
+            if express is not None
+            else Classification(route.priority, "unknown", route.template)
+        )
+        self.classifier = express.classifier if express is not None else None
 
 
 def _template_in(routes: Any, path: str, prefix: str, depth: int = 0) -> str | None:
@@ -400,8 +403,12 @@ class BrownoutMiddleware:
             and _get_current() is _NO_REQUEST
             and _claims_nothing(map(_header_name, scope["headers"]))
         ):
+            cls = entry.classification
+            if entry.classifier is not None:
+                cls = entry.classifier(scope, cls)
+            priority, caller, operation, in_progress = cls
             permit = bulkhead.admit_uncontended(
-                entry.priority, "unknown", entry.operation, started + entry.seconds, started
+                priority, caller, operation, started + entry.seconds, started
             )
         if permit is None:
             await self._serve(scope, receive, send, loop, started, entry.route)
@@ -411,9 +418,9 @@ class BrownoutMiddleware:
         # It is most requests of a healthy service, so it is worth the bytecode it saves.
         app = self.app
         watch = self.watch_disconnects
-        exchange = _Exchange(started, app, scope, receive, send, (), watch, entry.classification)
+        exchange = _Exchange(started, app, scope, receive, send, (), watch, cls)
         ctx = _inbound_context(
-            started + entry.seconds, entry.priority, "unknown", entry.operation, started
+            started + entry.seconds, priority, caller, operation, in_progress, started
         )
         deadline = exchange.deadline = ctx.deadline
         assert deadline is not None

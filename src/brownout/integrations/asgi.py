@@ -404,8 +404,9 @@ class BrownoutMiddleware:
             and _claims_nothing(map(_header_name, scope["headers"]))
         ):
             cls = entry.classification
-            if entry.classifier is not None:
-                cls = entry.classifier(scope, cls)
+            classifier = entry.classifier
+            if classifier is not None:
+                cls = classifier(scope, cls)
             priority, caller, operation, in_progress = cls
             permit = bulkhead.admit_uncontended(
                 priority, caller, operation, started + entry.seconds, started

@@ -1014,11 +1014,11 @@ class EdgePolicy:
     def express(self, route: ResolvedRoute) -> Express | None:
         """The fast path's plan for ``route``, or ``None`` when only `serve` can handle it.
 
-        A route qualifies when its requests need nothing `serve` adds beyond admission: a
-        `Bulkhead` on the loop's clock, no quota hook, degraded modes or slowed refusals, no
-        Envoy header. Each request then still takes `serve` if it carries a brownout header
-        (a budget, signed or not, or a priority claim: trust only matters for those), runs
-        inside another request's context, or finds the bulkhead contended (see
+        A route qualifies when its requests need nothing `serve` adds beyond admission and
+        degraded-mode bookkeeping: a `Bulkhead` on the loop's clock, no quota hook or slowed
+        refusals, no Envoy header. Each request then still takes `serve` if it carries a
+        brownout header (a budget, signed or not, or a priority claim: trust only matters for
+        those), runs inside another request's context, or finds the bulkhead contended (see
         `Bulkhead.admit_uncontended`). The classifier, if any, runs on the express path too,
         with the same default classification `serve` would give it. Read once per route, like
         the rest of the policy.
@@ -1028,7 +1028,6 @@ class EdgePolicy:
             not isinstance(bulkhead, Bulkhead)
             or bulkhead._clock is not _LOOP_CLOCK
             or self.quota is not None
-            or self.degraded is not None
             or self.slowed is not None
             or route.deadline.read_envoy
         ):
@@ -1087,6 +1086,13 @@ class EdgePolicy:
             if fut is not None:
                 await fut
         return refusal
+
+    def settle_fallback(
+        self, permit: Any, flight: Flight, cls: Classification, deadline: Deadline
+    ) -> None:
+        """A degraded-mode fallback answered an admitted request: settle ``permit`` as a
+        success the limit learns nothing from (adapters' fast paths; see `_settle_fallback`)."""
+        self._settle_fallback(permit, flight, cls, deadline)
 
     def _settle_fallback(
         self, permit: Any, flight: Flight, cls: Classification, deadline: Deadline

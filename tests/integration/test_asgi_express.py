@@ -25,6 +25,8 @@ from tests.integration.servers import serve
 import brownout
 from brownout import (
     Bulkhead,
+    DegradedMode,
+    DegradedModes,
     EventHub,
     FifoQueue,
     FixedLimit,
@@ -299,3 +301,57 @@ async def test_the_classifier_runs_on_the_express_path_and_trust_does_not_matter
     await settle()
     assert stats.count("completed", caller="acme", priority="sheddable") == 1
     assert stats.count("completed", caller="anonymous", priority="sheddable") == 1
+
+
+async def test_degraded_modes_on_the_express_path() -> None:
+    """G1/G2 on the express path: the active modes are named on the response, and a
+    fallback's answer is goodput that never teaches the adaptive limit (as under `serve`)."""
+
+    class SpyLimit:
+        adaptive = True
+        limit = 8
+
+        def __init__(self) -> None:
+            self.samples: list[float] = []
+
+        def on_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
+            self.samples.append(rtt)
+            return 8
+
+    hub = EventHub()
+    stats = Stats()
+    hub.subscribe(stats)
+    spy = SpyLimit()
+    bulkhead = CountingBulkhead("api", spy, events=hub)  # type: ignore[arg-type]
+    modes = DegradedModes([DegradedMode("recs", "recommendations from a default list")])
+
+    @modes.fallback("recs", lambda: "default")
+    async def recommendations() -> str:
+        await asyncio.sleep(0.01)
+        return "personal"
+
+    app = FastAPI()
+
+    @app.get("/recs")
+    async def recs() -> dict[str, str]:
+        return {"recs": await recommendations()}
+
+    app.add_middleware(
+        BrownoutMiddleware, policy=EdgePolicy(bulkhead=bulkhead, degraded=modes, events=hub)
+    )
+    async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+        normal = await client.get("/recs")
+        await settle()
+        taught = len(spy.samples)
+        modes.force("recs", on=True)
+        degraded = await client.get("/recs")
+        await settle()
+    assert bulkhead.express == 2
+    assert normal.json() == {"recs": "personal"}
+    assert "brownout-degraded" not in normal.headers
+    assert taught == 1  # a real answer is a sample for the limit
+    assert degraded.json() == {"recs": "default"}
+    assert degraded.headers["brownout-degraded"] == "recs"
+    assert len(spy.samples) == 1  # the fallback's answer is not
+    assert stats.count("completed") == 2  # both are goodput
+    assert bulkhead.in_flight == 0

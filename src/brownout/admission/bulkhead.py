@@ -265,6 +265,9 @@ class Untracked:
         # Untracked only while nobody listens (the hub was off): nothing to report.
         self.success()
 
+    def ignore(self) -> None:
+        self.success()
+
     def settle_raised(self, exc_type: type[BaseException]) -> None:
         self.success()
 

@@ -28,6 +28,11 @@ of the modes whose fallback answered during the request. The edge then keeps tha
 the adaptive limit's latency samples: a fallback's speed says nothing about the dependency."""
 
 
+# Bound once for other modules' hot paths (see `brownout.context._get_current`).
+_set_fallback_marks = served_by_fallback.set
+_reset_fallback_marks = served_by_fallback.reset
+
+
 def note_fallback_served(mode: str) -> None:
     """Record that ``mode``'s fallback answered (a no-op outside an edge that asks)."""
     marks = served_by_fallback.get()

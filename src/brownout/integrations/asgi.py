@@ -42,9 +42,11 @@ from ..admission.bulkhead import Permit, Untracked
 from ..clock import running_loop
 from ..context import _EMPTY as _NO_REQUEST
 from ..context import _get_current, _inbound_context, _reset_current, _set_current
+from ..degrade.markers import _reset_fallback_marks, _set_fallback_marks
 from ..edge import (
     EXPRESS_HEADERS,
     Classification,
+    DegradedModes,
     EdgePolicy,
     Express,
     Flight,
@@ -95,9 +97,11 @@ class _Path:
     has an express plan (`EdgePolicy.express`), that plan's fields as slots (CPython 3.11
     does not specialize reads of NamedTuple fields; slot reads it does)."""
 
-    __slots__ = ("bulkhead", "classification", "classifier", "route", "seconds")
+    __slots__ = ("bulkhead", "classification", "classifier", "degraded", "route", "seconds")
 
-    def __init__(self, route: ResolvedRoute, express: Express | None) -> None:
+    def __init__(
+        self, route: ResolvedRoute, express: Express | None, degraded: DegradedModes | None
+    ) -> None:
         self.route = route
         self.bulkhead = express.bulkhead if express is not None else None
         self.seconds = express.seconds if express is not None else 0.0
@@ -107,6 +111,7 @@ class _Path:
             else Classification(route.priority, "unknown", route.template)
         )
         self.classifier = express.classifier if express is not None else None
+        self.degraded = degraded
 
 
 def _template_in(routes: Any, path: str, prefix: str, depth: int = 0) -> str | None:
@@ -367,7 +372,7 @@ class BrownoutMiddleware:
         route = self.policy.route(template)
         if len(cache) >= self._path_cache_size:
             cache.clear()  # crude but bounded; ids in paths would otherwise grow it forever
-        entry = cache[path] = _Path(route, self.policy.express(route))
+        entry = cache[path] = _Path(route, self.policy.express(route), self.policy.degraded)
         return entry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -419,7 +424,17 @@ class BrownoutMiddleware:
         # It is most requests of a healthy service, so it is worth the bytecode it saves.
         app = self.app
         watch = self.watch_disconnects
-        exchange = _Exchange(started, app, scope, receive, send, (), watch, cls)
+        modes = entry.degraded
+        exchange = _Exchange(
+            started,
+            app,
+            scope,
+            receive,
+            send,
+            () if modes is None else modes.active_names(),
+            watch,
+            cls,
+        )
         ctx = _inbound_context(
             started + entry.seconds, priority, caller, operation, in_progress, started
         )
@@ -428,6 +443,12 @@ class BrownoutMiddleware:
         task = exchange.task = current_task(loop)
         assert task is not None
         token = _set_current(ctx)
+        # With degraded modes declared, a fresh list per request collects the modes whose
+        # fallback answered (`brownout.degrade.markers`), as `serve` does.
+        marks: list[str] | None = None
+        if modes is not None:
+            marks = []
+            marks_token = _set_fallback_marks(marks)
         sweeper = policy._sweeper
         if entry.seconds <= sweeper.period:
             exchange.timer = loop.call_at(deadline.at, _expire, exchange, task)
@@ -446,6 +467,8 @@ class BrownoutMiddleware:
                 if exchange.timer is not None:
                     exchange.timer.cancel()
                 _reset_current(token)
+                if marks is not None:
+                    _reset_fallback_marks(marks_token)
                 if exchange.watcher is not None:
                     exchange.close()
         except (asyncio.CancelledError, Exception) as e:
@@ -469,6 +492,8 @@ class BrownoutMiddleware:
         status = exchange.status
         if status >= 500:
             permit.failed(f"status_{status}")
+        elif marks:  # a fallback answered: a success the limit must not learn from
+            policy.settle_fallback(permit, exchange, cls, deadline)
         else:
             permit.success()
 

@@ -49,7 +49,7 @@ from .clock import now as _now
 from .context import _get_current, _make_context, _reset_current, _set_current
 from .deadline import Deadline, _new_deadline
 from .degrade.markers import served_by_fallback
-from .errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
+from .errors import DeadlineExceeded, HeaderError, Reason, Rejected, UnknownOutcome
 from .events import (
     DeadlineHeaderIgnored,
     EventHub,
@@ -70,6 +70,7 @@ from .propagation import (
     HeaderGetter,
     InboundDeadlinePolicy,
     Trust,
+    decode_budget_ms,
 )
 
 __all__ = [
@@ -538,11 +539,13 @@ class Express(NamedTuple):
     classifier: Classifier | None
 
 
+_BUDGET_BYTES = BUDGET_HEADER.encode("latin-1")
 EXPRESS_HEADERS = frozenset(
     name.encode("latin-1") for name in (BUDGET_HEADER, SIGNED_BUDGET_HEADER, PRIORITY_HEADER)
 )
-"""Request headers (lower case, bytes) that send a request off the fast path: the edge has a
-decision to make about them (honour, clamp, or ignore and report)."""
+"""Request headers (lower case, bytes) the edge has a decision to make about (honour, clamp, or
+ignore and report): a request carrying any of them takes the express path only through
+`EdgePolicy.express_budget`."""
 
 
 class Abandoned:
@@ -1038,6 +1041,43 @@ class EdgePolicy:
             Classification(route.priority, "unknown", route.template),
             self.classifier,
         )
+
+    def express_budget(
+        self, route: ResolvedRoute, request: Any, headers: Iterable[tuple[bytes, bytes]]
+    ) -> float | None:
+        """The budget (seconds) of a request whose brownout headers the express path can take
+        itself, or ``None`` for `serve` to decide.
+
+        The express path takes one unsigned budget header and nothing else (every call
+        between brownout services carries one), where `InboundDeadlinePolicy.resolve` would
+        simply honour it: clamped to the route maximum, or the route default where the source
+        may not set it. `serve` takes a priority claim, a signed budget or a signed trust, a
+        malformed, repeated or already spent budget, and Envoy's header (it reports what it
+        ignores). ``headers``: (lower-case name, value) byte pairs.
+        """
+        raw: bytes | None = None
+        for name, value in headers:
+            if name in EXPRESS_HEADERS:
+                if name != _BUDGET_BYTES or raw is not None:
+                    return None
+                raw = value
+        policy = route.deadline
+        if raw is None:
+            return policy.default
+        if policy.read_envoy:
+            return None
+        trust = self._fixed_trust if self._trust_fn is None else self._trust_fn(request)
+        if trust is _SIGNED:
+            return None
+        if trust is not _TRUSTED and not policy.honour_untrusted:
+            return policy.default  # resolve ignores it without a word: so do we
+        try:
+            seconds = decode_budget_ms(raw)
+        except HeaderError:
+            return None
+        if not seconds > 0.0:
+            return None
+        return seconds if seconds < policy.maximum else policy.maximum
 
     async def _check_quota(
         self, cls: Classification, flight: Flight, guarded: bool

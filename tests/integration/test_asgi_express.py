@@ -157,11 +157,11 @@ async def test_express_and_general_paths_count_alike(service: Service) -> None:
     async with httpx.AsyncClient(base_url=service.base) as client:
         for i in range(5):
             assert (await client.get(f"/items/{i}")).status_code == 200
-        for i in range(5):  # a budget header sends a request through EdgePolicy.serve
-            r = await client.get(f"/items/{i}", headers={"brownout-budget-ms": "800"})
+        for i in range(5):  # a priority claim sends a request through EdgePolicy.serve
+            r = await client.get(f"/items/{i}", headers={"brownout-priority": "sheddable"})
             assert r.status_code == 200
     assert service.bulkhead.express == 5
-    assert service.seen[-1]["remaining"] <= 0.8
+    assert service.seen[-1]["priority"] is Priority.CRITICAL  # untrusted: claim ignored
     await settle()
     for kind in ("offered", "admitted", "completed"):
         assert service.stats.count(kind, operation="/items/{id}") == 10, kind
@@ -355,3 +355,21 @@ async def test_degraded_modes_on_the_express_path() -> None:
     assert len(spy.samples) == 1  # the fallback's answer is not
     assert stats.count("completed") == 2  # both are goodput
     assert bulkhead.in_flight == 0
+
+
+async def test_a_plain_budget_header_stays_on_the_express_path(service: Service) -> None:
+    """D2/D3: calls between brownout services carry a budget; the express path honours it as
+    `InboundDeadlinePolicy.resolve` would (clamped to the route maximum); anything it would
+    have to report (a malformed value) goes through `serve`, which reports it."""
+    async with httpx.AsyncClient(base_url=service.base) as client:
+        short = await client.get("/items/1", headers={"brownout-budget-ms": "400"})
+        long = await client.get("/items/2", headers={"brownout-budget-ms": "60000"})
+        spent = await client.get("/items/3", headers={"brownout-budget-ms": "0"})
+        bad = await client.get("/items/4", headers={"brownout-budget-ms": "soon"})
+    assert short.status_code == 200 and long.status_code == 200
+    assert service.bulkhead.express == 2  # the spent and the malformed budgets took serve
+    assert 0.2 < service.seen[0]["remaining"] <= 0.4
+    assert 4.0 < service.seen[1]["remaining"] <= 5.0  # clamped to the route maximum
+    assert spent.status_code == 504  # serve: expired before the work started
+    assert bad.status_code == 200  # serve: ignored (and reported), the route default applies
+    assert 1.0 < service.seen[2]["remaining"] <= 1.5

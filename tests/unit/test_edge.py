@@ -583,3 +583,35 @@ async def test_fallback_answers_count_as_goodput_but_never_teach_the_limit() -> 
     assert out == "default"
     assert len(spy.samples) == 1  # the fallback's answer is not
     assert stats.count("completed") == 2  # both are goodput
+
+
+def test_express_budget_takes_only_what_resolve_would_simply_honour() -> None:
+    """D3 on the express path: one unsigned budget header is honoured and clamped exactly as
+    `InboundDeadlinePolicy.resolve` does; everything resolve would reject, verify or report
+    is left to `serve` (None)."""
+    deadline = InboundDeadlinePolicy(default=2.0, maximum=5.0)
+    policy = EdgePolicy(bulkhead=Bulkhead("api", FixedLimit(4)), deadline=deadline)
+
+    def budget(*headers: tuple[bytes, bytes], p: EdgePolicy = policy) -> float | None:
+        return p.express_budget(p.route("/x"), {}, [(b"host", b"h"), *headers])
+
+    assert budget() == 2.0
+    assert budget((b"brownout-budget-ms", b"1500")) == 1.5
+    assert budget((b"brownout-budget-ms", b"60000")) == 5.0  # clamped to the maximum
+    for needs_serve in (
+        [(b"brownout-budget-ms", b"soon")],  # malformed: serve reports it
+        [(b"brownout-budget-ms", b"0")],  # spent: serve answers 504
+        [(b"brownout-budget-ms", b"100"), (b"brownout-budget-ms", b"200")],
+        [(b"brownout-priority", b"sheddable")],
+        [(b"brownout-signed-budget", b"x")],
+        [(b"brownout-budget-ms", b"100"), (b"brownout-priority", b"critical")],
+    ):
+        assert budget(*needs_serve) is None, needs_serve
+    silent = EdgePolicy(deadline=InboundDeadlinePolicy(default=2.0, honour_untrusted=False))
+    assert budget((b"brownout-budget-ms", b"100"), p=silent) == 2.0  # ignored, as resolve does
+    trusting = EdgePolicy(deadline=deadline, trust=lambda request: Trust.TRUSTED)
+    assert budget((b"brownout-budget-ms", b"100"), p=trusting) == 0.1
+    signed = EdgePolicy(deadline=deadline, trust=Trust.SIGNED)
+    assert budget((b"brownout-budget-ms", b"100"), p=signed) is None
+    envoy = EdgePolicy(deadline=InboundDeadlinePolicy(read_envoy=True))
+    assert budget((b"brownout-budget-ms", b"100"), p=envoy) is None

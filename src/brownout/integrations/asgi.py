@@ -403,25 +403,28 @@ class BrownoutMiddleware:
             entry = self._route(scope, path)
         bulkhead = entry.bulkhead
         permit: Permit | Untracked | None = None
-        if (
-            bulkhead is not None
-            and _get_current() is _NO_REQUEST
-            and _claims_nothing(map(_header_name, scope["headers"]))
-        ):
-            cls = entry.classification
-            classifier = entry.classifier
-            if classifier is not None:
-                cls = classifier(scope, cls)
-            priority, caller, operation, in_progress = cls
-            permit = bulkhead.admit_uncontended(
-                priority, caller, operation, started + entry.seconds, started
-            )
+        if bulkhead is not None and _get_current() is _NO_REQUEST:
+            headers = scope["headers"]
+            seconds: float | None = entry.seconds
+            if not _claims_nothing(map(_header_name, headers)):
+                seconds = policy.express_budget(entry.route, scope, headers)
+            if seconds is not None:
+                cls = entry.classification
+                classifier = entry.classifier
+                if classifier is not None:
+                    cls = classifier(scope, cls)
+                priority, caller, operation, in_progress = cls
+                permit = bulkhead.admit_uncontended(
+                    priority, caller, operation, started + seconds, started
+                )
         if permit is None:
             await self._serve(scope, receive, send, loop, started, entry.route)
             return
-        # The express path (`EdgePolicy.express`): what `serve` does for a request with the
-        # route's defaults at an uncontended bulkhead, inline, in this one coroutine frame.
+        # The express path (`EdgePolicy.express`): what `serve` does for a request with no
+        # header to decide about (or a plain budget) at an uncontended bulkhead, inline, in
+        # this one coroutine frame.
         # It is most requests of a healthy service, so it is worth the bytecode it saves.
+        assert seconds is not None  # (admitted, so there was a budget)
         app = self.app
         watch = self.watch_disconnects
         modes = entry.degraded
@@ -435,9 +438,7 @@ class BrownoutMiddleware:
             watch,
             cls,
         )
-        ctx = _inbound_context(
-            started + entry.seconds, priority, caller, operation, in_progress, started
-        )
+        ctx = _inbound_context(started + seconds, priority, caller, operation, in_progress, started)
         deadline = exchange.deadline = ctx.deadline
         assert deadline is not None
         task = exchange.task = current_task(loop)
@@ -450,7 +451,7 @@ class BrownoutMiddleware:
             marks = []
             marks_token = _set_fallback_marks(marks)
         sweeper = policy._sweeper
-        if entry.seconds <= sweeper.period:
+        if seconds <= sweeper.period:
             exchange.timer = loop.call_at(deadline.at, _expire, exchange, task)
         if loop is sweeper.loop:  # sweeper.add, inlined
             sweeper.pending[exchange] = None

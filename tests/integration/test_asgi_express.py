@@ -21,6 +21,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from tests.integration.servers import serve
+from tests.limits import SpyLimit
 
 import brownout
 from brownout import (
@@ -306,17 +307,6 @@ async def test_the_classifier_runs_on_the_express_path_and_trust_does_not_matter
 async def test_degraded_modes_on_the_express_path() -> None:
     """G1/G2 on the express path: the active modes are named on the response, and a
     fallback's answer is goodput that never teaches the adaptive limit (as under `serve`)."""
-
-    class SpyLimit:
-        adaptive = True
-        limit = 8
-
-        def __init__(self) -> None:
-            self.samples: list[float] = []
-
-        def on_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
-            self.samples.append(rtt)
-            return 8
 
     hub = EventHub()
     stats = Stats()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from tests.limits import SpyLimit
 
 import brownout
 from brownout import (
@@ -549,17 +550,6 @@ async def test_fallback_answers_count_as_goodput_but_never_teach_the_limit() -> 
     """G1 + A5: a degraded-mode fallback answers fast; fed to an adaptive limit it would drag
     the no-load baseline down and collapse the limit when the mode ends (seen in the lab)."""
     from brownout import Bulkhead, DegradedMode, DegradedModes, FifoQueue
-
-    class SpyLimit:
-        adaptive = True
-        limit = 8
-
-        def __init__(self) -> None:
-            self.samples: list[float] = []
-
-        def on_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
-            self.samples.append(rtt)
-            return 8
 
     hub, stats, _ = observed()
     spy = SpyLimit()

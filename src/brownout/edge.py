@@ -1044,9 +1044,9 @@ class EdgePolicy:
 
     def express_budget(
         self, route: ResolvedRoute, request: Any, headers: Iterable[tuple[bytes, bytes]]
-    ) -> float | None:
+    ) -> float:
         """The budget (seconds) of a request whose brownout headers the express path can take
-        itself, or ``None`` for `serve` to decide.
+        itself, or ``0.0`` for `serve` to decide.
 
         The express path takes one unsigned budget header and nothing else (every call
         between brownout services carries one), where `InboundDeadlinePolicy.resolve` would
@@ -1059,24 +1059,23 @@ class EdgePolicy:
         for name, value in headers:
             if name in EXPRESS_HEADERS:
                 if name != _BUDGET_BYTES or raw is not None:
-                    return None
+                    return 0.0
                 raw = value
         policy = route.deadline
         if raw is None:
             return policy.default
         if policy.read_envoy:
-            return None
+            return 0.0
         trust = self._fixed_trust if self._trust_fn is None else self._trust_fn(request)
         if trust is _SIGNED:
-            return None
+            return 0.0
         if trust is not _TRUSTED and not policy.honour_untrusted:
             return policy.default  # resolve ignores it without a word: so do we
         try:
             seconds = decode_budget_ms(raw)
         except HeaderError:
-            return None
-        if not seconds > 0.0:
-            return None
+            return 0.0
+        # A spent budget (0) is also serve's: it answers 504 before the work starts.
         return seconds if seconds < policy.maximum else policy.maximum
 
     async def _check_quota(

@@ -578,11 +578,11 @@ async def test_fallback_answers_count_as_goodput_but_never_teach_the_limit() -> 
 def test_express_budget_takes_only_what_resolve_would_simply_honour() -> None:
     """D3 on the express path: one unsigned budget header is honoured and clamped exactly as
     `InboundDeadlinePolicy.resolve` does; everything resolve would reject, verify or report
-    is left to `serve` (None)."""
+    is left to `serve` (0.0)."""
     deadline = InboundDeadlinePolicy(default=2.0, maximum=5.0)
     policy = EdgePolicy(bulkhead=Bulkhead("api", FixedLimit(4)), deadline=deadline)
 
-    def budget(*headers: tuple[bytes, bytes], p: EdgePolicy = policy) -> float | None:
+    def budget(*headers: tuple[bytes, bytes], p: EdgePolicy = policy) -> float:
         return p.express_budget(p.route("/x"), {}, [(b"host", b"h"), *headers])
 
     assert budget() == 2.0
@@ -596,12 +596,12 @@ def test_express_budget_takes_only_what_resolve_would_simply_honour() -> None:
         [(b"brownout-signed-budget", b"x")],
         [(b"brownout-budget-ms", b"100"), (b"brownout-priority", b"critical")],
     ):
-        assert budget(*needs_serve) is None, needs_serve
+        assert budget(*needs_serve) == 0.0, needs_serve
     silent = EdgePolicy(deadline=InboundDeadlinePolicy(default=2.0, honour_untrusted=False))
     assert budget((b"brownout-budget-ms", b"100"), p=silent) == 2.0  # ignored, as resolve does
     trusting = EdgePolicy(deadline=deadline, trust=lambda request: Trust.TRUSTED)
     assert budget((b"brownout-budget-ms", b"100"), p=trusting) == 0.1
     signed = EdgePolicy(deadline=deadline, trust=Trust.SIGNED)
-    assert budget((b"brownout-budget-ms", b"100"), p=signed) is None
+    assert budget((b"brownout-budget-ms", b"100"), p=signed) == 0.0
     envoy = EdgePolicy(deadline=InboundDeadlinePolicy(read_envoy=True))
-    assert budget((b"brownout-budget-ms", b"100"), p=envoy) is None
+    assert budget((b"brownout-budget-ms", b"100"), p=envoy) == 0.0

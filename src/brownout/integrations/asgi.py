@@ -404,19 +404,19 @@ class BrownoutMiddleware:
         bulkhead = entry.bulkhead
         permit: Permit | Untracked | None = None
         if bulkhead is not None and _get_current() is _NO_REQUEST:
-            headers = scope["headers"]
-            seconds: float | None = entry.seconds
-            if not _claims_nothing(map(_header_name, headers)):
-                seconds = policy.express_budget(entry.route, scope, headers)
-            if seconds is not None:
+            seconds = (
+                entry.seconds
+                if _claims_nothing(map(_header_name, scope["headers"]))
+                else policy.express_budget(entry.route, scope, scope["headers"])
+            )
+            if seconds > 0.0:
                 cls = entry.classification
                 classifier = entry.classifier
                 if classifier is not None:
                     cls = classifier(scope, cls)
                 priority, caller, operation, in_progress = cls
-                permit = bulkhead.admit_uncontended(
-                    priority, caller, operation, started + seconds, started
-                )
+                at = started + seconds
+                permit = bulkhead.admit_uncontended(priority, caller, operation, at, started)
         if permit is None:
             await self._serve(scope, receive, send, loop, started, entry.route)
             return
@@ -424,7 +424,6 @@ class BrownoutMiddleware:
         # header to decide about (or a plain budget) at an uncontended bulkhead, inline, in
         # this one coroutine frame.
         # It is most requests of a healthy service, so it is worth the bytecode it saves.
-        assert seconds is not None  # (admitted, so there was a budget)
         app = self.app
         watch = self.watch_disconnects
         modes = entry.degraded
@@ -438,9 +437,8 @@ class BrownoutMiddleware:
             watch,
             cls,
         )
-        ctx = _inbound_context(started + seconds, priority, caller, operation, in_progress, started)
-        deadline = exchange.deadline = ctx.deadline
-        assert deadline is not None
+        ctx = _inbound_context(at, priority, caller, operation, in_progress, started)
+        exchange.deadline = ctx.deadline
         task = exchange.task = current_task(loop)
         assert task is not None
         token = _set_current(ctx)
@@ -452,7 +450,7 @@ class BrownoutMiddleware:
             marks_token = _set_fallback_marks(marks)
         sweeper = policy._sweeper
         if seconds <= sweeper.period:
-            exchange.timer = loop.call_at(deadline.at, _expire, exchange, task)
+            exchange.timer = loop.call_at(at, _expire, exchange, task)
         if loop is sweeper.loop:  # sweeper.add, inlined
             sweeper.pending[exchange] = None
             if sweeper.timer is None:
@@ -494,7 +492,8 @@ class BrownoutMiddleware:
         if status >= 500:
             permit.failed(f"status_{status}")
         elif marks:  # a fallback answered: a success the limit must not learn from
-            policy.settle_fallback(permit, exchange, cls, deadline)
+            assert ctx.deadline is not None
+            policy.settle_fallback(permit, exchange, cls, ctx.deadline)
         else:
             permit.success()
 

@@ -807,22 +807,22 @@ async def test_admit_uncontended_refuses_nothing_it_just_declines() -> None:
     t = now()
     full = plain(1)
     async with full.admit():
-        assert full.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t) is None
+        assert full.admit_uncontended(Priority.CRITICAL, "c", "op", t, 1) is None
     shares = plain(4, shares={Priority.SHEDDABLE: 0.5})
-    assert shares.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t) is None
+    assert shares.admit_uncontended(Priority.CRITICAL, "c", "op", t, 1) is None
 
     class Shedding:
         shed_below = int(Priority.CRITICAL)
 
     shed = plain(4, overload=Shedding())
-    assert shed.admit_uncontended(Priority.SHEDDABLE, "c", "op", t + 1, t) is None
-    assert shed.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t) is not None
+    assert shed.admit_uncontended(Priority.SHEDDABLE, "c", "op", t, 1) is None
+    assert shed.admit_uncontended(Priority.CRITICAL, "c", "op", t, 1) is not None
     est = LatencyEstimator(min_samples=1)
     est.observe("op", 0.5)
     short = plain(4, estimator=est)
-    assert short.admit_uncontended(Priority.CRITICAL, "c", "op", t + 0.1, t) is None
+    assert short.admit_uncontended(Priority.CRITICAL, "c", "op", t, 0.1) is None
     rec = Recorder()  # a listener that takes events one by one: the full path reports them
-    assert plain(4, sink=rec).admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t) is None
+    assert plain(4, sink=rec).admit_uncontended(Priority.CRITICAL, "c", "op", t, 1) is None
     for b in (full, shares, short):
         assert b.in_flight == 0
     assert rec.events == []
@@ -831,12 +831,12 @@ async def test_admit_uncontended_refuses_nothing_it_just_declines() -> None:
 async def test_untracked_admissions_only_hold_a_slot() -> None:
     b = plain(2, deadline_aware=False)
     t = now()
-    first = b.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t)
-    second = b.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t)
+    first = b.admit_uncontended(Priority.CRITICAL, "c", "op", t, 1)
+    second = b.admit_uncontended(Priority.CRITICAL, "c", "op", t, 1)
     assert isinstance(first, brownout.admission.bulkhead.Untracked)
     assert first is second  # shared: nothing allocated per admission
     assert b.in_flight == 2
-    assert b.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t) is None  # at the limit
+    assert b.admit_uncontended(Priority.CRITICAL, "c", "op", t, 1) is None  # at the limit
     first.success()
     assert b.in_flight == 1
     second.settle_raised(asyncio.CancelledError)
@@ -846,7 +846,7 @@ async def test_untracked_admissions_only_hold_a_slot() -> None:
 async def test_untracked_release_hands_the_slot_to_a_waiter() -> None:
     b = plain(1, deadline_aware=False)
     t = now()
-    held = b.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t)
+    held = b.admit_uncontended(Priority.CRITICAL, "c", "op", t, 1)
     assert held is not None
     got: list[int] = []
 
@@ -870,7 +870,7 @@ async def test_one_admission_in_estimate_every_is_timed_for_the_estimator() -> N
     kinds = []
     for _ in range(8):
         t = now()
-        p = b.admit_uncontended(Priority.CRITICAL, "c", "op", t + 1, t)
+        p = b.admit_uncontended(Priority.CRITICAL, "c", "op", t, 1)
         assert p is not None
         kinds.append(type(p).__name__)
         await asyncio.sleep(0.01)
@@ -886,9 +886,9 @@ async def test_tallied_express_admissions_count_like_admit() -> None:
     stats = brownout.Stats()
     b = plain(4, sink=stats)
     t = now()
-    on_time = b.admit_uncontended(Priority.SHEDDABLE_PLUS, "web", "op", t + 1, t)
-    late = b.admit_uncontended(Priority.SHEDDABLE_PLUS, "web", "op", t + 0.05, t)
-    failed = b.admit_uncontended(Priority.SHEDDABLE_PLUS, "web", "op", t + 1, t)
+    on_time = b.admit_uncontended(Priority.SHEDDABLE_PLUS, "web", "op", t, 1)
+    late = b.admit_uncontended(Priority.SHEDDABLE_PLUS, "web", "op", t, 0.05)
+    failed = b.admit_uncontended(Priority.SHEDDABLE_PLUS, "web", "op", t, 1)
     assert all(isinstance(p, brownout.Permit) for p in (on_time, late, failed))
     await asyncio.sleep(0.1)
     assert on_time is not None and late is not None and failed is not None

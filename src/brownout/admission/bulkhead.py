@@ -486,14 +486,14 @@ class Bulkhead:
         priority: Priority,
         caller: str,
         operation: str,
-        deadline_at: float,
         now: float,
+        budget: float,
     ) -> Permit | Untracked | None:
         """Admission at once when nothing stands in the way, else ``None`` with nothing
         counted (the caller then takes `admit`, which decides and reports everything else).
 
-        For adapters' fast paths (the ASGI edge): work with a deadline on this bulkhead's
-        clock (``deadline_at``, in the future; ``now`` is when it was read) arriving while
+        For adapters' fast paths (the ASGI edge): work arriving at ``now`` (this bulkhead's
+        clock) with ``budget`` seconds (> 0) to its deadline, while
         the bulkhead has room, nobody waits, no share or overload rule applies, the deadline
         leaves the expected service time, and the hub is off or tallies. It is counted as
         offered and admitted exactly as `admit` would.
@@ -515,10 +515,10 @@ class Bulkhead:
         est = self._estimator
         if est is not None:
             need = est.estimates.get(operation)
-            if need is not None and deadline_at - now < need:
+            if need is not None and budget < need:
                 return None
         if self._events.enabled:
-            return self._admit_tallied(priority, caller, operation, deadline_at, now, n)
+            return self._admit_tallied(priority, caller, operation, now, budget, n)
         if not self._adaptive:
             tick = self._tick - 1
             if tick or est is None:
@@ -527,15 +527,15 @@ class Bulkhead:
                 self._in_flight = n + 1
                 return self._untracked
             self._tick = self._sample_every
-        return self._timed_permit(priority, caller, operation, deadline_at, now, n, None)
+        return self._timed_permit(priority, caller, operation, now + budget, now, n, None)
 
     def _admit_tallied(
         self,
         priority: Priority,
         caller: str,
         operation: str,
-        deadline_at: float,
         now: float,
+        budget: float,
         n: int,
     ) -> Permit | None:
         if not self._events.tallying:
@@ -545,9 +545,10 @@ class Bulkhead:
         row[_ADMITTED_NOW] += 1
         ledger = self._ledger
         assert ledger is not None
-        ledger.sample_remaining(deadline_at - now)
+        # The budget itself, not ``deadline - now``: a 100 ms budget is 0.1, not 0.1 + 1e-13.
+        ledger.sample_remaining(budget)
         # Timed: within the deadline or late is decided at release.
-        return self._timed_permit(priority, caller, operation, deadline_at, now, n, row)
+        return self._timed_permit(priority, caller, operation, now + budget, now, n, row)
 
     def _ledger_row(self, caller: str, operation: str, priority: Priority) -> list[int]:
         """This key's row in the bulkhead's ledger (made on first use)."""

@@ -415,8 +415,7 @@ class BrownoutMiddleware:
                 if classifier is not None:
                     cls = classifier(scope, cls)
                 priority, caller, operation, in_progress = cls
-                at = started + seconds
-                permit = bulkhead.admit_uncontended(priority, caller, operation, at, started)
+                permit = bulkhead.admit_uncontended(priority, caller, operation, started, seconds)
         if permit is None:
             await self._serve(scope, receive, send, loop, started, entry.route)
             return
@@ -437,6 +436,7 @@ class BrownoutMiddleware:
             watch,
             cls,
         )
+        at = started + seconds
         ctx = _inbound_context(at, priority, caller, operation, in_progress, started)
         exchange.deadline = ctx.deadline
         task = exchange.task = current_task(loop)

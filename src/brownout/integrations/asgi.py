@@ -24,6 +24,11 @@ What it does per HTTP request (see `brownout.edge` for the policy itself):
   ``http.disconnect`` once the request body has been consumed, and cancels the handler when it
   arrives. The request is counted as abandoned, not as a success.
 
+Two paths, one behaviour: a request with nothing to decide (no brownout header but a plain
+budget, a bulkhead with room and nobody queued) is served inline by ``__call__`` (the express
+path, `EdgePolicy.express`); everything else goes through `EdgePolicy.serve`. Both give the
+same answers and counts (``tests/integration/test_asgi_express.py``).
+
 Ordering: add authentication middleware *after* this one (Starlette runs the last added
 outermost), so that ``scope["user"]`` is set when the classifier runs.
 """
@@ -77,7 +82,7 @@ _DEGRADED = b"brownout-degraded"
 _RETRY = RETRY_HEADER.encode()
 _NEVER = DO_NOT_RETRY_VALUE.encode()
 _ENCODED: dict[str, bytes] = {}
-current_task = asyncio.current_task
+_current_task = asyncio.current_task
 # True when no header name is one the edge must decide about (the scan runs in C: a
 # request has several headers and this runs for every one).
 _claims_nothing = EXPRESS_HEADERS.isdisjoint
@@ -439,7 +444,7 @@ class BrownoutMiddleware:
         at = started + seconds
         ctx = _inbound_context(at, priority, caller, operation, in_progress, started)
         exchange.deadline = ctx.deadline
-        task = exchange.task = current_task(loop)
+        task = exchange.task = _current_task(loop)
         assert task is not None
         token = _set_current(ctx)
         # With degraded modes declared, a fresh list per request collects the modes whose

@@ -21,6 +21,7 @@ __all__ = [
     "ManualClock",
     "MonotonicClock",
     "default_clock",
+    "loop_and_time",
     "now",
     "running_loop",
 ]
@@ -93,6 +94,19 @@ def _loop_or_none() -> AbstractEventLoop | None:
     if found is not None:
         _remember(found)
     return found
+
+
+def loop_and_time() -> tuple[AbstractEventLoop, float]:
+    """The running loop and its time, from one look at the cache: `running_loop()` and
+    ``loop.time()`` in one call (an edge starts each request's stopwatch with it). Raises
+    `RuntimeError` when no loop runs in this thread."""
+    cached = _running
+    if cached is not None:
+        loop = cached[0]
+        if loop._thread_id == cached[2] == get_ident() and type(loop) is cached[1]:
+            return loop, cached[3]()
+    loop = running_loop()
+    return loop, loop.time()
 
 
 def now() -> float:

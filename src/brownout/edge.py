@@ -508,6 +508,29 @@ class _Sweeper:
         if self.timer is None:
             self.timer = loop.call_later(self.period, self._sweep)
 
+    def track(
+        self, flight: Flight, task: asyncio.Task[Any], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        """Watch ``flight`` (its ``deadline`` set) until `forget`: a deadline within one sweep
+        period gets its timer now, since the sweep would come too late for it; the sweep arms
+        the others once their request is old."""
+        deadline = flight.deadline
+        if deadline is not None and deadline.at - flight.started <= self.period:
+            flight.timer = loop.call_at(deadline.at, _expire, flight, task)
+        if loop is self.loop:  # `add`, inlined: once per request
+            self.pending[flight] = None
+            if self.timer is None:
+                self.timer = loop.call_later(self.period, self._sweep)
+        else:
+            self.add(flight, loop)
+
+    def forget(self, flight: Flight) -> None:
+        """The request ended: stop watching it and cancel its deadline timer."""
+        self.pending.pop(flight, None)
+        timer = flight.timer
+        if timer is not None:
+            timer.cancel()
+
     def _sweep(self) -> None:
         self.timer = None
         pending = self.pending
@@ -526,17 +549,31 @@ class _Sweeper:
             self.timer = loop.call_later(self.period, self._sweep)
 
 
-class Express(NamedTuple):
+class Express:
     """A route's plan for adapters' fast path (`EdgePolicy.express`): a request without
-    brownout headers, arriving at an uncontended bulkhead, gets the route's default budget
-    and classification and is admitted with `Bulkhead.admit_uncontended`."""
+    brownout headers (or with a plain budget), arriving at an uncontended bulkhead, gets the
+    route's default budget and classification and is admitted with
+    `Bulkhead.admit_uncontended`. Slots, not a NamedTuple: CPython 3.11 specializes reads of
+    slots, not of NamedTuple fields, and adapters read these once per request."""
 
-    bulkhead: Bulkhead
-    seconds: float
-    """The route's default budget."""
-    classification: Classification
-    """What the route gives a request without headers (the classifier's starting point)."""
-    classifier: Classifier | None
+    __slots__ = ("bulkhead", "classification", "classifier", "degraded", "seconds")
+
+    def __init__(
+        self,
+        bulkhead: Bulkhead,
+        seconds: float,
+        classification: Classification,
+        classifier: Classifier | None,
+        degraded: DegradedModes | None,
+    ) -> None:
+        self.bulkhead = bulkhead
+        self.seconds = seconds
+        """The route's default budget."""
+        self.classification = classification
+        """What the route gives a request without headers (the classifier's starting point)."""
+        self.classifier = classifier
+        self.degraded = degraded
+        """The policy's degraded modes: announced on the response, fallbacks settled."""
 
 
 _BUDGET_BYTES = BUDGET_HEADER.encode("latin-1")
@@ -887,14 +924,7 @@ class EdgePolicy:
                 # the task, and that cancellation becomes DeadlineExceeded below.
                 cancelling = task.cancelling()
                 sweeper = self._sweeper
-                if deadline.at - flight.started <= sweeper.period:
-                    flight.timer = loop.call_at(deadline.at, _expire, flight, task)
-                if loop is sweeper.loop:  # sweeper.add, inlined for the hot path
-                    sweeper.pending[flight] = None
-                    if sweeper.timer is None:
-                        sweeper.timer = loop.call_later(sweeper.period, sweeper._sweep)
-                else:
-                    sweeper.add(flight, loop)
+                sweeper.track(flight, task, loop)
                 try:
                     if bulkhead is None:
                         if events.enabled:
@@ -912,7 +942,7 @@ class EdgePolicy:
                             flight.admitted = True
                             result = await _run_settling(permit, call, flight, answers)
                             if marks and not permit.settled:
-                                self._settle_fallback(permit, flight, cls, deadline)
+                                self.settle_fallback(permit, flight, cls, deadline)
                     else:
                         answered: BaseException | None = None
                         async with bulkhead.admit() as permit:
@@ -925,7 +955,7 @@ class EdgePolicy:
                                 if hasattr(permit, "failed"):
                                     permit.failed(f"status_{flight.status}")
                             elif marks and answered is None:
-                                self._settle_fallback(permit, flight, cls, deadline)
+                                self.settle_fallback(permit, flight, cls, deadline)
                         if answered is not None:
                             raise answered
                 except asyncio.CancelledError:
@@ -935,9 +965,7 @@ class EdgePolicy:
                         ) from None
                     raise
                 finally:
-                    sweeper.pending.pop(flight, None)
-                    if flight.timer is not None:
-                        flight.timer.cancel()
+                    sweeper.forget(flight)
                     flight.task = None
             finally:
                 _reset_current(token)
@@ -1040,6 +1068,7 @@ class EdgePolicy:
             route.deadline.default,
             Classification(route.priority, "unknown", route.template),
             self.classifier,
+            self.degraded,
         )
 
     def express_budget(
@@ -1127,13 +1156,6 @@ class EdgePolicy:
         return refusal
 
     def settle_fallback(
-        self, permit: Any, flight: Flight, cls: Classification, deadline: Deadline
-    ) -> None:
-        """A degraded-mode fallback answered an admitted request: settle ``permit`` as a
-        success the limit learns nothing from (adapters' fast paths; see `_settle_fallback`)."""
-        self._settle_fallback(permit, flight, cls, deadline)
-
-    def _settle_fallback(
         self, permit: Any, flight: Flight, cls: Classification, deadline: Deadline
     ) -> None:
         """A degraded-mode fallback answered: count the success, but teach the limit nothing.
@@ -1233,7 +1255,7 @@ async def _run_settling(
         permit.failed(f"status_{flight.status}")
     elif not served_by_fallback.get():
         permit.success()
-    return result  # a fallback's answer is settled by the edge (`_settle_fallback`)
+    return result  # a fallback's answer is settled by the edge (`settle_fallback`)
 
 
 _ENCODED: dict[str, bytes] = {}

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from brownout.clock import LoopClock, now, running_loop
+from brownout.clock import LoopClock, loop_and_time, now, running_loop
 from brownout.deadline import Deadline, _new_deadline
 
 
@@ -119,6 +119,27 @@ def test_running_loop_is_asyncios_answer_and_raises_outside_a_loop() -> None:
         loop.close()
     with pytest.raises(RuntimeError):
         running_loop()  # the cached loop stopped: no stale answer
+
+
+def test_loop_and_time_answer_as_the_loop_does_from_the_cache_or_not() -> None:
+    for loop in (asyncio.new_event_loop(), FixedTimeLoop()):
+
+        async def read() -> list[tuple[asyncio.AbstractEventLoop, float, float]]:
+            running = asyncio.get_running_loop()
+            out = []
+            for _ in range(3):  # the first may miss the cache, the others hit it
+                got, t = loop_and_time()
+                out.append((got, t, running.time()))
+            return out
+
+        try:
+            for got, t, loop_time in loop.run_until_complete(read()):
+                assert got is loop
+                assert abs(t - loop_time) < 0.01  # the loop's own time, virtual or not
+        finally:
+            loop.close()
+    with pytest.raises(RuntimeError):
+        loop_and_time()  # the cached loop stopped: no stale answer
 
 
 def test_new_deadline_is_an_ordinary_immutable_deadline() -> None:

@@ -39,25 +39,21 @@ import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from operator import itemgetter
-from threading import get_ident
 from typing import Any
 
-from .. import clock as _clock
 from ..admission.bulkhead import Permit, Untracked
-from ..clock import running_loop
+from ..clock import loop_and_time
 from ..context import _EMPTY as _NO_REQUEST
 from ..context import _get_current, _inbound_context, _reset_current, _set_current
 from ..degrade.markers import _reset_fallback_marks, _set_fallback_marks
 from ..edge import (
     EXPRESS_HEADERS,
     Classification,
-    DegradedModes,
     EdgePolicy,
     Express,
     Flight,
     Refusal,
     ResolvedRoute,
-    _expire,
     ratelimit_headers,
 )
 from ..errors import DeadlineExceeded
@@ -89,34 +85,8 @@ _claims_nothing = EXPRESS_HEADERS.isdisjoint
 _header_name = itemgetter(0)
 
 
-class _NoLoop:
-    _thread_id = None
-
-
-# Stands for `_clock._running` when nothing is cached: it never matches.
-_NOT_CACHED: tuple[Any, Any, int, Callable[[], float]] = (_NoLoop(), _NoLoop, -1, float)
-
-
-class _Path:
-    """What the middleware caches per request path: the resolved route and, when the route
-    has an express plan (`EdgePolicy.express`), that plan's fields as slots (CPython 3.11
-    does not specialize reads of NamedTuple fields; slot reads it does)."""
-
-    __slots__ = ("bulkhead", "classification", "classifier", "degraded", "route", "seconds")
-
-    def __init__(
-        self, route: ResolvedRoute, express: Express | None, degraded: DegradedModes | None
-    ) -> None:
-        self.route = route
-        self.bulkhead = express.bulkhead if express is not None else None
-        self.seconds = express.seconds if express is not None else 0.0
-        self.classification = (
-            express.classification
-            if express is not None
-            else Classification(route.priority, "unknown", route.template)
-        )
-        self.classifier = express.classifier if express is not None else None
-        self.degraded = degraded
+_Path = tuple[ResolvedRoute, "Express | None"]
+"""What the middleware caches per request path: the route, and its express plan if any."""
 
 
 def _template_in(routes: Any, path: str, prefix: str, depth: int = 0) -> str | None:
@@ -377,7 +347,7 @@ class BrownoutMiddleware:
         route = self.policy.route(template)
         if len(cache) >= self._path_cache_size:
             cache.clear()  # crude but bounded; ids in paths would otherwise grow it forever
-        entry = cache[path] = _Path(route, self.policy.express(route), self.policy.degraded)
+        entry = cache[path] = (route, self.policy.express(route))
         return entry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -392,45 +362,38 @@ class BrownoutMiddleware:
         if path in policy.health_paths:  # policy.is_health, inlined
             await self.app(scope, receive, send)
             return
-        # The running loop and the stopwatch's start: `running_loop()` and ``loop.time()``,
-        # answered inline from the clock's cache when it holds this thread's stock loop
-        # (asyncio's own lookup is a system call on CPython 3.11; see `brownout.clock`).
-        cached, loop_type, thread, read_clock = _clock._running or _NOT_CACHED
-        loop: asyncio.AbstractEventLoop
-        if cached._thread_id == thread == get_ident() and type(cached) is loop_type:
-            loop = cached
-            started = read_clock()
-        else:
-            loop = running_loop()
-            started = loop.time()
+        loop, started = loop_and_time()  # one clock-cache lookup, not asyncio's system call
         entry = self._paths.get(path)
         if entry is None:
             entry = self._route(scope, path)
-        bulkhead = entry.bulkhead
+        route, express = entry
         permit: Permit | Untracked | None = None
-        if bulkhead is not None and _get_current() is _NO_REQUEST:
+        if express is not None and _get_current() is _NO_REQUEST:
             seconds = (
-                entry.seconds
+                express.seconds
                 if _claims_nothing(map(_header_name, scope["headers"]))
-                else policy.express_budget(entry.route, scope, scope["headers"])
+                else policy.express_budget(route, scope, scope["headers"])
             )
             if seconds > 0.0:
-                cls = entry.classification
-                classifier = entry.classifier
+                cls = express.classification
+                classifier = express.classifier
                 if classifier is not None:
                     cls = classifier(scope, cls)
                 priority, caller, operation, in_progress = cls
-                permit = bulkhead.admit_uncontended(priority, caller, operation, started, seconds)
+                permit = express.bulkhead.admit_uncontended(
+                    priority, caller, operation, started, seconds
+                )
         if permit is None:
-            await self._serve(scope, receive, send, loop, started, entry.route)
+            await self._serve(scope, receive, send, loop, started, route)
             return
+        assert express is not None
         # The express path (`EdgePolicy.express`): what `serve` does for a request with no
         # header to decide about (or a plain budget) at an uncontended bulkhead, inline, in
         # this one coroutine frame.
         # It is most requests of a healthy service, so it is worth the bytecode it saves.
         app = self.app
         watch = self.watch_disconnects
-        modes = entry.degraded
+        modes = express.degraded
         exchange = _Exchange(
             started,
             app,
@@ -454,22 +417,13 @@ class BrownoutMiddleware:
             marks = []
             marks_token = _set_fallback_marks(marks)
         sweeper = policy._sweeper
-        if seconds <= sweeper.period:
-            exchange.timer = loop.call_at(at, _expire, exchange, task)
-        if loop is sweeper.loop:  # sweeper.add, inlined
-            sweeper.pending[exchange] = None
-            if sweeper.timer is None:
-                sweeper.timer = loop.call_later(sweeper.period, sweeper._sweep)
-        else:
-            sweeper.add(exchange, loop)
+        sweeper.track(exchange, task, loop)
         cancelling = task.cancelling()
         try:
             try:
                 await app(scope, exchange if watch else receive, exchange.tracked_send)
             finally:
-                sweeper.pending.pop(exchange, None)
-                if exchange.timer is not None:
-                    exchange.timer.cancel()
+                sweeper.forget(exchange)
                 _reset_current(token)
                 if marks is not None:
                     _reset_fallback_marks(marks_token)
@@ -477,20 +431,18 @@ class BrownoutMiddleware:
                     exchange.close()
         except (asyncio.CancelledError, Exception) as e:
             permit.settle_raised(type(e))
+            raised: BaseException = e
             if (
                 exchange.expired
                 and isinstance(e, asyncio.CancelledError)
                 and task.uncancel() <= cancelling  # our deadline timer, not a shutdown
             ):
-                expired = DeadlineExceeded("the deadline expired; the work was cancelled")
-                answer = policy.answer_raised(expired, exchange, task)
-                if answer is None:
-                    raise expired from None
-                await _write_answer(answer, send)
-                return
-            answer = policy.answer_raised(e, exchange, task)
+                raised = DeadlineExceeded("the deadline expired; the work was cancelled")
+            answer = policy.answer_raised(raised, exchange, task)
             if answer is None:
-                raise
+                if raised is e:
+                    raise
+                raise raised from None
             await _write_answer(answer, send)
             return
         status = exchange.status

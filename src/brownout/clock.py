@@ -10,7 +10,9 @@ the time base of the standard asyncio and uvloop loops.
 from __future__ import annotations
 
 import time
-from asyncio import AbstractEventLoop, BaseEventLoop, _get_running_loop
+from asyncio import AbstractEventLoop, BaseEventLoop, Task, _get_running_loop
+from asyncio import current_task as _asyncio_current_task
+from asyncio import tasks as _tasks
 from collections.abc import Callable
 from threading import get_ident
 from typing import Any, Protocol, runtime_checkable
@@ -20,6 +22,7 @@ __all__ = [
     "LoopClock",
     "ManualClock",
     "MonotonicClock",
+    "current_task_of",
     "default_clock",
     "loop_and_time",
     "now",
@@ -117,6 +120,20 @@ def now() -> float:
         if loop._thread_id == cached[2] == get_ident() and type(loop) is cached[1]:
             return cached[3]()
     return _slow_now()
+
+
+def _task_lookup() -> Callable[[AbstractEventLoop], Task[Any] | None]:
+    # CPython 3.11's `asyncio.current_task` is a Python function around a dictionary lookup
+    # (``_current_tasks.get(loop)``); the lookup alone saves a frame per request. Later
+    # versions implement it in C (or keep tasks per thread): use it as it is.
+    registry = getattr(_tasks, "_current_tasks", None)
+    if isinstance(registry, dict) and getattr(_asyncio_current_task, "__code__", None) is not None:
+        return registry.get
+    return _asyncio_current_task
+
+
+current_task_of: Callable[[AbstractEventLoop], Task[Any] | None] = _task_lookup()
+"""The task running on ``loop`` (which must be running): `asyncio.current_task(loop)`."""
 
 
 class LoopClock:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-from asyncio import current_task as _current_task
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from .clock import _loop_or_none, default_clock
+from .clock import current_task_of as _current_task
 from .deadline import Deadline, _DeadlineBuilder, _new_deadline
 from .errors import DeadlineExceeded
 from .priority import Priority

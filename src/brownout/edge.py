@@ -44,7 +44,7 @@ from dataclasses import replace as dc_replace
 from typing import Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from .admission.bulkhead import Bulkhead
-from .clock import default_clock, running_loop
+from .clock import current_task_of, default_clock, running_loop
 from .clock import now as _now
 from .context import _get_current, _make_context, _reset_current, _set_current
 from .deadline import Deadline, _new_deadline
@@ -884,7 +884,7 @@ class EdgePolicy:
                 cls = flight.classification
         if loop is None:
             loop = running_loop()
-        task = flight.task = asyncio.current_task(loop)
+        task = flight.task = current_task_of(loop)
         assert task is not None
         parent = _get_current()
         seconds += flight.started  # now the deadline's instant

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from brownout.clock import LoopClock, loop_and_time, now, running_loop
+from brownout.clock import LoopClock, current_task_of, loop_and_time, now, running_loop
 from brownout.deadline import Deadline, _new_deadline
 
 
@@ -147,3 +147,21 @@ def test_new_deadline_is_an_ordinary_immutable_deadline() -> None:
     assert type(d) is Deadline and d.at == 12.5 and d == Deadline(12.5)
     with pytest.raises(AttributeError):
         d.at = 1.0  # type: ignore[misc]
+
+
+def test_current_task_of_is_asyncio_current_task() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        assert current_task_of(loop) is asyncio.current_task() is not None
+
+        async def me() -> object:
+            return current_task_of(loop)
+
+        inner = asyncio.create_task(me())
+        assert await inner is inner  # each task sees itself
+        seen: list[object] = []
+        loop.call_soon(lambda: seen.append(current_task_of(loop)))
+        await asyncio.sleep(0)
+        assert seen == [None]  # a plain callback runs outside any task, as asyncio says
+
+    asyncio.run(main())

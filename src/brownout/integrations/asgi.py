@@ -42,6 +42,7 @@ from operator import itemgetter
 from typing import Any
 
 from ..admission.bulkhead import Permit, Untracked
+from ..clock import current_task_of as _current_task
 from ..clock import loop_and_time
 from ..context import _EMPTY as _NO_REQUEST
 from ..context import _get_current, _inbound_context, _reset_current, _set_current
@@ -78,7 +79,6 @@ _DEGRADED = b"brownout-degraded"
 _RETRY = RETRY_HEADER.encode()
 _NEVER = DO_NOT_RETRY_VALUE.encode()
 _ENCODED: dict[str, bytes] = {}
-_current_task = asyncio.current_task
 # True when no header name is one the edge must decide about (the scan runs in C: a
 # request has several headers and this runs for every one).
 _claims_nothing = EXPRESS_HEADERS.isdisjoint

@@ -363,3 +363,37 @@ async def test_a_plain_budget_header_stays_on_the_express_path(service: Service)
     assert spent.status_code == 504  # serve: expired before the work started
     assert bad.status_code == 200  # serve: ignored (and reported), the route default applies
     assert 1.0 < service.seen[2]["remaining"] <= 1.5
+
+
+async def test_express_exchange_sets_every_field() -> None:
+    """The express path builds its exchange field by field (no ``__init__`` frame on the hot
+    path); every slot must be set there, as `_Exchange.__init__` sets it for `serve`, or a
+    rarer path (a sweep, a disconnect, an expiry) would meet an unset attribute."""
+    from brownout.edge import Flight
+    from brownout.integrations.asgi import _Exchange
+
+    captured: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        captured.append(receive)  # the exchange itself, while watching for disconnects
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    bulkhead = CountingBulkhead("express-fields", FixedLimit(4))
+    middleware = BrownoutMiddleware(app, policy=EdgePolicy(bulkhead=bulkhead))
+    sent: list[Any] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/x", "root_path": "", "headers": [], "method": "GET"}
+    await middleware(scope, receive, send)
+    assert bulkhead.express == 1 and sent[0]["status"] == 200
+    exchange = captured[0]
+    assert type(exchange) is _Exchange
+    slots = {*Flight.__slots__, *_Exchange.__slots__}
+    assert {name for name in slots if not hasattr(exchange, name)} == set()
+    assert exchange.admitted and not exchange.reports and exchange.response_done

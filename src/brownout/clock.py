@@ -70,7 +70,9 @@ def _slow_now() -> float:
     loop = _get_running_loop()
     if loop is None:
         return time.monotonic()
-    return _remember(loop)()
+    if isinstance(loop, BaseEventLoop):
+        return _remember(loop)()
+    return loop.time()  # (uvloop and other loops of their own: never cached)
 
 
 def running_loop() -> AbstractEventLoop:
@@ -94,7 +96,7 @@ def _loop_or_none() -> AbstractEventLoop | None:
         if cached[0]._thread_id == cached[2] == get_ident():
             return loop
     found = _get_running_loop()
-    if found is not None:
+    if isinstance(found, BaseEventLoop):
         _remember(found)
     return found
 
@@ -108,8 +110,13 @@ def loop_and_time() -> tuple[AbstractEventLoop, float]:
         loop = cached[0]
         if loop._thread_id == cached[2] == get_ident() and type(loop) is cached[1]:
             return loop, cached[3]()
-    loop = running_loop()
-    return loop, loop.time()
+    # The miss, in this one frame: every request under uvloop takes it (nothing to cache).
+    found = _get_running_loop()
+    if found is None:
+        raise RuntimeError("no running event loop")
+    if isinstance(found, BaseEventLoop):
+        return found, _remember(found)()
+    return found, found.time()
 
 
 def now() -> float:

@@ -165,3 +165,32 @@ def test_current_task_of_is_asyncio_current_task() -> None:
         assert seen == [None]  # a plain callback runs outside any task, as asyncio says
 
     asyncio.run(main())
+
+
+def test_uvloop_is_read_directly_and_never_cached() -> None:
+    """uvloop's loop records no thread, so the cache cannot validate it: every call asks
+    asyncio for the running loop (one frame, no stale answer), and a stock loop cached before
+    is not mistaken for it."""
+    uvloop = pytest.importorskip("uvloop")
+
+    stock = asyncio.new_event_loop()
+    stock.run_until_complete(_read_clocks())  # caches the stock loop
+    stock.close()
+
+    loop = uvloop.new_event_loop()
+    try:
+        for got, t, loop_time, now_t, running, task in loop.run_until_complete(_read_clocks()):
+            assert got is loop and running is loop
+            assert abs(t - loop_time) < 0.01 and abs(now_t - loop_time) < 0.01
+            assert task is not None
+    finally:
+        loop.close()
+
+
+async def _read_clocks() -> list[tuple[object, float, float, float, object, object]]:
+    loop = asyncio.get_running_loop()
+    out = []
+    for _ in range(3):
+        got, t = loop_and_time()
+        out.append((got, t, loop.time(), now(), running_loop(), current_task_of(loop)))
+    return out

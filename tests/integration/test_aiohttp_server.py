@@ -2,7 +2,8 @@
 
 Requirements: D3 (untrusted budget clamped), D5 (expiry and disconnect cancel the handler),
 S2 (problem+json, 503/429, Retry-After), S4 (forged priority ignored), S7 (refusals keep the
-connection; health bypasses admission), O1 (abandoned counted; operation is the template).
+connection; health bypasses admission and is answered within 50 ms under a 10x flood), O1
+(abandoned counted; operation is the template).
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from tests.integration.flood import (
+    HTTP_FLOOD,
+    assert_answered_fast,
+    probe_under_flood,
+    server_process,
+)
 
 import brownout
 from brownout import Bulkhead, EventHub, FifoQueue, FixedLimit, InboundDeadlinePolicy, Stats, Trust
@@ -210,3 +217,53 @@ async def test_http_exceptions_count_as_answers_and_streams_pass_through(
     await asyncio.sleep(0.05)
     assert service.stats.count("completed") == 2  # the 404 and the stream; health uncounted
     assert service.stats.count("failed") == 0
+
+
+FLOOD_SERVER = """
+import asyncio, sys
+from aiohttp import web
+from brownout import Bulkhead, FifoQueue, FixedLimit
+from brownout.edge import EdgePolicy
+from brownout.integrations.aiohttp_server import brownout_middleware
+
+async def work(request):
+    await asyncio.sleep(0.5)  # holds capacity, leaves the CPU free
+    return web.json_response({"ok": True})
+
+async def health(request):
+    return web.json_response({"ok": True})
+
+async def main():
+    policy = EdgePolicy(
+        bulkhead=Bulkhead("api", FixedLimit(4), FifoQueue(max_size=4, max_wait=0.1)),
+        health_paths=("/health",),
+    )
+    app = web.Application(middlewares=[brownout_middleware(policy)])
+    app.router.add_get("/work", work)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    print(runner.addresses[0][1], flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await runner.cleanup()
+
+asyncio.run(main())
+"""
+
+
+async def test_health_is_answered_fast_under_a_10x_flood() -> None:
+    """S7, as the ASGI edge: limit 4, 40 keep-alive connections flooding in a closed loop
+    (each refusal must leave its connection open), health probed meanwhile."""
+    async with server_process(FLOOD_SERVER) as port:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as client:
+
+            async def probe() -> None:
+                async with client.get("/health") as r:
+                    assert r.status == 200
+
+            counts, latencies = await probe_under_flood(HTTP_FLOOD, port, probe)
+    assert counts.get("200", 0) >= 8  # the limit kept serving
+    assert counts.get("503", 0) > 5 * counts.get("200", 0)  # and the flood was >= 10x capacity
+    assert_answered_fast(latencies)

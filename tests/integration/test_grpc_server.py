@@ -3,7 +3,8 @@
 Generic handlers with bytes (de)serializers: no protoc needed. Requirements: D1/D2/D3 (the
 client's timeout is the handler's remaining time, clamped to the route maximum), D5 (expiry
 and client cancellation stop the handler), S2 (UNAVAILABLE / RESOURCE_EXHAUSTED with
-grpc-retry-pushback-ms), S4 (priority metadata only from a trusted source), O1 (abandoned).
+grpc-retry-pushback-ms), S4 (priority metadata only from a trusted source), S7 (health checks
+answered within 50 ms under a 10x flood), O1 (abandoned).
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
+from tests.integration.flood import (
+    GRPC_FLOOD,
+    assert_answered_fast,
+    probe_under_flood,
+    server_process,
+)
 
 import brownout
 from brownout import Bulkhead, EventHub, FifoQueue, FixedLimit, InboundDeadlinePolicy, Stats, Trust
@@ -287,3 +294,58 @@ async def test_quota_refusal_is_resource_exhausted() -> None:
     trailers = dict(err.trailing_metadata() or ())
     assert trailers["brownout-reason"] == "quota"
     assert 1000 <= int(trailers["grpc-retry-pushback-ms"]) <= 1500
+
+
+FLOOD_SERVER = """
+import asyncio, sys
+import grpc, grpc.aio
+from brownout import Bulkhead, FifoQueue, FixedLimit
+from brownout.edge import EdgePolicy
+from brownout.integrations.grpc_server import BrownoutServerInterceptor
+
+async def work(request, context):
+    await asyncio.sleep(0.5)  # holds capacity, leaves the CPU free
+    return b"ok"
+
+async def check(request, context):
+    return b"\\x08\\x01"  # grpc.health.v1.HealthCheckResponse(status=SERVING)
+
+def unary(fn):
+    return grpc.unary_unary_rpc_method_handler(
+        fn, request_deserializer=None, response_serializer=None
+    )
+
+async def main():
+    policy = EdgePolicy(
+        bulkhead=Bulkhead("api", FixedLimit(4), FifoQueue(max_size=4, max_wait=0.1))
+    )
+    server = grpc.aio.server(interceptors=[BrownoutServerInterceptor(policy)])
+    server.add_generic_rpc_handlers((
+        grpc.method_handlers_generic_handler("test.Flood", {"Work": unary(work)}),
+        grpc.method_handlers_generic_handler("grpc.health.v1.Health", {"Check": unary(check)}),
+    ))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await server.stop(None)
+
+asyncio.run(main())
+"""
+
+
+async def test_health_check_is_answered_fast_under_a_10x_flood() -> None:
+    """S7, as the ASGI edge: limit 4, 40 concurrent calls flooding in a closed loop,
+    ``grpc.health.v1.Health/Check`` probed meanwhile (health methods are never admitted)."""
+    async with server_process(FLOOD_SERVER) as port:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            check = channel.unary_unary("/grpc.health.v1.Health/Check")
+            await check(b"", timeout=10)  # connected before the clock starts
+
+            async def probe() -> None:
+                assert await check(b"", timeout=5) == b"\x08\x01"
+
+            counts, latencies = await probe_under_flood(GRPC_FLOOD, port, probe)
+    assert counts.get("OK", 0) >= 8  # the limit kept serving
+    assert counts.get("UNAVAILABLE", 0) > 5 * counts.get("OK", 0)  # a flood >= 10x capacity
+    assert_answered_fast(latencies)

@@ -6,7 +6,11 @@ Prints, in one run:
    app (target <= 1.15x), calling the ASGI app in-process with a synthetic scope, so the
    figure is the middleware's, not the network's; also against a bare Starlette endpoint and,
    as a diagnostic, around a no-op ASGI app (the middleware's own cost, without a framework);
-2. server CPU (``time.process_time``) per refused request vs per served request of the lab's
+2. the same trivial endpoint served over loopback, as a service runs it: server CPU per
+   request (all threads, ``/proc/<pid>/task/*/schedstat``) with the middleware against
+   without, for FastAPI under uvicorn (uvloop, httptools) and for aiohttp's own server with
+   `brownout_middleware`, each pair of servers driven alternately by 8 keep-alive clients;
+3. server CPU (``time.process_time``) per refused request vs per served request of the lab's
    demo front endpoint (``/api/interactive`` behind a fixed limit of 10 and a queue of 5, its
    dependency in a subprocess so its CPU is not counted), target ratio < 0.2. Refusals are
    measured with the limit and queue held, so each is an immediate ``queue_full``.
@@ -287,19 +291,36 @@ SERVED_REPS = 9
 SERVED_CONCURRENCY = 8
 
 
-def serve(kind: str) -> None:
-    """Child process: uvicorn (its defaults pick uvloop and httptools when installed, as
-    ``uvicorn[standard]`` does) serving the trivial FastAPI app on an ephemeral port."""
+def serve(framework: str, kind: str) -> None:
+    """Child process: the trivial endpoint on an ephemeral port, bare or protected. FastAPI
+    under uvicorn (its defaults pick uvloop and httptools when installed, as
+    ``uvicorn[standard]`` does), or aiohttp's own server (its default asyncio loop)."""
     import socket
 
-    import uvicorn
-
-    app = fastapi_app(kind == "protected")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    sock.listen(2048)  # connections made before uvicorn is up wait instead of being refused
+    sock.listen(2048)  # connections made before the server is up wait instead of being refused
     print(f"PORT {sock.getsockname()[1]}", flush=True)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+    if framework == "aiohttp":
+        from aiohttp import web
+
+        from brownout.integrations.aiohttp_server import brownout_middleware
+
+        async def hello(request: web.Request) -> web.Response:
+            return web.json_response({"hello": "world"})
+
+        policy = EdgePolicy(bulkhead=Bulkhead("api", FixedLimit(1000)))
+        app = web.Application(
+            middlewares=[brownout_middleware(policy)] if kind == "protected" else []
+        )
+        app.router.add_get("/hello", hello)
+        web.run_app(app, sock=sock, print=None, access_log=None)
+        return
+    import uvicorn
+
+    config = uvicorn.Config(
+        fastapi_app(kind == "protected"), log_level="warning", access_log=False, lifespan="off"
+    )
     uvicorn.Server(config).run(sockets=[sock])
 
 
@@ -327,13 +348,13 @@ async def served_round(session: Any, url: str, pid: int, n: int) -> float:
     return (process_cpu(pid) - c) / n
 
 
-async def served() -> None:
+async def served(framework: str = "fastapi") -> None:
     import aiohttp
 
     servers = {}
     for kind in ("bare", "protected"):
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--serve", kind, stdout=asyncio.subprocess.PIPE
+            sys.executable, __file__, "--serve", framework, kind, stdout=asyncio.subprocess.PIPE
         )
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
@@ -359,8 +380,13 @@ async def served() -> None:
             await session.close()
         ratios.sort()
         bare, mw = best["bare"], best["protected"]
+        label = (
+            "FastAPI   served by uvicorn"
+            if framework == "fastapi"
+            else "aiohttp   served by aiohttp"
+        )
         print(
-            f"FastAPI   served by uvicorn over loopback: server CPU per request bare "
+            f"{label} over loopback: server CPU per request bare "
             f"{bare * 1e6:6.1f} us, with middleware {mw * 1e6:6.1f} us "
             f"(+{(mw - bare) * 1e6:.1f} us): best/best {mw / bare:.3f}x, median round "
             f"{ratios[len(ratios) // 2]:.3f}x (target <= 1.15x)"
@@ -373,12 +399,13 @@ async def served() -> None:
 
 async def main() -> None:
     await overhead()
-    await served()
+    await served("fastapi")
+    await served("aiohttp")
     await refusal_cost()
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
-        serve(sys.argv[2])
+        serve(sys.argv[2], sys.argv[3])
     else:
         asyncio.run(main())

@@ -376,9 +376,8 @@ class BrownoutMiddleware:
             )
             if seconds > 0.0:
                 cls = express.classification
-                classifier = express.classifier
-                if classifier is not None:
-                    cls = classifier(scope, cls)
+                if express.classifier is not None:
+                    cls = express.classifier(scope, cls)
                 priority, caller, operation, in_progress = cls
                 permit = express.bulkhead.admit_uncontended(
                     priority, caller, operation, started, seconds
@@ -423,8 +422,7 @@ class BrownoutMiddleware:
         exchange.reading = False
         exchange.watching = False
         exchange.response_done = False
-        at = started + seconds
-        ctx = _inbound_context(at, priority, caller, operation, in_progress, started)
+        ctx = _inbound_context(started + seconds, priority, caller, operation, in_progress, started)
         exchange.deadline = ctx.deadline
         task = exchange.task = _current_task(loop)
         assert task is not None
@@ -464,9 +462,8 @@ class BrownoutMiddleware:
                 raise raised from None
             await _write_answer(answer, send)
             return
-        status = exchange.status
-        if status >= 500:
-            permit.failed(f"status_{status}")
+        if exchange.status >= 500:
+            permit.failed(f"status_{exchange.status}")
         elif marks:  # a fallback answered: a success the limit must not learn from
             assert ctx.deadline is not None
             policy.settle_fallback(permit, exchange, cls, ctx.deadline)

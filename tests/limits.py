@@ -1,6 +1,26 @@
-"""Test doubles for `brownout.admission.Limit` shared by several test modules."""
+"""Test doubles around admission (a `brownout.admission.Limit`, a counting `Bulkhead`) shared
+by several test modules."""
 
 from __future__ import annotations
+
+from typing import Any
+
+from brownout import Bulkhead
+from brownout.admission.bulkhead import Permit, Untracked
+
+
+class CountingBulkhead(Bulkhead):
+    """A real bulkhead that also counts how many admissions took an edge's express path."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.express = 0
+
+    def admit_uncontended(self, *args: Any) -> Permit | Untracked | None:
+        admitted = super().admit_uncontended(*args)
+        if admitted is not None:
+            self.express += 1
+        return admitted
 
 
 class SpyLimit:

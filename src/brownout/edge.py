@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
 from typing import Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-from .admission.bulkhead import Bulkhead
+from .admission.bulkhead import Bulkhead, Permit, Untracked
 from .clock import current_task_of, default_clock, running_loop
 from .clock import now as _now
 from .context import _get_current, _make_context, _reset_current, _set_current
@@ -951,7 +951,13 @@ class EdgePolicy:
                                 result = await call()
                             except answers as e:  # an answer, not a failure, for the bulkhead
                                 answered = e
-                            if flight.status >= 500:
+                            if flight.abandoned:
+                                # The handler swallowed the cancellation for its client's
+                                # disconnect and answered anyway: abandoned (O1), as if it
+                                # had let the cancellation through.
+                                if hasattr(permit, "settle_raised"):
+                                    permit.settle_raised(asyncio.CancelledError)
+                            elif flight.status >= 500:
                                 if hasattr(permit, "failed"):
                                     permit.failed(f"status_{flight.status}")
                             elif marks and answered is None:
@@ -1041,6 +1047,36 @@ class EdgePolicy:
             else:
                 self._failed(flight, type(e).__name__)
         return None
+
+    def express_raised(
+        self,
+        e: BaseException,
+        permit: Permit | Untracked,
+        flight: Flight,
+        task: asyncio.Task[Any],
+        cancelling: int,
+    ) -> Refusal | Abandoned:
+        """The express path's handler raised ``e``: settle ``permit`` by it, turn the
+        cancellation by our own deadline timer into `DeadlineExceeded` (``cancelling``: the
+        task's count before the handler ran; a higher one is an outer cancellation, a server
+        shutting down, and stays one), and answer as `serve` would (`answer_raised`).
+
+        Returns the `Refusal` to write or `ABANDONED`; re-raises when there is nothing to
+        answer (``e`` itself, or the `DeadlineExceeded` it became)."""
+        permit.settle_raised(type(e))
+        raised = e
+        if (
+            flight.expired
+            and isinstance(e, asyncio.CancelledError)
+            and task.uncancel() <= cancelling
+        ):
+            raised = DeadlineExceeded("the deadline expired; the work was cancelled")
+        answer = self.answer_raised(raised, flight, task)
+        if answer is None:
+            if raised is e:
+                raise e
+            raise raised from None
+        return answer
 
     def express(self, route: ResolvedRoute) -> Express | None:
         """The fast path's plan for ``route``, or ``None`` when only `serve` can handle it.
@@ -1251,7 +1287,9 @@ async def _run_settling(
         else:
             permit.failed(type(e).__name__)
         raise
-    if flight.status >= 500:
+    if flight.abandoned:  # the cancellation for a disconnect, swallowed: abandoned (O1)
+        permit.settle_raised(asyncio.CancelledError)
+    elif flight.status >= 500:
         permit.failed(f"status_{flight.status}")
     elif not served_by_fallback.get():
         permit.success()

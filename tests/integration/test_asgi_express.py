@@ -21,7 +21,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from tests.integration.servers import serve
-from tests.limits import SpyLimit
+from tests.limits import CountingBulkhead, SpyLimit
 
 import brownout
 from brownout import (
@@ -37,25 +37,10 @@ from brownout import (
     Stats,
     Trust,
 )
-from brownout.admission.bulkhead import Permit, Untracked
 from brownout.edge import Classification, EdgePolicy, Route
 from brownout.integrations.asgi import BrownoutMiddleware
 
 pytestmark = pytest.mark.integration
-
-
-class CountingBulkhead(Bulkhead):
-    """A real bulkhead that also counts how many admissions took the express path."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.express = 0
-
-    def admit_uncontended(self, *args: Any) -> Permit | Untracked | None:
-        admitted = super().admit_uncontended(*args)
-        if admitted is not None:
-            self.express += 1
-        return admitted
 
 
 @dataclass
@@ -397,3 +382,43 @@ async def test_express_exchange_sets_every_field() -> None:
     slots = {*Flight.__slots__, *_Exchange.__slots__}
     assert {name for name in slots if not hasattr(exchange, name)} == set()
     assert exchange.admitted and not exchange.reports and exchange.response_done
+
+
+@pytest.mark.parametrize("express", [True, False], ids=["express", "serve"])
+async def test_an_app_that_swallows_the_disconnect_cancel_is_still_abandoned(
+    express: bool,
+) -> None:
+    """The middleware cancels the application when its client goes away; one that swallows
+    the cancellation and answers anyway is abandoned, not completed (O1), on either path (a
+    priority claim sends the request through `serve`)."""
+    hub = EventHub()
+    stats = Stats()
+    hub.subscribe(stats)
+    bulkhead = CountingBulkhead("api", FixedLimit(4), events=hub)
+    swallowed = asyncio.Event()
+    app = FastAPI()
+
+    @app.get("/stubborn")
+    async def stubborn() -> dict[str, str]:
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            swallowed.set()
+        return {"answered": "anyway"}
+
+    app.add_middleware(BrownoutMiddleware, policy=EdgePolicy(bulkhead=bulkhead, events=hub))
+    async with serve(app) as base:
+        host, port = base.removeprefix("http://").split(":")
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        claim = b"" if express else b"brownout-priority: sheddable\r\n"
+        writer.write(b"GET /stubborn HTTP/1.1\r\nhost: x\r\n" + claim + b"\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.close()
+        await writer.wait_closed()
+        await asyncio.wait_for(swallowed.wait(), 5)
+        await settle()
+    assert bulkhead.express == (1 if express else 0)
+    assert stats.count("abandoned") == 1
+    assert stats.count("completed") == 0
+    assert bulkhead.in_flight == 0

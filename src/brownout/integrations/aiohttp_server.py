@@ -11,6 +11,12 @@ on a kept-alive connection (503 capacity, 429 quota, ``Retry-After`` only when k
 jittered); the handler runs inside the request context and is cancelled at deadline expiry
 (504 if nothing was sent yet); streaming responses pass through untouched.
 
+Two paths, one behaviour, as in the ASGI middleware: a request with nothing to decide (no
+brownout header but a plain budget, a bulkhead with room and nobody queued) is served inline
+by the middleware (the express path, `EdgePolicy.express`); everything else goes through
+`EdgePolicy.serve`. Both give the same answers and counts
+(``tests/integration/test_aiohttp_express.py``).
+
 Client disconnects: aiohttp does not cancel handlers unless the runner is created with
 ``handler_cancellation=True``. The middleware therefore checks the connection of every request
 older than the policy's ``sweep_period`` at each sweep (one shared loop timer) and cancels the
@@ -25,13 +31,39 @@ from typing import Any
 
 from aiohttp import web
 
-from ..clock import running_loop
-from ..edge import ABANDONED, EdgePolicy, Flight, Refusal, ratelimit_headers
+from ..admission.bulkhead import Permit, Untracked
+from ..clock import current_task_of, loop_and_time
+from ..context import _EMPTY as _NO_REQUEST
+from ..context import _get_current, _inbound_context, _reset_current, _set_current
+from ..degrade.markers import _reset_fallback_marks, _set_fallback_marks
+from ..edge import (
+    ABANDONED,
+    EXPRESS_HEADERS,
+    Abandoned,
+    EdgePolicy,
+    Express,
+    Flight,
+    Refusal,
+    ResolvedRoute,
+    ratelimit_headers,
+)
 from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
 __all__ = ["BrownoutAiohttpMiddleware", "brownout_middleware"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_Plan = tuple[ResolvedRoute, "Express | None"]
+"""What the middleware keeps per route template: the route, and its express plan if any."""
+
+_CLAIMS = tuple(name.decode("latin-1") for name in EXPRESS_HEADERS)
+"""The headers the edge decides about, as names for aiohttp's case-insensitive lookup."""
+
+
+def _lower_names(raw: Any) -> Any:
+    # `EdgePolicy.express_budget` reads (lower-case name, value) byte pairs, as ASGI servers
+    # give them; aiohttp keeps the case the client sent.
+    return ((name.lower(), value) for name, value in raw)
 
 
 def _gone(request: web.Request, flight: Flight) -> Callable[[], bool]:
@@ -79,18 +111,147 @@ class BrownoutAiohttpMiddleware:
     def __init__(self, policy: EdgePolicy, *, watch_disconnects: bool = True) -> None:
         self.policy = policy
         self.watch_disconnects = watch_disconnects
+        self._plans: dict[str | None, _Plan] = {}
+
+    def _plan(self, template: str | None) -> _Plan:
+        route = self.policy.route(template)
+        plans = self._plans
+        if len(plans) >= 1024:
+            plans.clear()  # bounded: templates come from the router and the policy's routes
+        plan = plans[template] = (route, self.policy.express(route))
+        return plan
 
     async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         policy = self.policy
-        if policy.is_health(request.path):
+        path = request.path
+        if path in policy.health_paths:  # policy.is_health, inlined
             return await handler(request)
-        loop = running_loop()  # once per request (asyncio's is a system call on CPython 3.11)
-        flight = Flight(loop.time())
+        loop, started = loop_and_time()  # one clock-cache lookup, not asyncio's system call
+        resource = request.match_info.route.resource
+        template = resource.canonical if resource is not None else policy.match(path)
+        plan = self._plans.get(template)
+        if plan is None:
+            plan = self._plan(template)
+        route, express = plan
+        if express is None or _get_current() is not _NO_REQUEST:
+            return await self._serve(request, handler, loop, started, route)
+        headers = request.headers
+        claims = _CLAIMS
+        if claims[0] in headers or claims[1] in headers or claims[2] in headers:
+            seconds = policy.express_budget(route, request, _lower_names(request.raw_headers))
+        else:
+            seconds = express.seconds
+        if not seconds > 0.0:
+            return await self._serve(request, handler, loop, started, route)
+        cls = express.classification
+        if express.classifier is not None:
+            cls = express.classifier(request, cls)
+        permit = express.bulkhead.admit_uncontended(
+            cls.priority, cls.caller, cls.operation, started, seconds
+        )
+        if permit is None:
+            return await self._serve(request, handler, loop, started, route)
+        # The express path (`EdgePolicy.express`): what `serve` does for a request with no
+        # header to decide about (or a plain budget) at an uncontended bulkhead, inline.
+        flight = Flight(started)
         if self.watch_disconnects:
             flight.on_old = _gone(request, flight)
-        resource = request.match_info.route.resource
-        template = resource.canonical if resource is not None else policy.match(request.path)
-        route = policy.route(template)
+        flight.classification = cls
+        flight.admitted = True
+        flight.reports = False  # the bulkhead reports the lifecycle
+        ctx = _inbound_context(
+            started + seconds, cls.priority, cls.caller, cls.operation, cls.in_progress, started
+        )
+        flight.deadline = ctx.deadline
+        task = flight.task = current_task_of(loop)
+        assert task is not None
+        token = _set_current(ctx)
+        modes = express.degraded
+        marks: list[str] | None = None
+        if modes is not None:
+            marks = []
+            marks_token = _set_fallback_marks(marks)
+        sweeper = policy._sweeper
+        sweeper.track(flight, task, loop)
+        cancelling = task.cancelling()
+        try:
+            try:
+                response = await handler(request)
+            finally:
+                sweeper.forget(flight)
+                _reset_current(token)
+                if marks is not None:
+                    _reset_fallback_marks(marks_token)
+        except web.HTTPException as e:
+            # aiohttp's way to answer (a 404, a redirect): settled by its status, not failed.
+            flight.status = e.status
+            self._settle(permit, flight, marks)
+            raise
+        except (asyncio.CancelledError, Exception) as e:
+            # Settled, and answered as `serve` would; re-raised when there is no answer.
+            outcome = self._answer(e, permit, flight, task, cancelling, request)
+        else:
+            flight.status = response.status
+            self._settle(permit, flight, marks)
+            if flight.abandoned:
+                raise asyncio.CancelledError  # nobody is listening (`serve`'s ABANDONED)
+            if modes is not None and not response.prepared:
+                degraded = modes.active_names()
+                if degraded:
+                    response.headers["brownout-degraded"] = ", ".join(degraded)
+            return response
+        return self._written(outcome, request)
+
+    def _settle(self, permit: Permit | Untracked, flight: Flight, marks: list[str] | None) -> None:
+        """The handler answered with ``flight.status``: settle the express path's permit."""
+        if flight.abandoned:
+            # It swallowed the cancellation for its client's disconnect and answered anyway:
+            # nobody hears the answer, so it is abandoned (O1), not a success.
+            permit.settle_raised(asyncio.CancelledError)
+        elif flight.status >= 500:
+            permit.failed(f"status_{flight.status}")
+        elif marks:  # a fallback answered: a success the limit must not learn from
+            assert flight.classification is not None
+            assert flight.deadline is not None
+            self.policy.settle_fallback(permit, flight, flight.classification, flight.deadline)
+        else:
+            permit.success()
+
+    def _answer(
+        self,
+        e: BaseException,
+        permit: Permit | Untracked,
+        flight: Flight,
+        task: asyncio.Task[Any],
+        cancelling: int,
+        request: web.Request,
+    ) -> Refusal | Abandoned:
+        try:
+            return self.policy.express_raised(e, permit, flight, task, cancelling)
+        except asyncio.CancelledError:
+            self._note_gone(request, flight)
+            raise
+
+    def _note_gone(self, request: web.Request, flight: Flight) -> None:
+        """A cancellation nobody answered: aiohttp cancelled the handler because the client
+        went away (``handler_cancellation=True``), which counts as abandoned."""
+        transport = request.transport
+        if not flight.abandoned and (transport is None or transport.is_closing()):
+            self.policy.record_abandoned(flight)
+
+    async def _serve(
+        self,
+        request: web.Request,
+        handler: Handler,
+        loop: asyncio.AbstractEventLoop,
+        started: float,
+        route: ResolvedRoute,
+    ) -> web.StreamResponse:
+        """Everything the express path does not take: `EdgePolicy.serve`."""
+        policy = self.policy
+        flight = Flight(started)
+        if self.watch_disconnects:
+            flight.on_old = _gone(request, flight)
         headers = request.headers
 
         def get(name: str) -> str | None:
@@ -116,25 +277,28 @@ class BrownoutAiohttpMiddleware:
                 loop=loop,
             )
         except asyncio.CancelledError:
-            transport = request.transport
-            if not flight.abandoned and (transport is None or transport.is_closing()):
-                policy.record_abandoned(flight)
+            self._note_gone(request, flight)
             raise
+        if isinstance(outcome, web.StreamResponse):
+            degraded = policy.degraded_names() if policy.degraded is not None else ()
+            if degraded and not outcome.prepared:
+                outcome.headers["brownout-degraded"] = ", ".join(degraded)
+            return outcome
+        return self._written(outcome, request)
+
+    @staticmethod
+    def _written(outcome: Refusal | Abandoned, request: web.Request) -> web.StreamResponse:
+        """The response for what the edge answered instead of the handler."""
         if outcome is ABANDONED:
             # Nobody is listening; the connection is already gone.
             raise asyncio.CancelledError
-        if isinstance(outcome, Refusal):
-            if _response_started(request):
-                # A streamed response had begun: leave it visibly incomplete.
-                transport = request.transport
-                if transport is not None:
-                    transport.close()
-            return refusal_response(outcome)
-        assert isinstance(outcome, web.StreamResponse)
-        degraded = policy.degraded_names() if policy.degraded is not None else ()
-        if degraded and not outcome.prepared:
-            outcome.headers["brownout-degraded"] = ", ".join(degraded)
-        return outcome
+        assert isinstance(outcome, Refusal)
+        if _response_started(request):
+            # A streamed response had begun: leave it visibly incomplete.
+            transport = request.transport
+            if transport is not None:
+                transport.close()
+        return refusal_response(outcome)
 
 
 def brownout_middleware(

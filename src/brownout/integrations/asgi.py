@@ -56,7 +56,6 @@ from ..edge import (
     ResolvedRoute,
     ratelimit_headers,
 )
-from ..errors import DeadlineExceeded
 from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
 __all__ = ["BrownoutMiddleware"]
@@ -447,22 +446,14 @@ class BrownoutMiddleware:
                 if exchange.watcher is not None:
                     exchange.close()
         except (asyncio.CancelledError, Exception) as e:
-            permit.settle_raised(type(e))
-            raised: BaseException = e
-            if (
-                exchange.expired
-                and isinstance(e, asyncio.CancelledError)
-                and task.uncancel() <= cancelling  # our deadline timer, not a shutdown
-            ):
-                raised = DeadlineExceeded("the deadline expired; the work was cancelled")
-            answer = policy.answer_raised(raised, exchange, task)
-            if answer is None:
-                if raised is e:
-                    raise
-                raise raised from None
-            await _write_answer(answer, send)
+            # Settled, and answered as `serve` would; re-raised when there is no answer.
+            await _write_answer(policy.express_raised(e, permit, exchange, task, cancelling), send)
             return
-        if exchange.status >= 500:
+        if exchange.abandoned:
+            # The application swallowed the cancellation for its client's disconnect and
+            # answered anyway: nobody hears the answer, so it is abandoned (O1).
+            permit.settle_raised(asyncio.CancelledError)
+        elif exchange.status >= 500:
             permit.failed(f"status_{exchange.status}")
         elif marks:  # a fallback answered: a success the limit must not learn from
             assert ctx.deadline is not None

@@ -10,6 +10,7 @@ Prints, in one run:
    request (all threads, ``/proc/<pid>/task/*/schedstat``) with the middleware against
    without, for FastAPI under uvicorn (uvloop, httptools) and for aiohttp's own server with
    `brownout_middleware`, each pair of servers driven alternately by 8 keep-alive clients;
+   the same for a unary grpc.aio method with and without `BrownoutServerInterceptor`;
 3. server CPU (``time.process_time``) per refused request vs per served request of the lab's
    demo front endpoint (``/api/interactive`` behind a fixed limit of 10 and a queue of 5, its
    dependency in a subprocess so its CPU is not counted), target ratio < 0.2. Refusals are
@@ -297,6 +298,9 @@ def serve(framework: str, kind: str) -> None:
     ``uvicorn[standard]`` does), or aiohttp's own server (its default asyncio loop)."""
     import socket
 
+    if framework == "grpc":
+        asyncio.run(_serve_grpc(kind))
+        return
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(2048)  # connections made before the server is up wait instead of being refused
@@ -324,6 +328,33 @@ def serve(framework: str, kind: str) -> None:
     uvicorn.Server(config).run(sockets=[sock])
 
 
+async def _serve_grpc(kind: str) -> None:
+    """A grpc.aio server with one unary method (bytes in, bytes out: no protoc), bare or
+    behind `BrownoutServerInterceptor`."""
+    import grpc
+    import grpc.aio
+
+    from brownout.integrations.grpc_server import BrownoutServerInterceptor
+
+    async def hello(request: bytes, context: Any) -> bytes:
+        return b"hello"
+
+    policy = EdgePolicy(bulkhead=Bulkhead("api", FixedLimit(1000)))
+    interceptors = [BrownoutServerInterceptor(policy)] if kind == "protected" else []
+    server = grpc.aio.server(interceptors=interceptors)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "bench.Edge", {"Hello": grpc.unary_unary_rpc_method_handler(hello)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"PORT {port}", flush=True)
+    await server.wait_for_termination()
+
+
 def process_cpu(pid: int) -> float:
     """CPU seconds of every thread of process ``pid``, in nanoseconds' resolution (Linux
     ``/proc/<pid>/task/<tid>/schedstat``; ``/proc/<pid>/stat`` counts 10 ms ticks)."""
@@ -336,20 +367,28 @@ def process_cpu(pid: int) -> float:
     return total / 1e9
 
 
-async def served_round(session: Any, url: str, pid: int, n: int) -> float:
+async def served_round(call: Callable[[], Awaitable[None]], pid: int, n: int) -> float:
+    """Server CPU per request over ``n`` requests, ``SERVED_CONCURRENCY`` at a time."""
+
     async def worker(count: int) -> None:
         for _ in range(count):
-            async with session.get(url) as r:
-                await r.read()
-                assert r.status == 200, r.status
+            await call()
 
     c = process_cpu(pid)
     await asyncio.gather(*(worker(n // SERVED_CONCURRENCY) for _ in range(SERVED_CONCURRENCY)))
     return (process_cpu(pid) - c) / n
 
 
+_LABELS = {
+    "fastapi": "FastAPI   served by uvicorn",
+    "aiohttp": "aiohttp   served by aiohttp",
+    "grpc": "grpc.aio  unary call       ",
+}
+
+
 async def served(framework: str = "fastapi") -> None:
     import aiohttp
+    import grpc.aio
 
     servers = {}
     for kind in ("bare", "protected"):
@@ -359,39 +398,55 @@ async def served(framework: str = "fastapi") -> None:
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
         assert line.startswith("PORT "), line
-        servers[kind] = (proc, f"http://127.0.0.1:{int(line.split()[1])}/hello")
+        servers[kind] = (proc, int(line.split()[1]))
+    clients: list[Any] = []
     try:
-        sessions = {}
-        for kind, (proc, url) in servers.items():
-            # One keep-alive pool per server; warm up its connections and caches.
-            sessions[kind] = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=SERVED_CONCURRENCY)
-            )
-            await served_round(sessions[kind], url, proc.pid, 800)
+        calls: dict[str, Callable[[], Awaitable[None]]] = {}
+        for kind, (proc, port) in servers.items():
+            # One keep-alive pool (or channel) per server; warm up its connections and caches.
+            if framework == "grpc":
+                channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+                clients.append(channel)
+                hello = channel.unary_unary("/bench.Edge/Hello")
+
+                async def call(hello: Any = hello) -> None:
+                    assert await hello(b"") == b"hello"
+
+            else:
+                session = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=SERVED_CONCURRENCY)
+                )
+                clients.append(session)
+                url = f"http://127.0.0.1:{port}/hello"
+
+                async def call(session: Any = session, url: str = url) -> None:
+                    async with session.get(url) as r:
+                        await r.read()
+                        assert r.status == 200, r.status
+
+            calls[kind] = call
+            await served_round(call, proc.pid, 800)
         best = {kind: float("inf") for kind in servers}
         ratios = []
+        n = SERVED_N // 2 if framework == "grpc" else SERVED_N  # a call costs ~2x a request
         for _ in range(SERVED_REPS):
             got = {}
-            for kind, (proc, url) in servers.items():
-                got[kind] = await served_round(sessions[kind], url, proc.pid, SERVED_N)
+            for kind, (proc, _) in servers.items():
+                got[kind] = await served_round(calls[kind], proc.pid, n)
                 best[kind] = min(best[kind], got[kind])
             ratios.append(got["protected"] / got["bare"])
-        for session in sessions.values():
-            await session.close()
         ratios.sort()
         bare, mw = best["bare"], best["protected"]
-        label = (
-            "FastAPI   served by uvicorn"
-            if framework == "fastapi"
-            else "aiohttp   served by aiohttp"
-        )
         print(
-            f"{label} over loopback: server CPU per request bare "
+            f"{_LABELS[framework]} over loopback: server CPU per request bare "
             f"{bare * 1e6:6.1f} us, with middleware {mw * 1e6:6.1f} us "
             f"(+{(mw - bare) * 1e6:.1f} us): best/best {mw / bare:.3f}x, median round "
-            f"{ratios[len(ratios) // 2]:.3f}x (target <= 1.15x)"
+            f"{ratios[len(ratios) // 2]:.3f}x"
+            + (" (target <= 1.15x)" if framework == "fastapi" else " (for comparison)")
         )
     finally:
+        for client in clients:
+            await client.close()
         for proc, _ in servers.values():
             proc.terminate()
             await proc.wait()
@@ -401,6 +456,7 @@ async def main() -> None:
     await overhead()
     await served("fastapi")
     await served("aiohttp")
+    await served("grpc")
     await refusal_cost()
 
 

@@ -28,3 +28,17 @@ async def serve(app: Any) -> AsyncIterator[str]:
         server.should_exit = True
         server.force_exit = True
         await asyncio.wait_for(task, 10)
+
+
+async def send_then_hang_up(
+    base: str, target: str, headers: bytes = b"", after: float = 0.2
+) -> None:
+    """A client that sends ``GET target`` to ``base`` (``http://host:port``) over a raw
+    connection and goes away ``after`` seconds, without reading an answer (D5, O1)."""
+    host, port = base.removeprefix("http://").split(":")
+    _reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"GET {target} HTTP/1.1\r\nhost: x\r\n".encode() + headers + b"\r\n")
+    await writer.drain()
+    await asyncio.sleep(after)
+    writer.close()
+    await writer.wait_closed()

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from tests.integration.servers import send_then_hang_up
 from tests.limits import CountingBulkhead, SpyLimit
 
 import brownout
@@ -234,13 +235,7 @@ async def test_express_refusal_from_inside_the_handler_is_problem_json(service: 
 
 
 async def test_express_client_disconnect_cancels_and_counts_abandoned(service: Service) -> None:
-    host, port = service.base.removeprefix("http://").split(":")
-    _reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"GET /items/5?hold=3 HTTP/1.1\r\nhost: x\r\n\r\n")
-    await writer.drain()
-    await asyncio.sleep(0.2)
-    writer.close()
-    await writer.wait_closed()
+    await send_then_hang_up(service.base, "/items/5?hold=3")
     for _ in range(150):
         if "items/5" in service.cancelled:
             break
@@ -371,13 +366,8 @@ async def test_a_handler_that_swallows_the_disconnect_cancel_is_still_abandoned(
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     try:
-        _reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
         claim = b"" if express else b"brownout-priority: sheddable\r\n"
-        writer.write(b"GET /stubborn HTTP/1.1\r\nhost: x\r\n" + claim + b"\r\n")
-        await writer.drain()
-        await asyncio.sleep(0.2)
-        writer.close()
-        await writer.wait_closed()
+        await send_then_hang_up(f"http://127.0.0.1:{runner.addresses[0][1]}", "/stubborn", claim)
         await asyncio.wait_for(swallowed.wait(), 5)
         await settle()
     finally:

@@ -23,6 +23,7 @@ from tests.integration.flood import (
     probe_under_flood,
     server_process,
 )
+from tests.integration.servers import send_then_hang_up
 
 import brownout
 from brownout import Bulkhead, EventHub, FifoQueue, FixedLimit, InboundDeadlinePolicy, Stats, Trust
@@ -184,13 +185,7 @@ async def test_expiry_is_504_and_cancels_the_handler(service: Service) -> None:
 
 
 async def test_client_disconnect_cancels_the_handler(service: Service) -> None:
-    host, port = service.base.removeprefix("http://").split(":")
-    _reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"GET /work/5?hold=3 HTTP/1.1\r\nhost: x\r\n\r\n")
-    await writer.drain()
-    await asyncio.sleep(0.2)
-    writer.close()
-    await writer.wait_closed()
+    await send_then_hang_up(service.base, "/work/5?hold=3")
     for _ in range(100):
         if service.cancelled:
             break

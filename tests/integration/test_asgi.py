@@ -32,7 +32,7 @@ from tests.integration.flood import (
     probe_under_flood,
     server_process,
 )
-from tests.integration.servers import serve
+from tests.integration.servers import send_then_hang_up, serve
 
 import brownout
 from brownout import (
@@ -331,13 +331,7 @@ async def test_deadline_expiry_cancels_the_handler_and_returns_504(service: Serv
 
 
 async def test_client_disconnect_cancels_the_handler(service: Service) -> None:
-    host, port = service.base.removeprefix("http://").split(":")
-    _reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"GET /work/5?hold=3 HTTP/1.1\r\nhost: x\r\n\r\n")
-    await writer.drain()
-    await asyncio.sleep(0.2)
-    writer.close()
-    await writer.wait_closed()
+    await send_then_hang_up(service.base, "/work/5?hold=3")
     for _ in range(100):
         if "work/5" in service.cancelled:
             break

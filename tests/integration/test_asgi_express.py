@@ -20,7 +20,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from tests.integration.servers import serve
+from tests.integration.servers import send_then_hang_up, serve
 from tests.limits import CountingBulkhead, SpyLimit
 
 import brownout
@@ -196,13 +196,7 @@ async def test_express_refusal_from_inside_the_handler_is_problem_json(service: 
 
 
 async def test_express_client_disconnect_cancels_and_counts_abandoned(service: Service) -> None:
-    host, port = service.base.removeprefix("http://").split(":")
-    _reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"GET /items/5?hold=3 HTTP/1.1\r\nhost: x\r\n\r\n")
-    await writer.drain()
-    await asyncio.sleep(0.2)
-    writer.close()
-    await writer.wait_closed()
+    await send_then_hang_up(service.base, "/items/5?hold=3")
     for _ in range(150):
         if "items/5" in service.cancelled:
             break
@@ -408,14 +402,8 @@ async def test_an_app_that_swallows_the_disconnect_cancel_is_still_abandoned(
 
     app.add_middleware(BrownoutMiddleware, policy=EdgePolicy(bulkhead=bulkhead, events=hub))
     async with serve(app) as base:
-        host, port = base.removeprefix("http://").split(":")
-        _reader, writer = await asyncio.open_connection(host, int(port))
         claim = b"" if express else b"brownout-priority: sheddable\r\n"
-        writer.write(b"GET /stubborn HTTP/1.1\r\nhost: x\r\n" + claim + b"\r\n")
-        await writer.drain()
-        await asyncio.sleep(0.2)
-        writer.close()
-        await writer.wait_closed()
+        await send_then_hang_up(base, "/stubborn", claim)
         await asyncio.wait_for(swallowed.wait(), 5)
         await settle()
     assert bulkhead.express == (1 if express else 0)

@@ -20,6 +20,11 @@ Per RPC (unary and streaming, in both directions):
 Streaming responses are relayed with ``context.write`` from inside the request scope, so the
 permit is held and the deadline enforced for the whole stream; handlers written either as async
 generators or with ``context.write`` both work.
+
+Two paths, one behaviour, as in the HTTP middlewares: a call with nothing to decide (no
+brownout metadata, a bulkhead with room and nobody queued) is admitted inline (the express
+path, `EdgePolicy.express`); everything else goes through `EdgePolicy.serve`
+(``tests/integration/test_grpc_express.py`` holds the two to the same answers and counts).
 """
 
 from __future__ import annotations
@@ -27,13 +32,27 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import grpc
 import grpc.aio
 
-from ..clock import running_loop
-from ..edge import ABANDONED, EdgePolicy, Flight, Refusal, ResolvedRoute
+from ..admission.bulkhead import Permit, Untracked
+from ..clock import current_task_of, loop_and_time
+from ..context import _EMPTY as _NO_REQUEST
+from ..context import _get_current, _inbound_context, _reset_current, _set_current
+from ..degrade.markers import _reset_fallback_marks, _set_fallback_marks
+from ..edge import (
+    ABANDONED,
+    EXPRESS_HEADERS,
+    Abandoned,
+    Classification,
+    EdgePolicy,
+    Express,
+    Flight,
+    Refusal,
+    ResolvedRoute,
+)
 from ..errors import Reason
 from ..propagation import GRPC_PUSHBACK_KEY, HeaderGetter
 
@@ -83,6 +102,15 @@ def _trailers(refusal: Refusal) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+_CLAIMS = frozenset(name.decode("latin-1") for name in EXPRESS_HEADERS)
+"""Metadata keys the edge decides about (gRPC keys are lower case)."""
+
+
+def _key(item: Any) -> str:
+    key: str = item[0]
+    return key
+
+
 _DETAILS = {
     Reason.QUOTA: "quota exceeded",
     Reason.DEADLINE_EXPIRED: "deadline expired",
@@ -128,34 +156,35 @@ class BrownoutServerInterceptor(grpc.aio.ServerInterceptor):
         self, method: str, handler: grpc.RpcMethodHandler[Any, Any]
     ) -> grpc.RpcMethodHandler[Any, Any]:
         route = self.policy.route(method)
+        express = self.policy.express(route)
         des = handler.request_deserializer
         ser = handler.response_serializer
         if handler.request_streaming and handler.response_streaming:
             return grpc.stream_stream_rpc_method_handler(
-                self._streaming(method, route, handler.stream_stream),
+                self._streaming(method, route, express, handler.stream_stream),
                 request_deserializer=des,
                 response_serializer=ser,
             )
         if handler.request_streaming:
             return grpc.stream_unary_rpc_method_handler(
-                self._unary(method, route, handler.stream_unary),
+                self._unary(method, route, express, handler.stream_unary),
                 request_deserializer=des,
                 response_serializer=ser,
             )
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(
-                self._streaming(method, route, handler.unary_stream),
+                self._streaming(method, route, express, handler.unary_stream),
                 request_deserializer=des,
                 response_serializer=ser,
             )
         return grpc.unary_unary_rpc_method_handler(
-            self._unary(method, route, handler.unary_unary),
+            self._unary(method, route, express, handler.unary_unary),
             request_deserializer=des,
             response_serializer=ser,
         )
 
     def _unary(
-        self, method: str, route: ResolvedRoute, behavior: Behavior
+        self, method: str, route: ResolvedRoute, express: Express | None, behavior: Behavior
     ) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]:
         policy = self.policy
 
@@ -167,12 +196,12 @@ class BrownoutServerInterceptor(grpc.aio.ServerInterceptor):
                     result = await result
                 return result
 
-            return await _run(policy, method, route, context, call)
+            return await _run(policy, method, route, express, context, call)
 
         return unary
 
     def _streaming(
-        self, method: str, route: ResolvedRoute, behavior: Behavior
+        self, method: str, route: ResolvedRoute, express: Express | None, behavior: Behavior
     ) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[None]]:
         policy = self.policy
 
@@ -191,7 +220,7 @@ class BrownoutServerInterceptor(grpc.aio.ServerInterceptor):
                 for message in result:  # a plain generator
                     await context.write(message)
 
-            await _run(policy, method, route, context, call)
+            await _run(policy, method, route, express, context, call)
 
         return streaming
 
@@ -200,13 +229,37 @@ async def _run(
     policy: EdgePolicy,
     method: str,
     route: ResolvedRoute,
+    express: Express | None,
     context: grpc.aio.ServicerContext[Any, Any],
     call: Callable[[], Awaitable[Any]],
 ) -> Any:
-    loop = running_loop()  # once per call (asyncio's is a system call on CPython 3.11)
-    flight = Flight(loop.time())
+    loop, started = loop_and_time()  # one clock-cache lookup, not asyncio's system call
     metadata: Any = context.invocation_metadata() or ()
     remaining = context.time_remaining()
+    if (
+        express is not None
+        and _get_current() is _NO_REQUEST
+        and _CLAIMS.isdisjoint(map(_key, metadata))
+    ):
+        # The call's own deadline, clamped as `serve` clamps it; a spent one is serve's (it
+        # answers DEADLINE_EXCEEDED before the work starts).
+        maximum = route.deadline.maximum
+        if remaining is None:
+            seconds = express.seconds
+        else:
+            seconds = remaining if remaining < maximum else maximum
+        if seconds > 0.0:
+            cls = express.classification
+            if express.classifier is not None:
+                cls = express.classifier(GrpcCall(method, metadata, context), cls)
+            permit = express.bulkhead.admit_uncontended(
+                cls.priority, cls.caller, cls.operation, started, seconds
+            )
+            if permit is not None:
+                return await _express(
+                    policy, express, context, call, loop, started, seconds, cls, permit
+                )
+    flight = Flight(started)
     budget = None if remaining is None else max(remaining, 0.0)
     try:
         outcome = await policy.serve(
@@ -222,15 +275,80 @@ async def _run(
         if context.cancelled() or context.done():
             policy.record_abandoned(flight)
         raise
+    if isinstance(outcome, Refusal) or outcome is ABANDONED:
+        await _end(outcome, context)
+    _announce_degraded(policy.degraded_names() if policy.degraded is not None else (), context)
+    return outcome
+
+
+async def _express(
+    policy: EdgePolicy,
+    express: Express,
+    context: grpc.aio.ServicerContext[Any, Any],
+    call: Callable[[], Awaitable[Any]],
+    loop: asyncio.AbstractEventLoop,
+    started: float,
+    seconds: float,
+    cls: Classification,
+    permit: Permit | Untracked,
+) -> Any:
+    """The express path (`EdgePolicy.express`): what `serve` does for a call with no
+    metadata to decide about at an uncontended bulkhead, inline."""
+    flight = Flight(started)
+    flight.classification = cls
+    flight.admitted = True
+    flight.reports = False  # the bulkhead reports the lifecycle
+    ctx = _inbound_context(
+        started + seconds, cls.priority, cls.caller, cls.operation, cls.in_progress, started
+    )
+    flight.deadline = ctx.deadline
+    task = flight.task = current_task_of(loop)
+    assert task is not None
+    token = _set_current(ctx)
+    modes = express.degraded
+    marks: list[str] | None = None
+    if modes is not None:
+        marks = []
+        marks_token = _set_fallback_marks(marks)
+    sweeper = policy._sweeper
+    sweeper.track(flight, task, loop)
+    cancelling = task.cancelling()
+    try:
+        try:
+            result = await call()
+        finally:
+            sweeper.forget(flight)
+            _reset_current(token)
+            if marks is not None:
+                _reset_fallback_marks(marks_token)
+    except (asyncio.CancelledError, Exception) as e:
+        # Settled, and answered as `serve` would; re-raised when there is no answer (a
+        # client's cancellation: the bulkhead counts it as abandoned).
+        await _end(policy.express_raised(e, permit, flight, task, cancelling), context)
+    if marks:  # a fallback answered: a success the limit must not learn from
+        assert ctx.deadline is not None
+        policy.settle_fallback(permit, flight, cls, ctx.deadline)
+    else:
+        permit.success()
+    _announce_degraded(() if modes is None else modes.active_names(), context)
+    return result
+
+
+async def _end(
+    outcome: Refusal | Abandoned, context: grpc.aio.ServicerContext[Any, Any]
+) -> NoReturn:
+    """End the call with what the edge answered instead of the handler (always raises)."""
     if isinstance(outcome, Refusal):
         degraded = outcome.degraded
         details = _DETAILS.get(outcome.reason, outcome.reason.value)
         if degraded:
             details = f"{details} (degraded: {', '.join(degraded)})"
         await context.abort(status_code_for(outcome.reason), details, _trailers(outcome))
-    if outcome is ABANDONED:
-        raise asyncio.CancelledError
-    degraded_now = policy.degraded_names() if policy.degraded is not None else ()
-    if degraded_now:
-        context.set_trailing_metadata((("brownout-degraded", ", ".join(degraded_now)),))
-    return outcome
+    raise asyncio.CancelledError  # ABANDONED: nobody is listening
+
+
+def _announce_degraded(
+    degraded: tuple[str, ...], context: grpc.aio.ServicerContext[Any, Any]
+) -> None:
+    if degraded:
+        context.set_trailing_metadata((("brownout-degraded", ", ".join(degraded)),))

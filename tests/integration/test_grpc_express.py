@@ -81,6 +81,19 @@ async def start(
     async def raises(request: bytes, context: Any) -> bytes:
         raise RuntimeError("boom")
 
+    async def missing(request: bytes, context: Any) -> bytes:
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no such item")
+        raise AssertionError("abort raises")
+
+    async def aborts_internal(request: bytes, context: Any) -> bytes:
+        await context.abort(grpc.StatusCode.INTERNAL, "broken")
+        raise AssertionError("abort raises")
+
+    async def sets_internal(request: bytes, context: Any) -> bytes:
+        context.set_code(grpc.StatusCode.INTERNAL)
+        context.set_details("broken")
+        return b""
+
     async def breaker(request: bytes, context: Any) -> bytes:
         raise Rejected(Reason.BREAKER_OPEN, "the inventory breaker is open")
 
@@ -97,6 +110,9 @@ async def start(
             "Echo": unary(echo),
             "Raises": unary(raises),
             "Breaker": unary(breaker),
+            "Missing": unary(missing),
+            "AbortsInternal": unary(aborts_internal),
+            "SetsInternal": unary(sets_internal),
             "Count": grpc.unary_stream_rpc_method_handler(count),
             "Recs": unary(recommendations),
         },
@@ -191,6 +207,35 @@ async def test_express_failures_and_refusals_from_inside(service: Service) -> No
     assert service.bulkhead.express == 2
     await settle()
     assert service.stats.count("failed", operation="/test.Express/Raises") == 1
+    assert service.bulkhead.in_flight == 0
+
+
+@pytest.mark.parametrize("express", [True, False], ids=["express", "serve"])
+async def test_a_status_the_handler_ends_with_is_an_answer_or_a_failure(
+    service: Service, express: bool
+) -> None:
+    """``context.abort`` and ``context.set_code`` are read as their HTTP equivalents on both
+    paths: NOT_FOUND is an answer (goodput), INTERNAL a failure, however it was set."""
+    metadata = () if express else (("brownout-priority", "sheddable"),)  # claims take serve
+    codes = {}
+    for method in ("Missing", "AbortsInternal", "SetsInternal"):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await service.channel.unary_unary(f"/test.Express/{method}")(
+                b"", timeout=5, metadata=metadata
+            )
+        codes[method] = err.value.code()
+    assert codes == {
+        "Missing": grpc.StatusCode.NOT_FOUND,
+        "AbortsInternal": grpc.StatusCode.INTERNAL,
+        "SetsInternal": grpc.StatusCode.INTERNAL,
+    }
+    assert service.bulkhead.express == (3 if express else 0)
+    await settle()
+    assert service.stats.count("completed", operation="/test.Express/Missing") == 1
+    assert service.stats.count("failed", operation="/test.Express/Missing") == 0
+    assert service.stats.count("failed", operation="/test.Express/AbortsInternal") == 1
+    assert service.stats.count("failed", operation="/test.Express/SetsInternal") == 1
+    assert service.stats.count("completed", operation="/test.Express/SetsInternal") == 0
     assert service.bulkhead.in_flight == 0
 
 

@@ -15,6 +15,10 @@ Per RPC (unary and streaming, in both directions):
   trailing metadata ``grpc-retry-pushback-ms`` (jittered estimate; ``-1``: do not retry) and
   ``brownout-reason``; expiry ends it with ``DEADLINE_EXCEEDED``;
 - a client cancellation cancels the handler and is counted as abandoned;
+- a status the handler ends its call with (``context.abort``, ``context.set_code``) is read
+  as its HTTP equivalent (google.rpc.Code's mapping): INTERNAL, UNKNOWN, UNAVAILABLE,
+  DATA_LOSS, UNIMPLEMENTED and DEADLINE_EXCEEDED are failures of the service, the others
+  (NOT_FOUND, INVALID_ARGUMENT, ...) answers;
 - health-checking methods pass straight through.
 
 Streaming responses are relayed with ``context.write`` from inside the request scope, so the
@@ -109,6 +113,38 @@ _CLAIMS = frozenset(name.decode("latin-1") for name in EXPRESS_HEADERS)
 def _key(item: Any) -> str:
     key: str = item[0]
     return key
+
+
+# google.rpc.Code's HTTP mapping: the status a handler ended its call with (by
+# ``context.abort`` or ``context.set_code``), read as the HTTP edges read theirs: 5xx is the
+# service failing (counted failed), anything below is an answer (a NOT_FOUND is goodput).
+_HTTP_STATUS = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNKNOWN: 500,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DATA_LOSS: 500,
+}
+_ANSWERS = (grpc.aio.AbortError,)
+"""``context.abort`` raises this: the handler's way to answer, settled by its status."""
+
+
+def _status_of(context: grpc.aio.ServicerContext[Any, Any]) -> int:
+    """The HTTP equivalent of the status the handler set (200 when it set none)."""
+    code = context.code()
+    return 200 if code is None else _HTTP_STATUS.get(code, 500)
 
 
 _DETAILS = {
@@ -261,14 +297,25 @@ async def _run(
                 )
     flight = Flight(started)
     budget = None if remaining is None else max(remaining, 0.0)
+
+    async def noted() -> Any:
+        try:
+            result = await call()
+        except grpc.aio.AbortError:
+            flight.status = _status_of(context)
+            raise
+        flight.status = _status_of(context)
+        return result
+
     try:
         outcome = await policy.serve(
             GrpcCall(method, metadata, context),
-            call,
+            noted,
             flight,
             route=route,
             get=_metadata_getter(metadata),
             budget=budget,
+            answers=_ANSWERS,
             loop=loop,
         )
     except asyncio.CancelledError:
@@ -321,11 +368,22 @@ async def _express(
             _reset_current(token)
             if marks is not None:
                 _reset_fallback_marks(marks_token)
+    except grpc.aio.AbortError:
+        # ``context.abort``: the handler's way to answer, settled by its status.
+        flight.status = _status_of(context)
+        if flight.status >= 500:
+            permit.failed(f"status_{flight.status}")
+        else:
+            permit.success()
+        raise
     except (asyncio.CancelledError, Exception) as e:
         # Settled, and answered as `serve` would; re-raised when there is no answer (a
         # client's cancellation: the bulkhead counts it as abandoned).
         await _end(policy.express_raised(e, permit, flight, task, cancelling), context)
-    if marks:  # a fallback answered: a success the limit must not learn from
+    flight.status = _status_of(context)
+    if flight.status >= 500:
+        permit.failed(f"status_{flight.status}")
+    elif marks:  # a fallback answered: a success the limit must not learn from
         assert ctx.deadline is not None
         policy.settle_fallback(permit, flight, cls, ctx.deadline)
     else:

@@ -81,6 +81,13 @@ async def start(
     async def raises(request: bytes, context: Any) -> bytes:
         raise RuntimeError("boom")
 
+    async def stubborn(request: bytes, context: Any) -> bytes:
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            cancelled.append("stubborn")
+        return b"answered anyway"
+
     async def missing(request: bytes, context: Any) -> bytes:
         await context.abort(grpc.StatusCode.NOT_FOUND, "no such item")
         raise AssertionError("abort raises")
@@ -111,6 +118,7 @@ async def start(
             "Raises": unary(raises),
             "Breaker": unary(breaker),
             "Missing": unary(missing),
+            "Stubborn": unary(stubborn),
             "AbortsInternal": unary(aborts_internal),
             "SetsInternal": unary(sets_internal),
             "Count": grpc.unary_stream_rpc_method_handler(count),
@@ -296,3 +304,23 @@ async def test_degraded_modes_on_the_express_path() -> None:
         assert len(spy.samples) == 1  # the fallback's answer is not
         assert svc.stats.count("completed") == 2  # both are goodput
         assert svc.bulkhead.in_flight == 0
+
+
+@pytest.mark.parametrize("express", [True, False], ids=["express", "serve"])
+async def test_a_handler_that_swallows_the_client_cancel_is_still_abandoned(
+    service: Service, express: bool
+) -> None:
+    metadata = () if express else (("brownout-priority", "sheddable"),)  # claims take serve
+    call = service.channel.unary_unary("/test.Express/Stubborn")(b"", timeout=10, metadata=metadata)
+    await asyncio.sleep(0.3)
+    call.cancel()
+    for _ in range(150):
+        if service.cancelled:
+            break
+        await asyncio.sleep(0.02)
+    assert service.cancelled == ["stubborn"]
+    assert service.bulkhead.express == (1 if express else 0)
+    await settle()
+    assert service.stats.count("abandoned") == 1  # O1: nobody heard the answer
+    assert service.stats.count("completed") == 0
+    assert service.bulkhead.in_flight == 0

@@ -299,12 +299,20 @@ async def _run(
     budget = None if remaining is None else max(remaining, 0.0)
 
     async def noted() -> Any:
+        task = current_task_of(loop)
+        assert task is not None
+        cancelling = task.cancelling()
         try:
             result = await call()
         except grpc.aio.AbortError:
             flight.status = _status_of(context)
             raise
         flight.status = _status_of(context)
+        if task.cancelling() > cancelling and not flight.expired:
+            # The handler swallowed the cancellation of its call (the client's, as grpc.aio
+            # cancels the task without marking the context) and answered anyway: nobody
+            # hears the answer, so `serve` counts it abandoned (O1), not a success.
+            flight.abandoned = True
         return result
 
     try:
@@ -381,6 +389,12 @@ async def _express(
         # client's cancellation: the bulkhead counts it as abandoned).
         await _end(policy.express_raised(e, permit, flight, task, cancelling), context)
     flight.status = _status_of(context)
+    if task.cancelling() > cancelling and not flight.expired:
+        # The handler swallowed the cancellation of its call (the client's, as grpc.aio
+        # cancels the task without marking the context) and answered anyway: nobody hears
+        # the answer, so it is abandoned (O1), not a success.
+        permit.settle_raised(asyncio.CancelledError)
+        raise asyncio.CancelledError
     if flight.status >= 500:
         permit.failed(f"status_{flight.status}")
     elif marks:  # a fallback answered: a success the limit must not learn from

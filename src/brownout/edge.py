@@ -39,6 +39,7 @@ import random
 import re
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
+from contextvars import Token
 from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
 from typing import Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
@@ -46,7 +47,13 @@ from typing import Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkabl
 from .admission.bulkhead import Bulkhead, Permit, Untracked
 from .clock import current_task_of, default_clock, running_loop
 from .clock import now as _now
-from .context import _get_current, _make_context, _reset_current, _set_current
+from .context import (
+    _get_current,
+    _inbound_context,
+    _make_context,
+    _reset_current,
+    _set_current,
+)
 from .deadline import Deadline, _new_deadline
 from .degrade.markers import served_by_fallback
 from .errors import DeadlineExceeded, HeaderError, Reason, Rejected, UnknownOutcome
@@ -84,6 +91,7 @@ __all__ = [
     "DegradedModes",
     "EdgePolicy",
     "Express",
+    "ExpressScope",
     "Flight",
     "QuotaCheck",
     "QuotaDecision",
@@ -574,6 +582,82 @@ class Express:
         self.classifier = classifier
         self.degraded = degraded
         """The policy's degraded modes: announced on the response, fallbacks settled."""
+
+
+class ExpressScope:
+    """The request scope of an express admission, for adapters whose fast path need not be
+    one coroutine frame (aiohttp, gRPC; the ASGI middleware inlines the same steps): the
+    `Flight` marked admitted (its bulkhead reports the lifecycle), the request context with
+    the budget's deadline, the fallback marks when degraded modes are declared, and the sweep
+    (deadline timer, ``on_old`` hook). `close` undoes all of it once the handler is done; the
+    adapter then settles the permit (`EdgePolicy.express_raised` on an exception)."""
+
+    __slots__ = (
+        "_marks_token",
+        "_policy",
+        "_sweeper",
+        "_token",
+        "cancelling",
+        "flight",
+        "marks",
+        "task",
+    )
+
+    def __init__(
+        self,
+        policy: EdgePolicy,
+        express: Express,
+        flight: Flight,
+        cls: Classification,
+        seconds: float,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        started = flight.started
+        flight.classification = cls
+        flight.admitted = True
+        flight.reports = False  # the bulkhead reports the lifecycle
+        ctx = _inbound_context(
+            started + seconds, cls.priority, cls.caller, cls.operation, cls.in_progress, started
+        )
+        flight.deadline = ctx.deadline
+        task = flight.task = current_task_of(loop)
+        assert task is not None
+        self._policy = policy
+        self.flight = flight
+        self.task = task
+        self._token = _set_current(ctx)
+        self.marks: list[str] | None = None
+        """The degraded modes whose fallback answered, when modes are declared."""
+        self._marks_token: Token[list[str] | None] | None = None
+        if express.degraded is not None:
+            self.marks = []
+            self._marks_token = served_by_fallback.set(self.marks)
+        self._sweeper = sweeper = policy._sweeper
+        sweeper.track(flight, task, loop)
+        self.cancelling = task.cancelling()
+        """The task's cancel count before the handler ran (`EdgePolicy.express_raised`)."""
+
+    def close(self) -> None:
+        self._sweeper.forget(self.flight)
+        _reset_current(self._token)
+        if self._marks_token is not None:
+            served_by_fallback.reset(self._marks_token)
+
+    def settle(self, permit: Permit | Untracked) -> None:
+        """The handler answered (``flight.status`` set): settle ``permit`` as `serve` does."""
+        flight = self.flight
+        if flight.abandoned:
+            # It swallowed the cancellation for its client's disconnect and answered anyway:
+            # nobody hears the answer, so it is abandoned (O1), not a success.
+            permit.settle_raised(asyncio.CancelledError)
+        elif flight.status >= 500:
+            permit.failed(f"status_{flight.status}")
+        elif self.marks:  # a fallback answered: a success the limit must not learn from
+            assert flight.classification is not None
+            assert flight.deadline is not None
+            self._policy.settle_fallback(permit, flight, flight.classification, flight.deadline)
+        else:
+            permit.success()
 
 
 _BUDGET_BYTES = BUDGET_HEADER.encode("latin-1")

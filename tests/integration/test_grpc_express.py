@@ -167,7 +167,9 @@ async def test_a_plain_call_takes_the_express_path_with_its_own_deadline(
     clamped = await echo(service, timeout=60.0)
     without = await echo(service)
     assert service.bulkhead.express == 3
-    assert 2.5 < with_timeout["remaining"] <= 3.0  # D1: the client's timeout
+    # D1: the client's timeout. grpc core computes time_remaining() against a cached clock
+    # that can lag real time by a few ms, overstating it slightly.
+    assert 2.5 < with_timeout["remaining"] <= 3.0 + 0.025
     assert 4.0 < clamped["remaining"] <= 5.0  # D3: clamped to the route maximum
     assert 1.0 < without["remaining"] <= 1.5  # the route default
     assert with_timeout["operation"] == "/test.Express/Echo"

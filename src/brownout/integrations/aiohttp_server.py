@@ -32,16 +32,16 @@ from typing import Any
 from aiohttp import web
 
 from ..admission.bulkhead import Permit, Untracked
-from ..clock import current_task_of, loop_and_time
+from ..clock import loop_and_time
 from ..context import _EMPTY as _NO_REQUEST
-from ..context import _get_current, _inbound_context, _reset_current, _set_current
-from ..degrade.markers import _reset_fallback_marks, _set_fallback_marks
+from ..context import _get_current
 from ..edge import (
     ABANDONED,
     EXPRESS_HEADERS,
     Abandoned,
     EdgePolicy,
     Express,
+    ExpressScope,
     Flight,
     Refusal,
     ResolvedRoute,
@@ -156,80 +156,43 @@ class BrownoutAiohttpMiddleware:
         flight = Flight(started)
         if self.watch_disconnects:
             flight.on_old = _gone(request, flight)
-        flight.classification = cls
-        flight.admitted = True
-        flight.reports = False  # the bulkhead reports the lifecycle
-        ctx = _inbound_context(
-            started + seconds, cls.priority, cls.caller, cls.operation, cls.in_progress, started
-        )
-        flight.deadline = ctx.deadline
-        task = flight.task = current_task_of(loop)
-        assert task is not None
-        token = _set_current(ctx)
-        modes = express.degraded
-        marks: list[str] | None = None
-        if modes is not None:
-            marks = []
-            marks_token = _set_fallback_marks(marks)
-        sweeper = policy._sweeper
-        sweeper.track(flight, task, loop)
-        cancelling = task.cancelling()
+        scope = ExpressScope(policy, express, flight, cls, seconds, loop)
         try:
             try:
                 response = await handler(request)
             finally:
-                sweeper.forget(flight)
-                _reset_current(token)
-                if marks is not None:
-                    _reset_fallback_marks(marks_token)
+                scope.close()
         except web.HTTPException as e:
             # aiohttp's way to answer (a 404, a redirect): settled by its status, not failed.
             flight.status = e.status
-            self._settle(permit, flight, marks)
+            scope.settle(permit)
             raise
         except (asyncio.CancelledError, Exception) as e:
             # Settled, and answered as `serve` would; re-raised when there is no answer.
-            outcome = self._answer(e, permit, flight, task, cancelling, request)
+            outcome = self._answer(e, permit, scope, request)
         else:
             flight.status = response.status
-            self._settle(permit, flight, marks)
+            scope.settle(permit)
             if flight.abandoned:
                 raise asyncio.CancelledError  # nobody is listening (`serve`'s ABANDONED)
-            if modes is not None and not response.prepared:
-                degraded = modes.active_names()
+            if express.degraded is not None and not response.prepared:
+                degraded = express.degraded.active_names()
                 if degraded:
                     response.headers["brownout-degraded"] = ", ".join(degraded)
             return response
         return self._written(outcome, request)
 
-    def _settle(self, permit: Permit | Untracked, flight: Flight, marks: list[str] | None) -> None:
-        """The handler answered with ``flight.status``: settle the express path's permit."""
-        if flight.abandoned:
-            # It swallowed the cancellation for its client's disconnect and answered anyway:
-            # nobody hears the answer, so it is abandoned (O1), not a success.
-            permit.settle_raised(asyncio.CancelledError)
-        elif flight.status >= 500:
-            permit.failed(f"status_{flight.status}")
-        elif marks:  # a fallback answered: a success the limit must not learn from
-            assert flight.classification is not None
-            assert flight.deadline is not None
-            self.policy.settle_fallback(permit, flight, flight.classification, flight.deadline)
-        else:
-            permit.success()
-
     def _answer(
         self,
         e: BaseException,
         permit: Permit | Untracked,
-        flight: Flight,
-        task: asyncio.Task[Any],
-        cancelling: int,
+        scope: ExpressScope,
         request: web.Request,
     ) -> Refusal | Abandoned:
         try:
-            return self.policy.express_raised(e, permit, flight, task, cancelling)
+            return self.policy.express_raised(e, permit, scope.flight, scope.task, scope.cancelling)
         except asyncio.CancelledError:
-            self._note_gone(request, flight)
+            self._note_gone(request, scope.flight)
             raise
 
     def _note_gone(self, request: web.Request, flight: Flight) -> None:

@@ -44,8 +44,7 @@ import grpc.aio
 from ..admission.bulkhead import Permit, Untracked
 from ..clock import current_task_of, loop_and_time
 from ..context import _EMPTY as _NO_REQUEST
-from ..context import _get_current, _inbound_context, _reset_current, _set_current
-from ..degrade.markers import _reset_fallback_marks, _set_fallback_marks
+from ..context import _get_current
 from ..edge import (
     ABANDONED,
     EXPRESS_HEADERS,
@@ -53,6 +52,7 @@ from ..edge import (
     Classification,
     EdgePolicy,
     Express,
+    ExpressScope,
     Flight,
     Refusal,
     ResolvedRoute,
@@ -349,59 +349,31 @@ async def _express(
 ) -> Any:
     """The express path (`EdgePolicy.express`): what `serve` does for a call with no
     metadata to decide about at an uncontended bulkhead, inline."""
-    flight = Flight(started)
-    flight.classification = cls
-    flight.admitted = True
-    flight.reports = False  # the bulkhead reports the lifecycle
-    ctx = _inbound_context(
-        started + seconds, cls.priority, cls.caller, cls.operation, cls.in_progress, started
-    )
-    flight.deadline = ctx.deadline
-    task = flight.task = current_task_of(loop)
-    assert task is not None
-    token = _set_current(ctx)
-    modes = express.degraded
-    marks: list[str] | None = None
-    if modes is not None:
-        marks = []
-        marks_token = _set_fallback_marks(marks)
-    sweeper = policy._sweeper
-    sweeper.track(flight, task, loop)
-    cancelling = task.cancelling()
+    scope = ExpressScope(policy, express, Flight(started), cls, seconds, loop)
+    flight = scope.flight
     try:
         try:
             result = await call()
         finally:
-            sweeper.forget(flight)
-            _reset_current(token)
-            if marks is not None:
-                _reset_fallback_marks(marks_token)
+            scope.close()
     except grpc.aio.AbortError:
         # ``context.abort``: the handler's way to answer, settled by its status.
         flight.status = _status_of(context)
-        if flight.status >= 500:
-            permit.failed(f"status_{flight.status}")
-        else:
-            permit.success()
+        scope.settle(permit)
         raise
     except (asyncio.CancelledError, Exception) as e:
         # Settled, and answered as `serve` would; re-raised when there is no answer (a
         # client's cancellation: the bulkhead counts it as abandoned).
-        await _end(policy.express_raised(e, permit, flight, task, cancelling), context)
+        outcome = policy.express_raised(e, permit, flight, scope.task, scope.cancelling)
+        await _end(outcome, context)
     flight.status = _status_of(context)
-    if task.cancelling() > cancelling and not flight.expired:
-        # The handler swallowed the cancellation of its call (the client's, as grpc.aio
-        # cancels the task without marking the context) and answered anyway: nobody hears
-        # the answer, so it is abandoned (O1), not a success.
-        permit.settle_raised(asyncio.CancelledError)
-        raise asyncio.CancelledError
-    if flight.status >= 500:
-        permit.failed(f"status_{flight.status}")
-    elif marks:  # a fallback answered: a success the limit must not learn from
-        assert ctx.deadline is not None
-        policy.settle_fallback(permit, flight, cls, ctx.deadline)
-    else:
-        permit.success()
+    # A handler that swallowed its call's cancellation (the client's: grpc.aio cancels the
+    # task without marking the context) and answered anyway is abandoned.
+    flight.abandoned = scope.task.cancelling() > scope.cancelling and not flight.expired
+    scope.settle(permit)
+    if flight.abandoned:
+        raise asyncio.CancelledError  # nobody is listening (`serve`'s ABANDONED)
+    modes = express.degraded
     _announce_degraded(() if modes is None else modes.active_names(), context)
     return result
 

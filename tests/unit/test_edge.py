@@ -605,3 +605,25 @@ def test_express_budget_takes_only_what_resolve_would_simply_honour() -> None:
     assert budget((b"brownout-budget-ms", b"100"), p=signed) == 0.0
     envoy = EdgePolicy(deadline=InboundDeadlinePolicy(read_envoy=True))
     assert budget((b"brownout-budget-ms", b"100"), p=envoy) == 0.0
+
+
+def test_grpc_status_is_read_as_its_http_equivalent_whatever_its_type() -> None:
+    """O1: a handler's own gRPC status counts as an answer or a failure by google.rpc.Code's
+    HTTP mapping; some grpcio releases return the code as a plain integer (grpc/grpc#35450)."""
+    grpc = pytest.importorskip("grpc")
+    from brownout.integrations.grpc_server import _status_of
+
+    class Context:
+        def __init__(self, code: object) -> None:
+            self._code = code
+
+        def code(self) -> object:
+            return self._code
+
+    assert _status_of(Context(None)) == 200  # type: ignore[arg-type]
+    assert _status_of(Context(grpc.StatusCode.NOT_FOUND)) == 404  # type: ignore[arg-type]
+    assert _status_of(Context(grpc.StatusCode.INTERNAL)) == 500  # type: ignore[arg-type]
+    assert _status_of(Context(5)) == 404  # type: ignore[arg-type]
+    assert _status_of(Context(14)) == 503  # type: ignore[arg-type]
+    assert _status_of(Context(99)) == 500  # type: ignore[arg-type]
+    assert _status_of(Context("odd")) == 200  # type: ignore[arg-type]

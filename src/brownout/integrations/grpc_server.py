@@ -141,10 +141,23 @@ _ANSWERS = (grpc.aio.AbortError,)
 """``context.abort`` raises this: the handler's way to answer, settled by its status."""
 
 
+_HTTP_STATUS_BY_VALUE = {code.value[0]: status for code, status in _HTTP_STATUS.items()}
+
+
 def _status_of(context: grpc.aio.ServicerContext[Any, Any]) -> int:
-    """The HTTP equivalent of the status the handler set (200 when it set none)."""
+    """The HTTP equivalent of the status the handler set (200 when it set none).
+
+    ``code()`` gives a `grpc.StatusCode` on the grpcio releases tested here, but some releases
+    returned the plain integer (grpc/grpc#35450): both are read. Anything else cannot be told
+    apart from success, so it counts as one rather than as a failure nobody caused."""
     code = context.code()
-    return 200 if code is None else _HTTP_STATUS.get(code, 500)
+    if code is None:
+        return 200
+    if isinstance(code, grpc.StatusCode):
+        return _HTTP_STATUS.get(code, 500)
+    if isinstance(code, int):
+        return _HTTP_STATUS_BY_VALUE.get(code, 500)
+    return 200
 
 
 _DETAILS = {

@@ -943,7 +943,7 @@ class EdgePolicy:
             else:
                 seconds = policy.resolve(get, trust).seconds
         else:
-            seconds = budget if budget < policy.maximum else policy.maximum
+            seconds = policy.clamp(budget)
         if self.classifier is None and trust is not _TRUSTED and not events.enabled:
             # No claim can be honoured and nobody listens for an ignored one: the route's own.
             # Immutable, so one per route serves every such request.
@@ -1131,6 +1131,24 @@ class EdgePolicy:
             else:
                 self._failed(flight, type(e).__name__)
         return None
+
+    def express_admit(
+        self, express: Express, request: Any, started: float, seconds: float
+    ) -> tuple[Permit | Untracked, Classification] | None:
+        """Admission on the express path of a request arriving at ``started`` with ``seconds``
+        to its deadline: the classifier on the route's default classification, then
+        `Bulkhead.admit_uncontended`. The permit and the classification, or ``None`` (a spent
+        budget, a contended bulkhead: nothing counted) for the adapter to take `serve`. The
+        ASGI middleware inlines the same steps."""
+        if not seconds > 0.0:
+            return None
+        cls = express.classification
+        if express.classifier is not None:
+            cls = express.classifier(request, cls)
+        permit = express.bulkhead.admit_uncontended(
+            cls.priority, cls.caller, cls.operation, started, seconds
+        )
+        return None if permit is None else (permit, cls)
 
     def express_raised(
         self,

@@ -267,6 +267,13 @@ class InboundDeadlinePolicy:
         if not (0 < self.default <= self.maximum) or math.isinf(self.maximum):
             raise ValueError("need 0 < default <= maximum < inf")
 
+    def clamp(self, seconds: float | None) -> float:
+        """The budget for a protocol that carries its own deadline (gRPC's ``grpc-timeout``):
+        ``seconds`` capped at ``maximum``, or ``default`` when it carries none."""
+        if seconds is None:
+            return self.default
+        return seconds if seconds < self.maximum else self.maximum
+
     def resolve(self, get: HeaderGetter, trust: Trust = Trust.UNTRUSTED) -> InboundBudget:
         """The budget for a request whose header values are read with ``get(lower_name)``."""
         best: float | None = None

@@ -268,3 +268,12 @@ def test_outbound_headers_send_remaining_minus_reserve() -> None:
 def test_stats_sink_counts_ignored_headers_without_crashing() -> None:
     # A Stats sink must accept every event type, including ones it does not count.
     Stats().emit(DeadlineHeaderIgnored(0.0, "inbound", BUDGET_HEADER, "bad"))
+
+
+def test_a_protocol_budget_is_clamped_to_the_route_maximum() -> None:
+    """D3 for protocols that carry their own deadline (gRPC): capped, or the default."""
+    policy = InboundDeadlinePolicy(default=2.0, maximum=5.0)
+    assert policy.clamp(None) == 2.0
+    assert policy.clamp(3.0) == 3.0
+    assert policy.clamp(60.0) == 5.0
+    assert policy.clamp(0.0) == 0.0  # spent: the edge answers before the work starts

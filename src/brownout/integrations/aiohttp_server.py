@@ -135,22 +135,14 @@ class BrownoutAiohttpMiddleware:
         route, express = plan
         if express is None or _get_current() is not _NO_REQUEST:
             return await self._serve(request, handler, loop, started, route)
-        headers = request.headers
-        claims = _CLAIMS
-        if claims[0] in headers or claims[1] in headers or claims[2] in headers:
+        if any(map(request.headers.__contains__, _CLAIMS)):  # case-insensitive lookups
             seconds = policy.express_budget(route, request, _lower_names(request.raw_headers))
         else:
             seconds = express.seconds
-        if not seconds > 0.0:
+        admitted = policy.express_admit(express, request, started, seconds)
+        if admitted is None:
             return await self._serve(request, handler, loop, started, route)
-        cls = express.classification
-        if express.classifier is not None:
-            cls = express.classifier(request, cls)
-        permit = express.bulkhead.admit_uncontended(
-            cls.priority, cls.caller, cls.operation, started, seconds
-        )
-        if permit is None:
-            return await self._serve(request, handler, loop, started, route)
+        permit, cls = admitted
         # The express path (`EdgePolicy.express`): what `serve` does for a request with no
         # header to decide about (or a plain budget) at an uncontended bulkhead, inline.
         flight = Flight(started)

@@ -292,22 +292,15 @@ async def _run(
     ):
         # The call's own deadline, clamped as `serve` clamps it; a spent one is serve's (it
         # answers DEADLINE_EXCEEDED before the work starts).
-        maximum = route.deadline.maximum
-        if remaining is None:
-            seconds = express.seconds
-        else:
-            seconds = remaining if remaining < maximum else maximum
-        if seconds > 0.0:
-            cls = express.classification
-            if express.classifier is not None:
-                cls = express.classifier(GrpcCall(method, metadata, context), cls)
-            permit = express.bulkhead.admit_uncontended(
-                cls.priority, cls.caller, cls.operation, started, seconds
+        seconds = route.deadline.clamp(remaining)
+        admitted = policy.express_admit(
+            express, GrpcCall(method, metadata, context), started, seconds
+        )
+        if admitted is not None:
+            permit, cls = admitted
+            return await _express(
+                policy, express, context, call, loop, started, seconds, cls, permit
             )
-            if permit is not None:
-                return await _express(
-                    policy, express, context, call, loop, started, seconds, cls, permit
-                )
     flight = Flight(started)
     budget = None if remaining is None else max(remaining, 0.0)
 
@@ -321,11 +314,7 @@ async def _run(
             flight.status = _status_of(context)
             raise
         flight.status = _status_of(context)
-        if task.cancelling() > cancelling and not flight.expired:
-            # The handler swallowed the cancellation of its call (the client's, as grpc.aio
-            # cancels the task without marking the context) and answered anyway: nobody
-            # hears the answer, so `serve` counts it abandoned (O1), not a success.
-            flight.abandoned = True
+        flight.abandoned = _swallowed(task, cancelling, flight)  # `serve` counts it abandoned
         return result
 
     try:
@@ -380,15 +369,20 @@ async def _express(
         outcome = policy.express_raised(e, permit, flight, scope.task, scope.cancelling)
         await _end(outcome, context)
     flight.status = _status_of(context)
-    # A handler that swallowed its call's cancellation (the client's: grpc.aio cancels the
-    # task without marking the context) and answered anyway is abandoned.
-    flight.abandoned = scope.task.cancelling() > scope.cancelling and not flight.expired
+    flight.abandoned = _swallowed(scope.task, scope.cancelling, flight)
     scope.settle(permit)
     if flight.abandoned:
         raise asyncio.CancelledError  # nobody is listening (`serve`'s ABANDONED)
     modes = express.degraded
     _announce_degraded(() if modes is None else modes.active_names(), context)
     return result
+
+
+def _swallowed(task: asyncio.Task[Any], cancelling: int, flight: Flight) -> bool:
+    """True when the handler swallowed its call's cancellation (the client's: grpc.aio cancels
+    the task without marking the context) and answered anyway: nobody hears the answer, so it
+    is abandoned (O1), not a success. ``cancelling``: the task's count before the call."""
+    return task.cancelling() > cancelling and not flight.expired
 
 
 async def _end(

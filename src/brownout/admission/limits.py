@@ -21,8 +21,11 @@ Safeguards every adaptive limit here shares (learned the hard way by published i
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
+from collections import deque
+from itertools import islice
 from typing import Protocol, runtime_checkable
 
 __all__ = [
@@ -85,6 +88,16 @@ class FixedLimit:
 
 def _clamp(value: float, low: float, high: float) -> float:
     return low if value < low else high if value > high else value
+
+
+def _median(ordered: list[float]) -> float:
+    """The median of an already sorted, non-empty list."""
+    n = len(ordered)
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2.0
+
+
+_MAX_WINDOW = 512
+"""Most samples the short rtt's median looks at (bounded memory and cost per sample)."""
 
 
 class AIMDLimit:
@@ -157,19 +170,29 @@ class AIMDLimit:
 class _ProbingLimit:
     """Shared machinery of the latency-based limits: smoothed rtt, no-load rtt, re-probing.
 
-    - ``short_rtt``: EWMA of successful samples' rtt over ``short_window`` samples (what the
-      service looks like now); ``long_rtt``: the same over ``10 * short_window`` samples.
-    - ``no_load_rtt`` (the baseline): first the mean rtt of a warm-up of
-      ``max(probe_samples, 2 * initial)`` samples; then the mean rtt measured while the limit
-      is pinned to ``probe_ratio * limit`` for ``max(probe_samples, 2 * pinned limit)``
+    - ``short_rtt`` (what the service looks like now): the *median* rtt of the last two round
+      trips of successful samples (``2 * limit``, at least ``short_window``, at most 512),
+      recomputed every eighth of a window. A median, not a mean: queueing raises every sample,
+      while a pause of the protected process's own host (a CPU shared with other work, a
+      collector, a burst of refusals to write) raises the samples in flight during it, often
+      by several times the service time; a mean reads that as queueing and cuts the limit
+      below the knee, the median does not (``tests/unit/test_admission_limits.py``,
+      ``docs/lab.md``). ``long_rtt``: an EWMA of the samples over ``10 * short_window``.
+    - ``no_load_rtt`` (the baseline): first the median rtt of a warm-up of
+      ``max(probe_samples, 2 * initial)`` samples; then the median rtt measured while the
+      limit is pinned to ``probe_ratio * limit`` for ``max(probe_samples, 2 * pinned limit)``
       samples (whole round trips, so the fastest completions do not bias it low). Between
       probes it follows ``long_rtt`` *down* only, and only when it is 10% faster: a faster
       service is noticed at once, a slower one at the next probe. A probe that finds the
-      service much slower (baseline up 1.5x) restores the limit held after the previous
-      probe (when the baseline was last known right), which the stale baseline had squeezed
-      since.
+      service slower (baseline up by ``slow_start_exit``) re-enters slow start; much slower
+      (1.5x) also restores the limit held after the previous probe (when the baseline was
+      last known right), which the stale baseline had squeezed since.
     - Probes start every ``probe_interval`` seconds (of sample start times) times a uniform
-      jitter ``1 +/- probe_jitter``, so a fleet does not probe in step.
+      jitter ``1 +/- probe_jitter``, so a fleet does not probe in step; and early, once
+      ``early_probe_gap`` no-load round trips after the last, when the limit has been cut
+      by ``early_probe_cut`` (20%) since it: a deep cut is either queueing (the probe
+      confirms the baseline) or a slowdown queueing did not cause, which only a probe can
+      tell.
     - Each algorithm's ``_update`` gives the change over one *round trip*; a round trip
       brings about ``limit`` samples, so each sample applies ``1/limit`` of it (full steps per
       sample overreact long before their effect on latency can be seen).
@@ -191,11 +214,21 @@ class _ProbingLimit:
         probe_ratio: float,
         drop_backoff: float,
         rng: random.Random | None,
+        early_probe_cut: float | None = 0.2,
+        early_probe_gap: float = 20.0,
     ) -> None:
         if not 1 <= min_limit <= initial <= max_limit:
             raise ValueError("need 1 <= min_limit <= initial <= max_limit")
         if not 0 < probe_ratio < 1:
             raise ValueError("probe_ratio must be in (0, 1)")
+        if early_probe_cut is not None and not 0 < early_probe_cut < 1:
+            raise ValueError("early_probe_cut must be in (0, 1) or None")
+        self.early_probe_cut = early_probe_cut
+        """Probe at once (not at the next scheduled probe) when the limit has been cut by
+        this share since the last probe; ``None``: only scheduled probes."""
+        self.early_probe_gap = early_probe_gap
+        """Round trips (of the no-load rtt) after a probe before an early one may start."""
+        self._early_from = math.inf
         self.min_limit = min_limit
         self.max_limit = max_limit
         self.probe_interval = probe_interval
@@ -203,7 +236,9 @@ class _ProbingLimit:
         self.probe_samples = probe_samples
         self.probe_ratio = probe_ratio
         self.drop_backoff = drop_backoff
-        self._alpha = 2.0 / (short_window + 1)
+        self._short_window = max(1, short_window)
+        self._recent: deque[float] = deque(maxlen=_MAX_WINDOW)
+        self._fresh = 0
         self._rng = rng if rng is not None else random.Random()
         self._value = float(initial)
         self.short_rtt: float | None = None
@@ -212,13 +247,12 @@ class _ProbingLimit:
         self.no_load_rtt: float | None = None
         self._next_probe: float | None = None
         self._probe_limit = 0
-        self._probe_sum = 0.0
-        self._probe_count = 0
+        self._probe_rtts: list[float] = []
         self._decreased_at = -math.inf
         self._slow_start = True
         self._value_before_probe = float(initial)
         self._warmup = 0
-        self._warm_sum = 0.0
+        self._warm_rtts: list[float] = []  # kept sorted
         # Whole round trips of samples: the first completions of a batch started together are
         # its fastest ones, and averaging only those would bias the baseline low.
         self._warmup_samples = max(probe_samples, 2 * initial)
@@ -252,27 +286,36 @@ class _ProbingLimit:
             self._schedule_probe(start_time)
         if self._probe_limit:
             if not dropped and in_flight <= self._probe_limit:
-                self._probe_sum += rtt
-                self._probe_count += 1
-                if self._probe_count >= max(self.probe_samples, 2 * self._probe_limit):
+                probe = self._probe_rtts
+                probe.append(rtt)
+                if len(probe) >= max(self.probe_samples, 2 * self._probe_limit):
+                    probe.sort()
                     old = self.no_load_rtt
-                    new = self.no_load_rtt = self._probe_sum / self._probe_count
+                    new = self.no_load_rtt = _median(probe)
                     self.short_rtt = self.long_rtt = new
+                    self._recent.clear()  # the short window starts again from the baseline
+                    self._fresh = 0
                     self._probe_limit = 0
                     self._warmup = self._warmup_samples  # a probe completes any warm-up
+                    self._warm_rtts = []
                     if old is not None and new > 1.5 * old:
                         # The service got slower, and the stale baseline read the slowdown as
                         # queueing and squeezed the limit. Return to the limit held before
                         # (when the baseline was right); if the knee really moved, the
                         # gradient takes it down again within a few round trips.
                         self._value = max(self._value, self._value_before_probe)
+                    elif old is not None and new > self.slow_start_exit * old:
+                        # Whatever slowed the service down, the limit that suited the old
+                        # baseline says nothing about the new one: search again, as TCP does
+                        # after an idle period, instead of creeping up by the queue term.
+                        self._slow_start = True
                     self._value_before_probe = self._value
                     self._schedule_probe(start_time + rtt)
+                    self._early_from = start_time + rtt + self.early_probe_gap * new
             return self.limit
-        if start_time >= self._next_probe:  # type: ignore[operator]
+        if start_time >= self._next_probe or self._cut_deeply(start_time):  # type: ignore[operator]
             self._probe_limit = max(self.min_limit, int(self._value * self.probe_ratio))
-            self._probe_sum = 0.0
-            self._probe_count = 0
+            self._probe_rtts = []
             return self._probe_limit
         if dropped:  # never feeds rtt; back off at most once per round trip
             self._slow_start = False
@@ -280,19 +323,31 @@ class _ProbingLimit:
                 self._value = max(self.min_limit, self._value * self.drop_backoff)
                 self._decreased_at = start_time + rtt
             return int(self._value)
+        recent = self._recent
+        recent.append(rtt)
         short = self.short_rtt
         if short is None:
             short = self.long_rtt = rtt
         else:
-            short += self._alpha * (rtt - short)
             self.long_rtt += self._long_alpha * (rtt - self.long_rtt)
+            n = len(recent)
+            if n >= self._short_window:
+                self._fresh += 1
+                w = min(n, max(self._short_window, 2 * int(self._value)))
+                if self._fresh * 8 >= w:
+                    self._fresh = 0
+                    short = _median(sorted(islice(recent, n - w, n)))
         self.short_rtt = short
         base = self.no_load_rtt
         if self._warmup < self._warmup_samples:
             # Warm-up: the first samples (at the initial, low limit) are the first probe.
             self._warmup += 1
-            self._warm_sum += rtt
-            base = self.no_load_rtt = self._warm_sum / self._warmup
+            bisect.insort(self._warm_rtts, rtt)
+            base = self.no_load_rtt = _median(self._warm_rtts)
+            if self._warmup == self._warmup_samples:  # the warm-up counts as the first probe
+                self._warm_rtts = []
+                self._value_before_probe = self._value
+                self._early_from = start_time + rtt + self.early_probe_gap * base
         elif base is None or self.long_rtt < 0.9 * base:
             # Follow a clearly faster service down at once, on the slow average and only past
             # a 10% margin: tracking every dip (a running minimum) would drag the baseline
@@ -313,6 +368,18 @@ class _ProbingLimit:
         self._value = _clamp(value + delta / value, self.min_limit, self.max_limit)
         return int(self._value)
 
+    def _cut_deeply(self, start_time: float) -> bool:
+        # A deep cut is either queueing (the probe confirms the baseline, nothing changes) or
+        # a slowdown that queueing did not cause: the host's CPU contended, a pause, a slower
+        # dependency. Only a probe tells them apart, and waiting for the scheduled one (tens
+        # of seconds) leaves the limit squeezed below the knee all that time.
+        cut = self.early_probe_cut
+        return (
+            cut is not None
+            and start_time >= self._early_from
+            and self._value < (1.0 - cut) * self._value_before_probe
+        )
+
     def _update(self, limit: float, short_rtt: float, no_load_rtt: float) -> float:
         """The change of the limit over one round trip."""
         raise NotImplementedError
@@ -330,10 +397,12 @@ class Gradient2Limit(_ProbingLimit):
     knee). The gradient never cuts more than half per round trip (outliers) and never exceeds
     1 (a faster rtt than baseline is no reason to grow faster). ``tolerance`` > 1 absorbs
     noise: a baseline measured from a few samples is a little low. Defaults: initial 20,
-    bounds 1..1000, ``tolerance`` 1.1, ``queue_size`` ``clamp(limit / 10, 1, 4)`` (Netflix
-    uses 4; at small limits 4 requests of queue is a large overshoot), ``smoothing`` 0.2,
-    ``short_window`` 10 samples, probe every 30 s +/- 15% at half the limit for at least 20
-    samples, drop backoff 0.9.
+    bounds 1..1000, ``tolerance`` 1.1, ``queue_size`` ``clamp(limit / 10, 2, 4)`` (Netflix
+    uses 4; at small limits 4 requests of queue is a large overshoot, and 1 leaves the
+    equilibrium ``queue_size / (1 - gradient)`` at the mercy of the rtt's noise: a host
+    that adds 10% to every request then holds the limit below the knee), ``smoothing`` 0.2,
+    ``short_window`` 10 samples, probe every 5 s +/- 15% (and early after a cut of 20%) at
+    half the limit for at least 20 samples, drop backoff 0.9.
 
     Unlike Netflix's version the baseline is the *probed* no-load rtt, not a 600-sample
     average of the rtt itself: an average drifts up with sustained queueing and lets the limit
@@ -350,12 +419,14 @@ class Gradient2Limit(_ProbingLimit):
         queue_size: float | None = None,
         smoothing: float = 0.2,
         short_window: int = 10,
-        probe_interval: float = 30.0,
+        probe_interval: float = 5.0,
         probe_jitter: float = 0.15,
         probe_samples: int = 20,
         probe_ratio: float = 0.5,
         drop_backoff: float = 0.9,
         rng: random.Random | None = None,
+        early_probe_cut: float | None = 0.2,
+        early_probe_gap: float = 20.0,
     ) -> None:
         super().__init__(
             initial,
@@ -368,19 +439,21 @@ class Gradient2Limit(_ProbingLimit):
             probe_ratio,
             drop_backoff,
             rng,
+            early_probe_cut,
+            early_probe_gap,
         )
         if tolerance < 1.0:
             raise ValueError("tolerance must be >= 1.0")
         self.tolerance = tolerance
         self.queue_size = queue_size
-        """Standing queue allowed past the knee; ``None``: ``clamp(limit / 10, 1, 4)``."""
+        """Standing queue allowed past the knee; ``None``: ``clamp(limit / 10, 2, 4)``."""
         self.smoothing = smoothing
 
     def _update(self, limit: float, short_rtt: float, no_load_rtt: float) -> float:
         gradient = _clamp(self.tolerance * no_load_rtt / short_rtt, 0.5, 1.0)
         queue = self.queue_size
         if queue is None:
-            queue = _clamp(limit * 0.1, 1.0, 4.0)
+            queue = _clamp(limit * 0.1, 2.0, 4.0)
         new = limit * gradient + queue
         return self.smoothing * (new - limit)
 
@@ -396,9 +469,10 @@ class VegasLimit(_ProbingLimit):
     queued); queue < ``alpha = 3 t``: grow by ``t``; queue > ``beta = 6 t``: shrink by ``t``;
     else hold; each step times ``smoothing``. At equilibrium ``alpha..beta`` requests queue
     past the knee: ``limit ~ knee + 6..12`` at a knee of 100. Defaults: initial 20, bounds
-    1..1000, smoothing 1.0, short window 10, probe every 30 s +/- 15% at half the limit for
-    at least 20 samples, drop backoff 0.9. (Netflix applies these steps per *sample* and
-    grows by beta when nothing is queued; per round trip, as TCP Vegas does, is stable.)
+    1..1000, smoothing 1.0, short window 10, probe every 5 s +/- 15% (and early after a cut
+    of 20%) at half the limit for at least 20 samples, drop backoff 0.9. (Netflix applies
+    these steps per *sample* and grows by beta when nothing is queued; per round trip, as TCP
+    Vegas does, is stable.)
     """
 
     def __init__(
@@ -409,12 +483,14 @@ class VegasLimit(_ProbingLimit):
         max_limit: int = 1000,
         smoothing: float = 1.0,
         short_window: int = 10,
-        probe_interval: float = 30.0,
+        probe_interval: float = 5.0,
         probe_jitter: float = 0.15,
         probe_samples: int = 20,
         probe_ratio: float = 0.5,
         drop_backoff: float = 0.9,
         rng: random.Random | None = None,
+        early_probe_cut: float | None = 0.2,
+        early_probe_gap: float = 20.0,
     ) -> None:
         super().__init__(
             initial,
@@ -427,6 +503,8 @@ class VegasLimit(_ProbingLimit):
             probe_ratio,
             drop_backoff,
             rng,
+            early_probe_cut,
+            early_probe_gap,
         )
         self.smoothing = smoothing
 

@@ -13,6 +13,7 @@ can grow from this model.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import random
 from collections import deque
@@ -64,6 +65,8 @@ class LimitTrace:
     points: list[tuple[float, int, bool]] = field(default_factory=list)
     completed: int = 0
     dropped: int = 0
+    completions: list[int] = field(default_factory=list)
+    """Requests completed by each point's time (cumulative), for `throughput`."""
 
     def window(self, start: float, end: float, *, skip_probes: bool = True) -> list[int]:
         """Limits recorded in ``[start, end)``, without probe periods unless asked."""
@@ -73,6 +76,33 @@ class LimitTrace:
             if start <= t < end and not (skip_probes and probing)
         ]
 
+    def throughput(self, start: float, end: float) -> float:
+        """Completed requests per second between the points nearest ``start`` and ``end``."""
+        times = [t for t, _, _ in self.points]
+        i, j = bisect.bisect_left(times, start), bisect.bisect_left(times, end) - 1
+        if j <= i:
+            raise ValueError("the window holds fewer than two points")
+        return (self.completions[j] - self.completions[i]) / (times[j] - times[i])
+
+
+def _stall_windows(
+    stalls: tuple[float, float] | None, duration: float, seed: int
+) -> list[tuple[float, float]]:
+    """Disjoint ``[start, end)`` windows of host stalls: Poisson starts at ``rate``/s."""
+    if stalls is None:
+        return []
+    rate, length = stalls
+    rng = random.Random(seed)
+    windows: list[tuple[float, float]] = []
+    t = rng.expovariate(rate)
+    while t < duration:
+        if windows and t <= windows[-1][1]:
+            windows[-1] = (windows[-1][0], t + length)
+        else:
+            windows.append((t, t + length))
+        t += rng.expovariate(rate)
+    return windows
+
 
 def run_saturated(
     limit: Limit,
@@ -80,19 +110,35 @@ def run_saturated(
     duration: float,
     *,
     slowdowns: tuple[tuple[float, float], ...] = (),
+    host_lags: tuple[tuple[float, float], ...] = (),
+    stalls: tuple[float, float] | None = None,
+    stall_seed: int = 0,
     step: float = 0.1,
 ) -> LimitTrace:
     """Drive ``limit`` against ``server`` for ``duration`` virtual seconds of saturating load.
 
     ``slowdowns``: ``(at, factor)`` pairs; from ``at`` on, service times are ``factor`` times
     the base. The client keeps exactly ``limit.limit`` requests in flight at every instant.
+
+    The protected process's own host, whatever the concurrency (a CPU it shares with
+    other work): ``host_lags`` ``(at, seconds)`` pairs add that long to every request from
+    ``at`` on, after the server's worker is done with it (the worker is not held: more of
+    them in flight, not fewer, keep the server busy); ``stalls`` ``(rate, seconds)`` freeze
+    the host at Poisson moments (``rate`` per second, seeded by ``stall_seed``), so every
+    request that would complete during a stall completes when it ends.
     """
     trace = LimitTrace()
-    events: list[tuple[float, int, int, float, int, bool]] = []  # (end, seq, id, start, n, drop)
+    # (time, seq, worker_done, id, start, n, dropped): worker_done events free a worker; the
+    # others hand a sample to the limit.
+    events: list[tuple[float, int, bool, int, float, int, bool]] = []
     seq = 0
     now = 0.0
     in_flight = 0
     pending = sorted(slowdowns)
+    lags = sorted(host_lags)
+    lag = 0.0
+    windows = _stall_windows(stalls, duration, stall_seed)
+    window_starts = [w[0] for w in windows]
     next_point = 0.0
     starts: dict[int, tuple[float, int]] = {}
 
@@ -100,7 +146,13 @@ def run_saturated(
         nonlocal seq
         seq += 1
         start, n = starts[req]
-        heapq.heappush(events, (at + server.service(), seq, req, start, n, False))
+        heapq.heappush(events, (at + server.service(), seq, True, req, start, n, False))
+
+    def completes_at(t: float) -> float:
+        i = bisect.bisect_right(window_starts, t) - 1
+        if i >= 0 and t < windows[i][1]:
+            return windows[i][1]
+        return t
 
     def admit(at: float) -> None:
         nonlocal seq, in_flight
@@ -116,29 +168,39 @@ def run_saturated(
                 server.waiting.append(req)
             else:
                 seq += 1
-                heapq.heappush(events, (at + server.reject_time, seq, req, at, in_flight, True))
+                done = completes_at(at + server.reject_time + lag)
+                heapq.heappush(events, (done, seq, False, req, at, in_flight, True))
 
     admit(0.0)
     probing = getattr(limit, "probing", None)
     while events and now < duration:
-        end, _, req, start, n, dropped = heapq.heappop(events)
+        end, _, worker_done, req, start, n, dropped = heapq.heappop(events)
         now = end
         while pending and pending[0][0] <= now:
             server.slowdown = pending.pop(0)[1]
+        while lags and lags[0][0] <= now:
+            lag = lags.pop(0)[1]
         while next_point <= now:
             is_probe = bool(getattr(limit, "probing", False)) if probing is not None else False
             trace.points.append((next_point, limit.limit, is_probe))
+            trace.completions.append(trace.completed)
             next_point += step
+        if worker_done:
+            if server.waiting:
+                start_service(server.waiting.popleft(), now)
+            else:
+                server.busy -= 1
+            done = completes_at(now + lag)
+            if done > now:  # the host holds the answer back; the worker is free already
+                seq += 1
+                heapq.heappush(events, (done, seq, False, req, start, n, False))
+                continue
         del starts[req]
         in_flight -= 1
         if dropped:
             trace.dropped += 1
         else:
             trace.completed += 1
-            if server.waiting:
-                start_service(server.waiting.popleft(), now)
-            else:
-                server.busy -= 1
         limit.on_sample(start, now - start, n, dropped)
         admit(now)
     return trace

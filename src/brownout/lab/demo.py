@@ -374,6 +374,7 @@ def create_front(backend_url: str, mode: str = "unprotected", drill: str | None 
         from .protect import protect
 
         bulkhead = protect(app, mode, degraded=modes)
+        algorithm = bulkhead.limit_algorithm
 
         async def bulkhead_state(request: Request) -> Response:
             return JSONResponse(
@@ -382,6 +383,12 @@ def create_front(backend_url: str, mode: str = "unprotected", drill: str | None 
                     "in_flight": bulkhead.in_flight,
                     "queue_depth": bulkhead.queue_depth,
                     "degraded": list(modes.active_names()) if modes is not None else [],
+                    # What an adaptive limit believes (None for a fixed one): the lab's
+                    # window into why the limit moved.
+                    "short_rtt": getattr(algorithm, "short_rtt", None),
+                    "no_load_rtt": getattr(algorithm, "no_load_rtt", None),
+                    "probing": getattr(algorithm, "probing", False),
+                    "queue_bound": getattr(bulkhead.queue, "short_bound", None),
                 }
             )
 

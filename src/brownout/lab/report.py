@@ -408,7 +408,7 @@ degraded goodput.
   `--drill recommendations` the mode is forced on from the start (a drill). Watch the step
   after recovery with `Gradient2Limit()`: the adaptive limit takes the fast degraded
   responses as its no-load latency, so once the mode leaves it reads the normal 20 ms as
-  queueing and shrinks until its next probe, up to about 30 s later (a known interaction
+  queueing and shrinks until its next probe, up to about 5 s later (a known interaction
   between the adaptive limit and degraded modes, reported for a fix).
 
 The three-layer chain (front -> mid -> backend) is not a lab scenario: it is measured by

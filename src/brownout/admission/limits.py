@@ -184,9 +184,9 @@ class _ProbingLimit:
       samples (whole round trips, so the fastest completions do not bias it low). Between
       probes it follows ``long_rtt`` *down* only, and only when it is 10% faster: a faster
       service is noticed at once, a slower one at the next probe. A probe that finds the
-      service much slower (baseline up 1.5x) restores the limit held after the previous
-      probe (when the baseline was last known right), which the stale baseline had squeezed
-      since.
+      service slower (baseline up by ``slow_start_exit``) re-enters slow start; much slower
+      (1.5x) also restores the limit held after the previous probe (when the baseline was
+      last known right), which the stale baseline had squeezed since.
     - Probes start every ``probe_interval`` seconds (of sample start times) times a uniform
       jitter ``1 +/- probe_jitter``, so a fleet does not probe in step; and early, once
       ``early_probe_gap`` no-load round trips after the last, when the limit has been cut
@@ -304,6 +304,11 @@ class _ProbingLimit:
                         # (when the baseline was right); if the knee really moved, the
                         # gradient takes it down again within a few round trips.
                         self._value = max(self._value, self._value_before_probe)
+                    elif old is not None and new > self.slow_start_exit * old:
+                        # Whatever slowed the service down, the limit that suited the old
+                        # baseline says nothing about the new one: search again, as TCP does
+                        # after an idle period, instead of creeping up by the queue term.
+                        self._slow_start = True
                     self._value_before_probe = self._value
                     self._schedule_probe(start_time + rtt)
                     self._early_from = start_time + rtt + self.early_probe_gap * new

@@ -264,6 +264,19 @@ def test_a_deep_cut_reprobes_early_and_a_slower_baseline_restarts_slow_start() -
     assert lim.estimate >= 2 * cut
 
 
+def test_early_probes_can_be_turned_off_and_are_checked() -> None:
+    lim = Gradient2Limit(10, early_probe_cut=None, probe_interval=1000.0)
+    t = 0.0
+    while t < 4.0:  # 20 ms, then 40 ms: the limit is cut deeply, and no probe comes
+        lim.on_sample(t, 0.02 if t < 2.0 else 0.04, lim.limit, False)
+        assert not (t > 2.0 and lim.probing)
+        t += 0.001
+    with pytest.raises(ValueError):
+        Gradient2Limit(10, early_probe_cut=1.5)
+    with pytest.raises(ValueError):
+        VegasLimit(10, early_probe_cut=0.0)
+
+
 def test_host_lag_and_stalls_in_the_model_are_deterministic() -> None:
     def run() -> object:
         return _host_run(3, host_lags=((0.0, 0.004),), stalls=(3.0, 0.05), stall_seed=3)

@@ -214,8 +214,8 @@ class _ProbingLimit:
         probe_ratio: float,
         drop_backoff: float,
         rng: random.Random | None,
-        early_probe_cut: float | None = 0.2,
-        early_probe_gap: float = 20.0,
+        early_probe_cut: float | None,
+        early_probe_gap: float,
     ) -> None:
         if not 1 <= min_limit <= initial <= max_limit:
             raise ValueError("need 1 <= min_limit <= initial <= max_limit")
@@ -297,7 +297,6 @@ class _ProbingLimit:
                     self._fresh = 0
                     self._probe_limit = 0
                     self._warmup = self._warmup_samples  # a probe completes any warm-up
-                    self._warm_rtts = []
                     if old is not None and new > 1.5 * old:
                         # The service got slower, and the stale baseline read the slowdown as
                         # queueing and squeezed the limit. Return to the limit held before
@@ -309,9 +308,8 @@ class _ProbingLimit:
                         # baseline says nothing about the new one: search again, as TCP does
                         # after an idle period, instead of creeping up by the queue term.
                         self._slow_start = True
-                    self._value_before_probe = self._value
+                    self._anchored(start_time + rtt, new)
                     self._schedule_probe(start_time + rtt)
-                    self._early_from = start_time + rtt + self.early_probe_gap * new
             return self.limit
         if start_time >= self._next_probe or self._cut_deeply(start_time):  # type: ignore[operator]
             self._probe_limit = max(self.min_limit, int(self._value * self.probe_ratio))
@@ -345,9 +343,7 @@ class _ProbingLimit:
             bisect.insort(self._warm_rtts, rtt)
             base = self.no_load_rtt = _median(self._warm_rtts)
             if self._warmup == self._warmup_samples:  # the warm-up counts as the first probe
-                self._warm_rtts = []
-                self._value_before_probe = self._value
-                self._early_from = start_time + rtt + self.early_probe_gap * base
+                self._anchored(start_time + rtt, base)
         elif base is None or self.long_rtt < 0.9 * base:
             # Follow a clearly faster service down at once, on the slow average and only past
             # a 10% margin: tracking every dip (a running minimum) would drag the baseline
@@ -368,11 +364,18 @@ class _ProbingLimit:
         self._value = _clamp(value + delta / value, self.min_limit, self.max_limit)
         return int(self._value)
 
+    def _anchored(self, at: float, base: float) -> None:
+        """The baseline was just measured (a probe or the warm-up ended at ``at``): the limit
+        held now is the one later cuts are measured from, and early probes wait a while."""
+        self._warm_rtts = []
+        self._value_before_probe = self._value
+        self._early_from = at + self.early_probe_gap * base
+
     def _cut_deeply(self, start_time: float) -> bool:
         # A deep cut is either queueing (the probe confirms the baseline, nothing changes) or
         # a slowdown that queueing did not cause: the host's CPU contended, a pause, a slower
-        # dependency. Only a probe tells them apart, and waiting for the scheduled one (tens
-        # of seconds) leaves the limit squeezed below the knee all that time.
+        # dependency. Only a probe tells them apart, and waiting for the scheduled one (5 s
+        # by default) leaves the limit squeezed below the knee all that time.
         cut = self.early_probe_cut
         return (
             cut is not None

@@ -235,7 +235,7 @@ def test_short_rtt_is_a_median_a_stall_does_not_move_it() -> None:
     assert lim.short_rtt == pytest.approx(0.04)
 
 
-def test_a_deep_cut_reprobes_early_and_a_slower_baseline_restarts_slow_start() -> None:
+def test_a_deep_cut_reprobes_early_and_a_slower_baseline_scales_the_limit() -> None:
     lim = Gradient2Limit(
         10, max_limit=50, probe_interval=1000.0, probe_jitter=0.0, rng=random.Random(0)
     )
@@ -253,15 +253,33 @@ def test_a_deep_cut_reprobes_early_and_a_slower_baseline_restarts_slow_start() -
         t += 0.001
     assert probed_at is not None  # long before the scheduled 1,000 s
     assert lim.estimate < 0.8 * held  # what triggered it: a cut of over 20%
+    cut = lim.estimate
     while lim.probing:
         lim.on_sample(t, 0.03, lim.limit, False)
         t += 0.001
     assert lim.no_load_rtt == pytest.approx(0.03)  # 1.5x: slower, not much slower
-    cut = lim.estimate
-    for _ in range(3 * cut):  # slow start again: half per round trip, not 0.2 of a queue
+    # Little's law: the same throughput at 1.5x the rtt needs 1.5x as many in flight. The
+    # limit held when the baseline was last right is scaled by that at once...
+    scaled = lim.estimate
+    assert scaled >= 1.4 * cut
+    for _ in range(3 * scaled):
         lim.on_sample(t, 0.03, lim.limit, False)
         t += 0.001
-    assert lim.estimate >= 2 * cut
+    # ...and the gradient takes it from there: no new slow start (half per round trip would
+    # have more than tripled it in three round trips).
+    assert scaled < lim.estimate < 1.5 * scaled
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_noisy_probe_does_not_send_the_limit_far_past_a_small_knee(seed: int) -> None:
+    # 10 slots, +/-20% service noise, 4x slower from 20 s to 40 s: the probes after the
+    # slowdown measure medians of ~20 noisy samples, and one now and then reads 10-15% above
+    # the last. When that restarted slow start, the limit overshot to 2.6-3.1x the knee
+    # (seeds 0 and 1, between 50 and 60 s) before latency could stop it.
+    limit = Gradient2Limit(rng=random.Random(seed))
+    server = KneeServer(10, 0.02, noise=0.2, seed=seed)
+    trace = run_saturated(limit, server, 60.0, slowdowns=((20.0, 4.0), (40.0, 1.0)))
+    assert max(trace.window(45.0, 60.0)) <= 16
 
 
 def test_early_probes_can_be_turned_off_and_are_checked() -> None:

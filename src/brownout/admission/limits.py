@@ -184,9 +184,10 @@ class _ProbingLimit:
       samples (whole round trips, so the fastest completions do not bias it low). Between
       probes it follows ``long_rtt`` *down* only, and only when it is 10% faster: a faster
       service is noticed at once, a slower one at the next probe. A probe that finds the
-      service slower (baseline up by ``slow_start_exit``) re-enters slow start; much slower
-      (1.5x) also restores the limit held after the previous probe (when the baseline was
-      last known right), which the stale baseline had squeezed since.
+      service slower (baseline up by ``slow_start_exit``, up to 1.5x) scales the limit held
+      after the previous probe (when the baseline was last known right) by the slowdown, as
+      Little's law asks for the same throughput; much slower (over 1.5x) restores that limit
+      unscaled. Either way the stale baseline had squeezed it since.
     - Probes start every ``probe_interval`` seconds (of sample start times) times a uniform
       jitter ``1 +/- probe_jitter``, so a fleet does not probe in step; and early, once
       ``early_probe_gap`` no-load round trips after the last, when the limit has been cut
@@ -304,10 +305,15 @@ class _ProbingLimit:
                         # gradient takes it down again within a few round trips.
                         self._value = max(self._value, self._value_before_probe)
                     elif old is not None and new > self.slow_start_exit * old:
-                        # Whatever slowed the service down, the limit that suited the old
-                        # baseline says nothing about the new one: search again, as TCP does
-                        # after an idle period, instead of creeping up by the queue term.
-                        self._slow_start = True
+                        # Slower, but not much: Little's law says the throughput the limit
+                        # held before carried now needs ``new / old`` times as many in
+                        # flight (a host lagging every request, say). Scale it once, and let
+                        # the gradient take it from there. Not a new slow start: a probe's
+                        # median is itself noisy (~5% at 20 samples of a +/-20% service), and
+                        # a search restarted on that noise overshot to 3x the knee in the
+                        # knee model before its feedback came back.
+                        scaled = self._value_before_probe * new / old
+                        self._value = min(self.max_limit, max(self._value, scaled))
                     self._anchored(start_time + rtt, new)
                     self._schedule_probe(start_time + rtt)
             return self.limit
@@ -400,10 +406,10 @@ class Gradient2Limit(_ProbingLimit):
     knee). The gradient never cuts more than half per round trip (outliers) and never exceeds
     1 (a faster rtt than baseline is no reason to grow faster). ``tolerance`` > 1 absorbs
     noise: a baseline measured from a few samples is a little low. Defaults: initial 20,
-    bounds 1..1000, ``tolerance`` 1.1, ``queue_size`` ``clamp(limit / 10, 2, 4)`` (Netflix
-    uses 4; at small limits 4 requests of queue is a large overshoot, and 1 leaves the
-    equilibrium ``queue_size / (1 - gradient)`` at the mercy of the rtt's noise: a host
-    that adds 10% to every request then holds the limit below the knee), ``smoothing`` 0.2,
+    bounds 1..1000, ``tolerance`` 1.1, ``queue_size`` ``clamp(limit / 10, 1, 4)`` (Netflix
+    uses 4; at small limits 4, or even 2, requests of queue is a large overshoot: in front
+    of 8 slots of 20 ms, each request of standing queue adds 2.5 ms to every success),
+    ``smoothing`` 0.2,
     ``short_window`` 10 samples, probe every 5 s +/- 15% (and early after a cut of 20%) at
     half the limit for at least 20 samples, drop backoff 0.9.
 
@@ -449,14 +455,14 @@ class Gradient2Limit(_ProbingLimit):
             raise ValueError("tolerance must be >= 1.0")
         self.tolerance = tolerance
         self.queue_size = queue_size
-        """Standing queue allowed past the knee; ``None``: ``clamp(limit / 10, 2, 4)``."""
+        """Standing queue allowed past the knee; ``None``: ``clamp(limit / 10, 1, 4)``."""
         self.smoothing = smoothing
 
     def _update(self, limit: float, short_rtt: float, no_load_rtt: float) -> float:
         gradient = _clamp(self.tolerance * no_load_rtt / short_rtt, 0.5, 1.0)
         queue = self.queue_size
         if queue is None:
-            queue = _clamp(limit * 0.1, 2.0, 4.0)
+            queue = _clamp(limit * 0.1, 1.0, 4.0)
         new = limit * gradient + queue
         return self.smoothing * (new - limit)
 

@@ -9,6 +9,12 @@ median and range, and a trace of what the limit believed (short and no-load rtt,
 
     flock /tmp/brownout-bench.lock .venv/bin/python bench/lab_limit_trace.py adaptive
     flock /tmp/brownout-bench.lock .venv/bin/python bench/lab_limit_trace.py fixed --seconds 8
+    flock /tmp/brownout-bench.lock .venv/bin/python bench/lab_limit_trace.py adaptive --hog 10/10
+
+``--hog BUSY/IDLE`` (ms) also runs, during the flood, a process pinned to the front's core that
+spins BUSY ms and sleeps IDLE ms in turn: a noisy neighbour taking up to BUSY/(BUSY+IDLE) of the
+core in bursts, as a shared machine does. ``--hog-nice -10`` runs it at that nice level (as
+root), so that while it spins the front gets little of the core: a host too slow for the flood.
 
 Why it exists: the lab reports one p50 per step; this shows the equilibrium behind it (with 8
 dependency slots of 20 ms, each unit of limit above 8 adds about 2.5 ms of queueing at the
@@ -18,11 +24,16 @@ dependency to every success).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 from brownout.lab.generator import LoadPlan, LoadStep, PlanResult
@@ -42,11 +53,47 @@ Polled = list[tuple[float, dict[str, Any], float, float]]
 """(seconds since the poll began, the bulkhead's state, front CPU s, dependency CPU s)."""
 
 
+_HOG = """
+import os, sys, time
+os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")})
+busy, idle, end = float(sys.argv[2]), float(sys.argv[3]), time.monotonic() + float(sys.argv[4])
+while time.monotonic() < end:
+    spin_until = time.monotonic() + busy
+    while time.monotonic() < spin_until:
+        pass
+    time.sleep(idle)
+"""
+
+
+@contextlib.contextmanager
+def noisy_neighbour(
+    spec: str | None, cpus: list[int], seconds: float, nice: int = 0
+) -> Iterator[None]:
+    """While the block runs, spin BUSY ms / sleep IDLE ms (``spec`` "BUSY/IDLE") on ``cpus``
+    at ``nice``."""
+    if spec is None or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    busy, idle = (float(x) / 1000.0 for x in spec.split("/"))
+    where = ",".join(map(str, cpus))
+    command = [sys.executable, "-c", _HOG, where, str(busy), str(idle), str(seconds)]
+    hog = subprocess.Popen(["nice", "-n", str(nice), *command] if nice else command)
+    try:
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("mode", choices=["adaptive", "fixed"])
     parser.add_argument("--load", type=float, default=10.0, help="multiple of capacity")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the flood")
+    parser.add_argument(
+        "--hog", default=None, help="BUSY/IDLE ms: a noisy neighbour on the front's core"
+    )
+    parser.add_argument("--hog-nice", type=int, default=0, help="the neighbour's nice level")
     args = parser.parse_args()
 
     gen_cpus, front_cpus, backend_cpus = cpu_layout()
@@ -54,9 +101,17 @@ def main() -> None:
         with start_demo("unprotected", backend_cpus=backend_cpus, front_cpus=front_cpus) as demo:
             port = demo.front.port
             capacity = gen.calibrate(host="127.0.0.1", port=port, path="/api/interactive").capacity
-        with start_demo(args.mode, backend_cpus=backend_cpus, front_cpus=front_cpus) as demo:
+        with (
+            start_demo(args.mode, backend_cpus=backend_cpus, front_cpus=front_cpus) as demo,
+            noisy_neighbour(args.hog, front_cpus, 3.0 + args.seconds, args.hog_nice),
+        ):
             result, polled = flood(gen, demo, capacity, args.load, args.seconds)
     report(args.mode, args.load, args.seconds, capacity, result, polled)
+    if args.hog:
+        print(
+            f"  (a noisy neighbour spun {args.hog} ms busy/idle at nice {args.hog_nice} on the "
+            "front's core throughout)"
+        )
 
 
 def flood(

@@ -258,7 +258,8 @@ class _ProbingLimit:
         # its fastest ones, and averaging only those would bias the baseline low.
         self._warmup_samples = max(probe_samples, 2 * initial)
         self.slow_start_exit = 1.1
-        """Slow start ends once the smoothed rtt exceeds the baseline by this factor."""
+        """Slow start ends once the smoothed rtt exceeds the baseline by this factor; a probe
+        that finds the baseline slower by more scales the limit (see the class docstring)."""
 
     @property
     def probing(self) -> bool:
@@ -409,9 +410,8 @@ class Gradient2Limit(_ProbingLimit):
     bounds 1..1000, ``tolerance`` 1.1, ``queue_size`` ``clamp(limit / 10, 1, 4)`` (Netflix
     uses 4; at small limits 4, or even 2, requests of queue is a large overshoot: in front
     of 8 slots of 20 ms, each request of standing queue adds 2.5 ms to every success),
-    ``smoothing`` 0.2,
-    ``short_window`` 10 samples, probe every 5 s +/- 15% (and early after a cut of 20%) at
-    half the limit for at least 20 samples, drop backoff 0.9.
+    ``smoothing`` 0.2, ``short_window`` 10 samples, probe every 5 s +/- 15% (and early after
+    a cut of 20%) at half the limit for at least 20 samples, drop backoff 0.9.
 
     Unlike Netflix's version the baseline is the *probed* no-load rtt, not a 600-sample
     average of the rtt itself: an average drifts up with sustained queueing and lets the limit

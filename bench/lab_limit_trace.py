@@ -41,13 +41,8 @@ from brownout.lab.process import GeneratorProcess
 from brownout.lab.runner import Target, classes_for, cpu_layout, summarize_step
 from brownout.lab.servers import DemoSystem, start_demo
 
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of ``pid`` (all threads), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100.0
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from edge_bench import process_cpu
 
 Polled = list[tuple[float, dict[str, Any], float, float]]
 """(seconds since the poll began, the bulkhead's state, front CPU s, dependency CPU s)."""
@@ -138,8 +133,8 @@ def flood(
                     state = json.load(r)
             except OSError as e:
                 state = {"error": str(e)}
-            front = cpu_seconds(demo.front.proc.pid)
-            polled.append((time.monotonic() - t0, state, front, cpu_seconds(demo.backend.proc.pid)))
+            front = process_cpu(demo.front.proc.pid)
+            polled.append((time.monotonic() - t0, state, front, process_cpu(demo.backend.proc.pid)))
             done.wait(0.1)
 
     poller = threading.Thread(target=poll, daemon=True)

@@ -1,0 +1,168 @@
+"""Generated inbound headers through the edge over loopback: aiohttp and uvicorn (D3, S2, S4).
+
+The requests of ``tests/unit/test_edge_inputs.py`` as they arrive on the wire: header names in
+any letter case, repeated or not, values of visible ASCII, written by a raw HTTP/1.1 client
+(the lab's request encoder and response parser, on one kept-alive connection; httpx and
+aiohttp's client would merge repeated names before sending) to a real aiohttp server running
+`brownout_middleware` and to uvicorn running a Starlette app behind `BrownoutMiddleware`, for
+every trust level, with and without a bulkhead. aiohttp looks headers up case-insensitively
+and keeps their case, uvicorn lower-cases them, and each edge has an express path that reads
+the raw pairs: this is where a case or repetition mismatch between the paths would show.
+
+Each answer is judged against the reference parsers (``tests/edge_inputs.py``): one answer,
+on a connection that stays open; a deadline never past the route maximum and equal to what
+`InboundDeadlinePolicy.resolve` gives for the first value; a priority claim honoured only
+from a trusted source; no bulkhead slot left taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+import pytest
+from aiohttp import web
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tests.edge_inputs import (
+    Answer,
+    Edge,
+    Headers,
+    aiohttp_edge,
+    edge_policy,
+    header_lists,
+    judge,
+    starlette_edge,
+    url_paths,
+)
+from tests.integration.servers import serve
+
+from brownout import Trust
+from brownout.lab.http1 import Response, ResponseParser, encode_request
+
+pytestmark = pytest.mark.integration
+
+Case = tuple[str, Headers]
+T = TypeVar("T")
+ANSWER_WITHIN = 10.0
+
+
+async def exchange(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    parser: ResponseParser,
+    path: str,
+    headers: Headers,
+) -> Response:
+    pairs = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
+    writer.write(encode_request("GET", path, "edge", pairs))
+    while True:
+        data = await reader.read(65536)
+        assert data, "the server closed the connection"
+        got = parser.feed(data)
+        if got:
+            assert len(got) == 1
+            return got[0]
+
+
+async def run_cases(edge: Edge, trust: Trust, port: int, cases: list[Case]) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    parser = ResponseParser()
+    try:
+        for path, headers in cases:
+            before = len(edge.seen)
+            r = await asyncio.wait_for(
+                exchange(reader, writer, parser, path, headers), ANSWER_WITHIN
+            )
+            assert r.keep_alive  # refusals included: the connection stays open
+            answer = Answer(
+                status=r.status,
+                content_type=r.headers.get("content-type", "").split(";")[0],
+                body=r.body,
+                ran=len(edge.seen) > before,
+            )
+            if answer.ran:
+                answer.remaining, answer.priority = edge.seen[-1]
+            judge(edge.policy, trust, path, headers, answer)
+            if edge.bulkhead is not None:
+                for _ in range(100):  # settled just after the last byte was written
+                    if edge.bulkhead.in_flight == 0:
+                        break
+                    await asyncio.sleep(0.01)
+                assert edge.bulkhead.in_flight == 0
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+class Servers:
+    """Every edge under test on its own server (aiohttp and uvicorn, each trust level, with
+    and without a bulkhead), all on one event loop in a background thread, so that
+    hypothesis's many examples reuse running servers instead of starting one each."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.stack = contextlib.AsyncExitStack()
+        self.running: dict[tuple[str, Trust, bool, bool], tuple[Edge, int]] = {}
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(ANSWER_WITHIN * 3)
+
+    async def _start(self) -> None:
+        for trust in Trust:
+            for with_bulkhead in (True, False):
+                for listening in (True, False):
+                    key = (trust, with_bulkhead, listening)
+                    edge = aiohttp_edge(edge_policy(*key))
+                    runner = web.AppRunner(edge.app)
+                    await runner.setup()
+                    self.stack.push_async_callback(runner.cleanup)
+                    await web.TCPSite(runner, "127.0.0.1", 0).start()
+                    self.running["aiohttp", *key] = (edge, runner.addresses[0][1])
+                    edge = starlette_edge(edge_policy(*key))
+                    base = await self.stack.enter_async_context(serve(edge.app))
+                    self.running["uvicorn", *key] = (edge, int(base.rsplit(":", 1)[1]))
+
+    def __enter__(self) -> Servers:
+        self.thread.start()
+        self.run(self._start())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.run(self.stack.aclose())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[Servers]:
+    with Servers() as running:
+        yield running
+
+
+case_lists = st.lists(st.tuples(url_paths, header_lists(wire=True)), min_size=1, max_size=8)
+
+
+@pytest.mark.parametrize("trust", list(Trust))
+@pytest.mark.parametrize("server", ["aiohttp", "uvicorn"])
+def test_the_edge_on_any_headers_over_loopback(servers: Servers, server: str, trust: Trust) -> None:
+    # The servers are started once; hypothesis's examples run against them (an inner
+    # function, since hypothesis does not mix with a function-scoped fixture's state).
+    @settings(
+        max_examples=150,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(with_bulkhead=st.booleans(), listening=st.booleans(), cases=case_lists)
+    def any_headers(with_bulkhead: bool, listening: bool, cases: list[Case]) -> None:
+        edge, port = servers.running[server, trust, with_bulkhead, listening]
+        servers.run(run_cases(edge, trust, port, cases))
+
+    any_headers()

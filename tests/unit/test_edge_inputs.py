@@ -1,0 +1,176 @@
+"""Arbitrary inbound headers and paths through the ASGI edge (D3, S2, S4, O1; bad input).
+
+Generated requests (budget, signed-budget, priority, Envoy, attempt and idempotency headers
+with valid, near-valid and random values, repeated or not, beside random other headers, on
+matching and non-matching paths) go through `BrownoutMiddleware` and a real Starlette app,
+called in-process (no socket: thousands of requests in seconds; the loopback tests in
+``tests/integration`` cover the servers). For every trust level, with and without a bulkhead,
+with and without a listener on the event hub, each request must:
+
+- get exactly one complete answer, within a bound (nothing hangs): the handler's 200, the
+  router's 404 for a path no route matches, or a problem+json refusal naming its reason;
+- run the handler only with the deadline `InboundDeadlinePolicy.resolve` gives for the same
+  headers and trust (never past the route maximum), and with a header-claimed priority only
+  when the source is trusted, capped at ``max_claimed_priority``;
+- leave nothing behind: no bulkhead slot, no swept flight, no request context; and the
+  middleware's path cache and the policy's per-route caches stay within their bounds.
+
+The express path (`EdgePolicy.express_budget`) and the general path (`EdgePolicy.serve`) are
+both taken, depending on the headers; what each answer must be comes from the reference
+parsers (``tests/edge_inputs.py``), so the test is differential. The same requests go
+through the aiohttp edge over loopback in ``tests/integration/test_edge_inputs_aiohttp.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from tests.edge_inputs import (
+    SIGNER,
+    Answer,
+    Edge,
+    Headers,
+    edge_policy,
+    header_lists,
+    judge,
+    paths,
+    starlette_edge,
+)
+
+import brownout
+from brownout import Trust
+from brownout.context import _EMPTY
+from brownout.integrations.asgi import BrownoutMiddleware
+
+PATH_CACHE = 8
+ANSWER_WITHIN = 10.0
+
+Message = MutableMapping[str, Any]
+
+EDGES = {
+    (trust, with_bulkhead, listening): starlette_edge(
+        edge_policy(trust, with_bulkhead, listening), path_cache_size=PATH_CACHE
+    )
+    for trust in Trust
+    for with_bulkhead in (True, False)
+    for listening in (True, False)
+}
+
+
+def scope_for(path: str, headers: Headers) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode("utf-8", "surrogateescape"),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"host", b"edge"), *headers],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+
+async def call(app: Callable[..., Awaitable[None]], scope: dict[str, Any]) -> list[Message]:
+    """One request as a server makes it: the body, then ``receive`` blocks until the client
+    goes away (it never does here)."""
+    sent: list[Message] = []
+    delivered = False
+    forever = asyncio.Event()
+
+    async def receive() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await forever.wait()
+        raise AssertionError("unreachable")
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await asyncio.wait_for(app(scope, receive, send), ANSWER_WITHIN)
+    return sent
+
+
+def brownout_middleware(edge: Edge) -> BrownoutMiddleware:
+    layer: Any = edge.app.middleware_stack
+    while not isinstance(layer, BrownoutMiddleware):
+        layer = layer.app
+    return layer
+
+
+async def check(edge: Edge, trust: Trust, path: str, headers: Headers) -> Answer:
+    before = len(edge.seen)
+    sent = await call(edge.app, scope_for(path, headers))
+    starts = [m for m in sent if m["type"] == "http.response.start"]
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    assert len(starts) == 1, sent
+    assert bodies and not bodies[-1].get("more_body", False), sent
+    ran = len(edge.seen) > before
+    answer = Answer(
+        status=starts[0]["status"],
+        content_type=dict(starts[0]["headers"]).get(b"content-type", b"").decode(),
+        body=b"".join(m.get("body", b"") for m in bodies),
+        ran=ran,
+    )
+    if ran:
+        answer.remaining, answer.priority = edge.seen[-1]
+    judge(edge.policy, trust, path, headers, answer)
+
+    # Nothing left behind, caches bounded.
+    if edge.bulkhead is not None:
+        assert edge.bulkhead.in_flight == 0
+    assert not edge.policy._sweeper.pending
+    assert brownout.current() is _EMPTY
+    assert len(brownout_middleware(edge)._paths) <= PATH_CACHE
+    return answer
+
+
+@settings(
+    max_examples=2000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    trust=st.sampled_from(list(Trust)),
+    with_bulkhead=st.booleans(),
+    listening=st.booleans(),
+    path=paths,
+    headers=header_lists(wire=False),
+)
+def test_any_headers_get_one_answer_a_bounded_deadline_and_leave_nothing_behind(
+    trust: Trust,
+    with_bulkhead: bool,
+    listening: bool,
+    path: str,
+    headers: Headers,
+) -> None:
+    edge = EDGES[(trust, with_bulkhead, listening)]
+    answer = asyncio.run(check(edge, trust, path, headers))
+    event(f"answer {answer.status}" + (" from the handler" if answer.ran else ""))
+
+
+@pytest.mark.parametrize("trust", list(Trust))
+def test_both_paths_are_taken_whatever_hypothesis_draws(trust: Trust) -> None:
+    """Fixed cases that take each path: no header and a plain budget (express), a repeated
+    budget, a claim, a spent budget and a signed one (serve)."""
+    edge = EDGES[(trust, True, False)]
+    cases: list[Headers] = [
+        [],
+        [(b"brownout-budget-ms", b"800")],
+        [(b"brownout-budget-ms", b"800"), (b"brownout-budget-ms", b"90")],
+        [(b"brownout-priority", b"critical_plus")],
+        [(b"brownout-budget-ms", b"0")],
+        [(b"brownout-signed-budget", SIGNER.sign(0.8).encode())],
+    ]
+    for headers in cases:
+        asyncio.run(check(edge, trust, "/items/7", headers))

@@ -77,7 +77,11 @@ class Edge:
     seen: list[tuple[float | None, Priority]] = field(default_factory=list)
 
 
-def edge_policy(trust: Trust, with_bulkhead: bool, listening: bool) -> EdgePolicy:
+def edge_policy(
+    trust: Trust, with_bulkhead: bool, listening: bool, template: str = TEMPLATE
+) -> EdgePolicy:
+    """The policy under test: one route (``template``) with its own default, maximum and
+    priority; a signer for signed budgets; a bulkhead with room to spare, or none."""
     hub = EventHub()
     if listening:
         hub.subscribe(Stats())
@@ -85,7 +89,7 @@ def edge_policy(trust: Trust, with_bulkhead: bool, listening: bool) -> EdgePolic
         bulkhead=Bulkhead("api", FixedLimit(4), events=hub) if with_bulkhead else None,
         deadline=InboundDeadlinePolicy(signer=SIGNER, events=hub),
         trust=trust,
-        routes={TEMPLATE: Route(default=DEFAULT, maximum=MAXIMUM, priority=ROUTE_PRIORITY)},
+        routes={template: Route(default=DEFAULT, maximum=MAXIMUM, priority=ROUTE_PRIORITY)},
         max_claimed_priority=MAX_CLAIMED,
         events=hub,
     )
@@ -250,28 +254,48 @@ class Answer:
     priority: Priority | None = None
 
 
+def expected_budget(
+    policy: EdgePolicy, trust: Trust, headers: Headers, template: str = TEMPLATE
+) -> float:
+    """The budget the reference parser gives these headers from this source."""
+    deadline: InboundDeadlinePolicy = policy.route(template).deadline
+    return deadline.resolve(lambda name: first(headers, name), trust).seconds
+
+
+def judge_seen(
+    trust: Trust,
+    headers: Headers,
+    expected: float,
+    remaining: float | None,
+    priority: Priority | None,
+    rounding: float = 0.0,
+) -> None:
+    """Assert what the handler saw: the expected deadline (less what the trip to the handler
+    took; more by at most ``rounding``, what the protocol adds on the wire), never past the
+    route maximum; and a priority claim only from a trusted source."""
+    assert remaining is not None
+    assert 0.0 <= remaining <= min(expected + rounding, MAXIMUM), (remaining, expected)
+    assert remaining > expected - SLACK
+    claim = parse_priority(first(headers, PRIORITY_HEADER))
+    if trust is Trust.TRUSTED and claim is not None:
+        assert priority == min(claim, MAX_CLAIMED)
+    else:
+        assert priority == ROUTE_PRIORITY  # a claim from elsewhere is ignored (S4)
+
+
 def judge(policy: EdgePolicy, trust: Trust, path: str, headers: Headers, answer: Answer) -> None:
-    """Assert what the edge must have made of this request on an idle service."""
-    deadline: InboundDeadlinePolicy = policy.route(TEMPLATE).deadline
-    expected = deadline.resolve(lambda name: first(headers, name), trust)
+    """Assert what the edge must have made of this HTTP request on an idle service."""
+    expected = expected_budget(policy, trust, headers)
     if answer.ran:
         assert answer.status == 200
         assert matches_the_route(path)
-        assert answer.remaining is not None
-        # Never past the route maximum; otherwise what the reference parser gives.
-        assert 0.0 <= answer.remaining <= min(expected.seconds, MAXIMUM)
-        assert answer.remaining > expected.seconds - SLACK
-        claim = parse_priority(first(headers, PRIORITY_HEADER))
-        if trust is Trust.TRUSTED and claim is not None:
-            assert answer.priority == min(claim, MAX_CLAIMED)
-        else:
-            assert answer.priority == ROUTE_PRIORITY  # a claim from elsewhere is ignored (S4)
+        judge_seen(trust, headers, expected, answer.remaining, answer.priority)
     elif answer.status == 404:
         assert not matches_the_route(path)
     else:
         # The only refusal an idle service gives: a deadline that passed before the answer (a
         # budget spent on arrival, or one too short for the trip to the handler).
-        assert expected.seconds < SLACK, (answer.status, expected)
+        assert expected < SLACK, (answer.status, expected)
         assert answer.status == policy.expired_status
         assert answer.content_type == "application/problem+json"
         problem = json.loads(answer.body)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
+import threading
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import uvicorn
+
+T = TypeVar("T")
 
 
 @contextlib.asynccontextmanager
@@ -42,3 +45,30 @@ async def send_then_hang_up(
     await asyncio.sleep(after)
     writer.close()
     await writer.wait_closed()
+
+
+class LoopThread:
+    """An event loop in a background thread, for servers that outlive one test example:
+    hypothesis runs its examples synchronously, so a test starts its servers here once
+    (entering their contexts on `stack`) and runs each example's client with `run`."""
+
+    def __init__(self, timeout: float = 30.0) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.stack = contextlib.AsyncExitStack()
+        self.timeout = timeout
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout)
+
+    def __enter__(self) -> LoopThread:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.run(self.stack.aclose())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
-from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
 
 import pytest
 from aiohttp import web
@@ -38,7 +36,7 @@ from tests.edge_inputs import (
     starlette_edge,
     url_paths,
 )
-from tests.integration.servers import serve
+from tests.integration.servers import LoopThread, serve
 
 from brownout import Trust
 from brownout.lab.http1 import Response, ResponseParser, encode_request
@@ -46,7 +44,6 @@ from brownout.lab.http1 import Response, ResponseParser, encode_request
 pytestmark = pytest.mark.integration
 
 Case = tuple[str, Headers]
-T = TypeVar("T")
 ANSWER_WITHIN = 10.0
 
 
@@ -98,53 +95,32 @@ async def run_cases(edge: Edge, trust: Trust, port: int, cases: list[Case]) -> N
         await writer.wait_closed()
 
 
-class Servers:
-    """Every edge under test on its own server (aiohttp and uvicorn, each trust level, with
-    and without a bulkhead), all on one event loop in a background thread, so that
-    hypothesis's many examples reuse running servers instead of starting one each."""
+Running = dict[tuple[str, Trust, bool, bool], tuple[Edge, int]]
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.stack = contextlib.AsyncExitStack()
-        self.running: dict[tuple[str, Trust, bool, bool], tuple[Edge, int]] = {}
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(ANSWER_WITHIN * 3)
-
-    async def _start(self) -> None:
-        for trust in Trust:
-            for with_bulkhead in (True, False):
-                for listening in (True, False):
-                    key = (trust, with_bulkhead, listening)
-                    edge = aiohttp_edge(edge_policy(*key))
-                    runner = web.AppRunner(edge.app)
-                    await runner.setup()
-                    self.stack.push_async_callback(runner.cleanup)
-                    await web.TCPSite(runner, "127.0.0.1", 0).start()
-                    self.running["aiohttp", *key] = (edge, runner.addresses[0][1])
-                    edge = starlette_edge(edge_policy(*key))
-                    base = await self.stack.enter_async_context(serve(edge.app))
-                    self.running["uvicorn", *key] = (edge, int(base.rsplit(":", 1)[1]))
-
-    def __enter__(self) -> Servers:
-        self.thread.start()
-        self.run(self._start())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self.run(self.stack.aclose())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            self.loop.close()
+async def start_servers(stack: contextlib.AsyncExitStack) -> Running:
+    """Both servers for every trust level, with and without a bulkhead and a listener."""
+    running: Running = {}
+    for trust in Trust:
+        for with_bulkhead in (True, False):
+            for listening in (True, False):
+                key = (trust, with_bulkhead, listening)
+                edge = aiohttp_edge(edge_policy(*key))
+                runner = web.AppRunner(edge.app)
+                await runner.setup()
+                stack.push_async_callback(runner.cleanup)
+                await web.TCPSite(runner, "127.0.0.1", 0).start()
+                running["aiohttp", *key] = (edge, runner.addresses[0][1])
+                edge = starlette_edge(edge_policy(*key))
+                base = await stack.enter_async_context(serve(edge.app))
+                running["uvicorn", *key] = (edge, int(base.rsplit(":", 1)[1]))
+    return running
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[Servers]:
-    with Servers() as running:
-        yield running
+def servers() -> Iterator[tuple[LoopThread, Running]]:
+    with LoopThread() as thread:
+        yield thread, thread.run(start_servers(thread.stack))
 
 
 case_lists = st.lists(st.tuples(url_paths, header_lists(wire=True)), min_size=1, max_size=8)
@@ -152,7 +128,11 @@ case_lists = st.lists(st.tuples(url_paths, header_lists(wire=True)), min_size=1,
 
 @pytest.mark.parametrize("trust", list(Trust))
 @pytest.mark.parametrize("server", ["aiohttp", "uvicorn"])
-def test_the_edge_on_any_headers_over_loopback(servers: Servers, server: str, trust: Trust) -> None:
+def test_the_edge_on_any_headers_over_loopback(
+    servers: tuple[LoopThread, Running], server: str, trust: Trust
+) -> None:
+    thread, running = servers
+
     # The servers are started once; hypothesis's examples run against them (an inner
     # function, since hypothesis does not mix with a function-scoped fixture's state).
     @settings(
@@ -162,7 +142,7 @@ def test_the_edge_on_any_headers_over_loopback(servers: Servers, server: str, tr
     )
     @given(with_bulkhead=st.booleans(), listening=st.booleans(), cases=case_lists)
     def any_headers(with_bulkhead: bool, listening: bool, cases: list[Case]) -> None:
-        edge, port = servers.running[server, trust, with_bulkhead, listening]
-        servers.run(run_cases(edge, trust, port, cases))
+        edge, port = running[server, trust, with_bulkhead, listening]
+        thread.run(run_cases(edge, trust, port, cases))
 
     any_headers()

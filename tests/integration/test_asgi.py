@@ -16,8 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.applications import Starlette
 from starlette.authentication import (
     AuthCredentials,
     AuthenticationBackend,
@@ -26,6 +27,7 @@ from starlette.authentication import (
     UnauthenticatedUser,
 )
 from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.routing import Route as StarletteRoute
 from tests.integration.flood import (
     HTTP_FLOOD,
     assert_answered_fast,
@@ -363,6 +365,69 @@ async def test_operation_label_is_the_route_template(service: Service) -> None:
     assert service.stats.count("completed", operation="unmatched") == 2
     ops = {key[1] for key in service.stats.counters}
     assert not any(op.startswith("/work/") and op != "/work/{id}" for op in ops)
+
+
+async def test_included_routers_and_mounts_label_by_their_full_template() -> None:
+    """The operation is the full route template however the app is assembled: routes of an
+    ``include_router`` (with prefixes, nested; FastAPI keeps them as one nested route), of a
+    mounted sub-application and of a mount inside it. Per-route policy keyed by such a
+    template applies (here its maximum), and an unknown path under a mount is labelled by the
+    mount's own template, so the label set stays bounded."""
+    seen: list[tuple[str, float | None]] = []
+
+    def record() -> dict[str, str]:
+        ctx = brownout.current()
+        seen.append((ctx.operation, ctx.remaining()))
+        return {}
+
+    inner = APIRouter(prefix="/orders")
+
+    @inner.get("/{order_id}")
+    async def order(order_id: int) -> dict[str, str]:
+        return record()
+
+    outer = APIRouter(prefix="/v1")
+    outer.include_router(inner)
+
+    @outer.get("/ping")
+    async def ping() -> dict[str, str]:
+        return record()
+
+    sub = FastAPI()
+
+    @sub.get("/reports/{rid}")
+    async def report(rid: str) -> dict[str, str]:
+        return record()
+
+    async def asset(request: Request) -> JSONResponse:
+        return JSONResponse(record())
+
+    sub.mount("/assets", Starlette(routes=[StarletteRoute("/{name}", asset)]))
+    app = FastAPI()
+    app.include_router(outer)
+    app.mount("/legacy", sub)
+    policy = EdgePolicy(
+        bulkhead=Bulkhead("api", FixedLimit(8)),
+        routes={"/v1/orders/{order_id}": Route(default=0.5, maximum=0.5)},
+    )
+    app.add_middleware(BrownoutMiddleware, policy=policy)
+    async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+        for path in ("/v1/orders/7", "/v1/ping", "/legacy/reports/r9", "/legacy/assets/a.css"):
+            assert (await client.get(path)).status_code == 200, path
+        assert (await client.get("/legacy/nothing/here")).status_code == 404
+    assert [op for op, _ in seen] == [
+        "/v1/orders/{order_id}",
+        "/v1/ping",
+        "/legacy/reports/{rid}",
+        "/legacy/assets/{name}",
+    ]
+    remaining = seen[0][1]
+    assert remaining is not None and remaining <= 0.5  # the included route's own policy
+    layer: Any = app.middleware_stack
+    while not isinstance(layer, BrownoutMiddleware):
+        layer = layer.app
+    route, _ = layer._paths["/legacy/nothing/here"]
+    assert route.template == "/legacy/{path}"  # an unknown path, labelled by its mount
 
 
 async def test_quota_refusal_is_429_with_ratelimit_headers() -> None:

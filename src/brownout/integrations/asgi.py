@@ -72,6 +72,12 @@ try:  # Starlette is optional: without it, templates come from the policy's rout
 except ImportError:  # pragma: no cover - exercised only without starlette installed
     _Mount = None  # type: ignore[assignment,misc]
 
+try:  # FastAPI keeps an included router (``include_router``) as one nested route object;
+    # this walks its effective routes, each with its full path (prefix included).
+    from fastapi.routing import iter_route_contexts as _effective_routes
+except ImportError:  # FastAPI absent, or older: included routes are flat Starlette routes
+    _effective_routes = None  # type: ignore[assignment]
+
 _PROBLEM = b"application/problem+json"
 _DEGRADED = b"brownout-degraded"
 _RETRY = RETRY_HEADER.encode()
@@ -90,7 +96,9 @@ _Path = tuple[ResolvedRoute, "Express | None"]
 
 def _template_in(routes: Any, path: str, prefix: str, depth: int = 0) -> str | None:
     """The template of the first Starlette route whose path matches (method ignored, as
-    Starlette's partial matches do)."""
+    Starlette's partial matches do), looking into mounts and FastAPI's included routers."""
+    if _effective_routes is not None and not all(hasattr(r, "path_regex") for r in routes):
+        routes = _effective_routes(routes)
     for route in routes:
         regex = getattr(route, "path_regex", None)
         if regex is None:
@@ -98,7 +106,7 @@ def _template_in(routes: Any, path: str, prefix: str, depth: int = 0) -> str | N
         m = regex.match(path)
         if m is None:
             continue
-        if _Mount is not None and isinstance(route, _Mount):
+        if _Mount is not None and isinstance(getattr(route, "original_route", route), _Mount):
             inner = route.routes
             if inner and depth < 8:
                 found = _template_in(inner, "/" + m.group("path"), prefix + route.path, depth + 1)

@@ -1377,11 +1377,10 @@ async def _run_settling(
     ``async with bulkhead.admit()`` would."""
     try:
         result = await call()
-    except (TimeoutError, asyncio.CancelledError):
-        permit.dropped()
-        raise
-    except Rejected:
-        permit.ignore()
+    except (TimeoutError, asyncio.CancelledError, Rejected) as e:
+        # Counted as `async with bulkhead.admit()` counts them on the general path: expired,
+        # abandoned, or failed with the refusal's name.
+        permit.settle_raised(type(e))
         raise
     except BaseException as e:
         if isinstance(e, answers) and flight.status < 500:

@@ -627,3 +627,67 @@ def test_grpc_status_is_read_as_its_http_equivalent_whatever_its_type() -> None:
     assert _status_of(Context(14)) == 503  # type: ignore[arg-type]
     assert _status_of(Context(99)) == 500  # type: ignore[arg-type]
     assert _status_of(Context("odd")) == 200  # type: ignore[arg-type]
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize(
+    "outcome", ["raises", "status_500", "rejected", "expires", "abandoned", "answers"]
+)
+async def test_a_demoted_request_is_settled_by_its_outcome(outcome: str) -> None:
+    """S5 with ``on_quota_exceeded="demote"``: the over-quota request runs on a permit taken
+    with ``try_admit``; whatever its handler does, the permit is settled once and counted
+    exactly as the general path counts it (O1): a refusal from inside the handler and a
+    client that went away used to leave no outcome, or the wrong one, on this path."""
+    hub, stats, _ = observed()
+
+    async def quota(c: Classification) -> Decision:
+        return Decision(allowed=False)
+
+    bulkhead = Bulkhead("api", FixedLimit(1), events=hub)
+    policy = EdgePolicy(bulkhead=bulkhead, quota=quota, on_quota_exceeded="demote", events=hub)
+    flight = Flight(asyncio.get_running_loop().time())
+
+    async def handler() -> str:
+        assert brownout.current().priority is Priority.SHEDDABLE
+        if outcome == "raises":
+            raise RuntimeError("boom")
+        if outcome == "status_500":
+            flight.status = 500
+        if outcome == "rejected":
+            raise Rejected(Reason.BREAKER_OPEN, "the inventory breaker is open")
+        if outcome in ("expires", "abandoned"):
+            await asyncio.sleep(10)
+        return "answered"
+
+    call = policy.serve({}, handler, flight, route=policy.route("/x"), get=headers(), budget=1.0)
+    if outcome == "raises":
+        with pytest.raises(RuntimeError):
+            await call
+    elif outcome == "abandoned":  # the client went away: the adapter cancels the handler
+        task = asyncio.ensure_future(call)
+        await asyncio.sleep(0.1)
+        flight.abandoned = True
+        task.cancel()
+        assert await task is ABANDONED
+    else:
+        answer = await call
+        if outcome in ("status_500", "answers"):
+            assert answer == "answered"
+        else:
+            assert isinstance(answer, Refusal)
+            assert answer.status == (503 if outcome == "rejected" else 504)
+    await asyncio.sleep(0)
+    assert bulkhead.in_flight == 0
+    assert stats.count("offered") == 1
+    settled = {
+        "raises": "failed",
+        "status_500": "failed",
+        "rejected": "failed",
+        "expires": "expired",
+        "abandoned": "abandoned",
+        "answers": "completed",
+    }[outcome]
+    outcomes = ("completed", "failed", "expired", "abandoned")
+    assert {kind: stats.count(kind) for kind in outcomes} == {
+        kind: int(kind == settled) for kind in outcomes
+    }

@@ -26,6 +26,7 @@ handler when it is gone; either way the request is counted as abandoned, not as 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -49,7 +50,10 @@ from ..edge import (
 )
 from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
-__all__ = ["BrownoutAiohttpMiddleware", "brownout_middleware"]
+__all__ = ["BrownoutAiohttpMiddleware", "announce_degraded", "brownout_middleware"]
+
+_log = logging.getLogger("brownout.edge")
+_DEGRADED = "brownout-degraded"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -112,6 +116,7 @@ class BrownoutAiohttpMiddleware:
         self.policy = policy
         self.watch_disconnects = watch_disconnects
         self._plans: dict[str | None, _Plan] = {}
+        self._warned_prepared = False
 
     def _plan(self, template: str | None) -> _Plan:
         route = self.policy.route(template)
@@ -158,6 +163,8 @@ class BrownoutAiohttpMiddleware:
             # aiohttp's way to answer (a 404, a redirect): settled by its status, not failed.
             flight.status = e.status
             scope.settle(permit)
+            if express.degraded is not None:
+                self._announce(e, express.degraded.active_names())
             raise
         except (asyncio.CancelledError, Exception) as e:
             # Settled, and answered as `serve` would; re-raised when there is no answer.
@@ -167,10 +174,8 @@ class BrownoutAiohttpMiddleware:
             scope.settle(permit)
             if flight.abandoned:
                 raise asyncio.CancelledError  # nobody is listening (`serve`'s ABANDONED)
-            if express.degraded is not None and not response.prepared:
-                degraded = express.degraded.active_names()
-                if degraded:
-                    response.headers["brownout-degraded"] = ", ".join(degraded)
+            if express.degraded is not None:
+                self._announce(response, express.degraded.active_names())
             return response
         return self._written(outcome, request)
 
@@ -217,6 +222,8 @@ class BrownoutAiohttpMiddleware:
                 response = await handler(request)
             except web.HTTPException as e:
                 flight.status = e.status
+                if policy.degraded is not None:
+                    self._announce(e, policy.degraded_names())
                 raise
             flight.status = response.status
             return response
@@ -235,11 +242,28 @@ class BrownoutAiohttpMiddleware:
             self._note_gone(request, flight)
             raise
         if isinstance(outcome, web.StreamResponse):
-            degraded = policy.degraded_names() if policy.degraded is not None else ()
-            if degraded and not outcome.prepared:
-                outcome.headers["brownout-degraded"] = ", ".join(degraded)
+            if policy.degraded is not None:
+                self._announce(outcome, policy.degraded_names())
             return outcome
         return self._written(outcome, request)
+
+    def _announce(self, answer: web.StreamResponse | web.HTTPException, names: Any) -> None:
+        """Name the active degraded modes on the handler's answer (G2), unless it already
+        left: a streamed response's head is sent by ``prepare()`` inside the handler, so only
+        `announce_degraded` (run by aiohttp at ``prepare()``) can name them there."""
+        if not names or _DEGRADED in answer.headers:
+            return
+        if isinstance(answer, web.StreamResponse) and answer.prepared:
+            if not self._warned_prepared:
+                self._warned_prepared = True
+                _log.warning(
+                    "degraded modes %s are active but a streamed response was sent before the "
+                    "edge could name them; add app.on_response_prepare.append("
+                    "announce_degraded(policy)) to name them on every response",
+                    ", ".join(names),
+                )
+            return
+        answer.headers[_DEGRADED] = ", ".join(names)
 
     @staticmethod
     def _written(outcome: Refusal | Abandoned, request: web.Request) -> web.StreamResponse:
@@ -254,6 +278,30 @@ class BrownoutAiohttpMiddleware:
             if transport is not None:
                 transport.close()
         return refusal_response(outcome)
+
+
+def announce_degraded(
+    policy: EdgePolicy,
+) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+    """A handler for ``app.on_response_prepare`` naming the policy's active degraded modes in
+    ``brownout-degraded`` on every response as its head is sent, streamed ones included (G2).
+
+    The middleware names them on the responses a handler returns or raises; a streamed
+    response (``StreamResponse.prepare()`` inside the handler) has sent its head before the
+    middleware sees it, and only this signal reaches it in time::
+
+        app = web.Application(middlewares=[brownout_middleware(policy)])
+        app.on_response_prepare.append(announce_degraded(policy))
+    """
+
+    async def on_response_prepare(request: web.Request, response: web.StreamResponse) -> None:
+        if policy.degraded is None or _DEGRADED in response.headers:
+            return
+        names = policy.degraded_names()
+        if names:
+            response.headers[_DEGRADED] = ", ".join(names)
+
+    return on_response_prepare
 
 
 def brownout_middleware(

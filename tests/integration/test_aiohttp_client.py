@@ -174,3 +174,21 @@ async def test_sent_mutation_that_times_out_is_an_unknown_outcome(
     assert key is not None
     assert [h["idempotency-key"] for h in seen.headers] == [key, key]
     assert [r.key for r in await ledger.pending()] == [key]
+
+
+async def test_error_answers_stay_readable(server: tuple[str, Seen]) -> None:
+    """The middleware reads a 5xx or 429 answer to the end (freeing the connection for a
+    retry) before deciding; the caller can still read its body, whether it gets the response
+    (a 500 this layer does not retry) or the last one of an exhausted retry."""
+    base, seen = server
+    seen.script = [(500, {}), (503, {"Retry-After": "0"}), (503, {"Retry-After": "0"})]
+    fast = RetryPolicy(2, backoff=ExponentialBackoff(0.001, cap=0.005))
+    async with session(base, Dependency("echo", retry=fast), return_exhausted=True) as http:
+        async with http.get("/echo") as r:
+            assert r.status == 500
+            assert await r.read() == b'{"status": 500}'  # read() refuses a released body
+            assert await r.json() == {"status": 500}
+        async with http.get("/echo") as r:
+            assert r.status == 503
+            assert await r.read() == b'{"status": 503}'
+            assert await r.text() == '{"status": 503}'

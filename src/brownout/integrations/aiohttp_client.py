@@ -111,8 +111,11 @@ class BrownoutClientMiddleware:
         if status < 500 and status != 429:
             return response
         try:
-            await response.read()  # frees the connection; the body stays readable
-        finally:
+            # Reading to the end frees the connection for a retry and keeps the body for the
+            # caller; release() would too, but then aiohttp refuses to read the body at all.
+            await response.read()
+        except BaseException:
             response.release()
+            raise
         retry_after, never = parse_pushback(response.headers)
         raise ResponseError(status, retry_after=retry_after, do_not_retry=never, response=response)

@@ -236,3 +236,19 @@ async def test_streaming_call_gets_budget_and_metadata(server: tuple[str, Seen])
     assert got == [b"0", b"1", b"2"]
     assert 0.3 < seen.calls[0]["time_remaining"] <= 0.8 + GRPC_CLOCK_SLACK
     assert seen.calls[0]["brownout-priority"] == "sheddable_plus"
+
+
+@pytest.mark.parametrize("deadline", [0.4, 1.2345])
+async def test_a_call_cut_at_its_deadline_raises_deadline_exceeded(
+    server: tuple[str, Seen], deadline: float
+) -> None:
+    """The timeout sent is one rounding step shorter than the attempt's budget (so that the
+    callee never gets more time, above), so grpc's own DEADLINE_EXCEEDED arrives just before
+    the deadline scope would fire: it is the same expiry and raises the same
+    `brownout.DeadlineExceeded` the HTTP clients raise (an edge above answers 504)."""
+    target, seen = server
+    seen.delay = 5.0
+    async with channel(target, Dependency("svc")) as ch:
+        with pytest.raises(brownout.DeadlineExceeded):
+            async with brownout.request(deadline=deadline):
+                await ch.unary_unary(READ)(b"x")

@@ -44,6 +44,7 @@ import grpc.aio
 from ..context import RequestContext, current
 from ..deadline import call_budget
 from ..dependency import Dependency
+from ..errors import DeadlineExceeded
 from ..propagation import (
     ATTEMPT_HEADER,
     GRPC_PUSHBACK_KEY,
@@ -95,6 +96,11 @@ def _rpc_failure(error: grpc.aio.AioRpcError) -> Exception:
         response=error,
         detail=error.details() or "",
     )
+
+
+_CUT_SLACK = 0.005
+"""How late after its grpc-timeout a DEADLINE_EXCEEDED may be seen and still be this
+attempt's own deadline (the loop's turn, the server's answer on loopback)."""
 
 
 def _wire_timeout(budget: float) -> float:
@@ -192,6 +198,17 @@ class BrownoutClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
         try:
             await call
         except grpc.aio.AioRpcError as error:
+            if (
+                error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+                and deadline is not None
+                and timeout is not None
+                and deadline.remaining() <= timeout - _wire_timeout(timeout) + _CUT_SLACK
+            ):
+                # The grpc-timeout we sent ran out, one rounding step before the attempt's
+                # budget (`_wire_timeout`): the attempt's deadline expired, as the deadline
+                # scope would report a moment later. Raised as such, so that callers (and
+                # the edge above: 504, counted expired) see the same as on the HTTP clients.
+                raise DeadlineExceeded("the deadline expired; the call was cut") from error
             raise _rpc_failure(error) from error
         return call  # finished: awaiting it again gives the response; metadata stays readable
 

@@ -125,6 +125,24 @@ def aiohttp_edge(policy: EdgePolicy) -> Edge:
     return edge
 
 
+def asgi_scope(path: str, headers: Headers) -> dict[str, Any]:
+    """An HTTP/1.1 GET scope as an ASGI server makes it (a ``host`` header first)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode("utf-8", "surrogateescape"),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"host", b"edge"), *headers],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+
 def signed() -> st.SearchStrategy[bytes]:
     # Signed at draw time, so fresh: the verifier's replay window is 5 s.
     return st.floats(min_value=0.0, max_value=100.0).map(lambda s: SIGNER.sign(s).encode())

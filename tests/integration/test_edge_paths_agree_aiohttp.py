@@ -19,16 +19,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 from tests.integration.servers import send_then_hang_up
-from tests.limits import CountingBulkhead
-from tests.unit.test_edge_paths_agree import LONG, OUTCOMES, SHORT, RecordingLimit
+from tests.outcomes import LONG, SHORT, Observed, observed
+from tests.unit.test_edge_paths_agree import OUTCOMES
 
 from brownout import (
-    DegradedMode,
-    DegradedModes,
-    EventHub,
     Reason,
     Rejected,
-    Stats,
     UnknownOutcome,
 )
 from brownout.edge import EdgePolicy, Route
@@ -37,19 +33,9 @@ from brownout.integrations.aiohttp_server import announce_degraded, brownout_mid
 pytestmark = pytest.mark.integration
 
 
-def build() -> tuple[web.Application, Stats, CountingBulkhead, RecordingLimit, list[str]]:
-    hub = EventHub()
-    stats = Stats()
-    hub.subscribe(stats)
-    limit = RecordingLimit()
-    bulkhead = CountingBulkhead("aio", limit, events=hub)  # type: ignore[arg-type]
-    modes = DegradedModes([DegradedMode("recs", "recommendations from a default list")])
-    modes.force("recs", on=True)
-    cancelled: list[str] = []
-
-    @modes.fallback("recs", lambda: "default")
-    async def recommendations() -> str:
-        return "personal"
+def build() -> tuple[web.Application, Observed]:
+    o = observed("aio", personal="personal", default="default")
+    cancelled = o.cancelled
 
     async def handler(request: web.Request) -> web.StreamResponse:
         outcome = request.match_info["outcome"]
@@ -86,23 +72,23 @@ def build() -> tuple[web.Application, Stats, CountingBulkhead, RecordingLimit, l
             await response.write_eof()
             return response
         if outcome == "fallback":
-            return web.Response(text=await recommendations())
+            return web.Response(text=await o.recommendations())
         raise AssertionError(outcome)
 
     policy = EdgePolicy(
-        bulkhead=bulkhead,
+        bulkhead=o.bulkhead,
         routes={
             "/short/{outcome}": Route(default=SHORT, maximum=SHORT),
             "/{outcome}": Route(default=LONG, maximum=LONG),
         },
-        degraded=modes,
+        degraded=o.modes,
         sweep_period=0.02,
-        events=hub,
+        events=o.hub,
     )
     app = web.Application(middlewares=[brownout_middleware(policy)])
     app.router.add_get("/short/{outcome}", handler)
     app.router.add_get("/{outcome}", handler)
-    return app, stats, bulkhead, limit, cancelled
+    return app, o
 
 
 async def ask(base: str, path: str, headers: dict[str, str]) -> Any:
@@ -122,7 +108,7 @@ async def ask(base: str, path: str, headers: dict[str, str]) -> Any:
 async def test_express_and_serve_agree_on_aiohttp(outcome: str) -> None:
     seen = {}
     for path_taken, headers in (("express", {}), ("serve", {"brownout-priority": "sheddable"})):
-        app, stats, bulkhead, limit, cancelled = build()
+        app, o = build()
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -137,9 +123,9 @@ async def test_express_and_serve_agree_on_aiohttp(outcome: str) -> None:
             else:
                 answer = await ask(base, path, headers)
             await asyncio.sleep(0.05)  # anything the edge settles after the last byte
-            assert bulkhead.express == (1 if path_taken == "express" else 0), path_taken
-            assert bulkhead.in_flight == 0, path_taken
-            seen[path_taken] = (answer, dict(stats.counters), limit.samples, cancelled)
+            assert o.bulkhead.express == (1 if path_taken == "express" else 0), path_taken
+            assert o.bulkhead.in_flight == 0, path_taken
+            seen[path_taken] = (answer, o.seen())
         finally:
             await runner.cleanup()
     assert seen["express"] == seen["serve"]
@@ -153,7 +139,7 @@ async def test_degraded_modes_are_named_on_every_response(
     both paths: a returned response, an HTTP error the handler raises, a refusal, and a
     streamed response when `announce_degraded` is on ``app.on_response_prepare`` (without it
     the stream's head has left before the middleware sees it: a warning says so, once)."""
-    app, _, _, _, _ = build()
+    app, _ = build()
     if signal:
         policy = app.middlewares[0].policy  # type: ignore[attr-defined]
         app.on_response_prepare.append(announce_degraded(policy))

@@ -21,16 +21,11 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
-from tests.limits import CountingBulkhead
-from tests.unit.test_edge_paths_agree import LONG, SHORT, RecordingLimit
+from tests.outcomes import LONG, SHORT, Observed, observed
 
 from brownout import (
-    DegradedMode,
-    DegradedModes,
-    EventHub,
     Reason,
     Rejected,
-    Stats,
     UnknownOutcome,
 )
 from brownout.edge import EdgePolicy, Route
@@ -54,21 +49,9 @@ UNARY = [
 STREAMING = ["stream", "expires_mid_stream"]
 
 
-async def start(
-    stack: Any,
-) -> tuple[grpc.aio.Channel, Stats, CountingBulkhead, RecordingLimit, list[str]]:
-    hub = EventHub()
-    stats = Stats()
-    hub.subscribe(stats)
-    limit = RecordingLimit()
-    bulkhead = CountingBulkhead("rpc", limit, events=hub)  # type: ignore[arg-type]
-    modes = DegradedModes([DegradedMode("recs", "recommendations from a default list")])
-    modes.force("recs", on=True)
-    cancelled: list[str] = []
-
-    @modes.fallback("recs", lambda: b"default")
-    async def recommendations() -> bytes:
-        return b"personal"
+async def start(stack: Any) -> tuple[grpc.aio.Channel, Observed]:
+    o = observed("rpc", personal=b"personal", default=b"default")
+    cancelled = o.cancelled
 
     async def unary(request: bytes, context: Any) -> bytes:
         outcome = request.decode()
@@ -99,7 +82,7 @@ async def start(
         if outcome in ("expires", "cancels", "swallows_cancel"):
             await asyncio.sleep(5)
         if outcome == "fallback":
-            return await recommendations()
+            return await o.recommendations()  # type: ignore[no-any-return]
         raise AssertionError(outcome)
 
     async def streaming(request: bytes, context: Any) -> AsyncIterator[bytes]:
@@ -123,16 +106,16 @@ async def start(
         )
 
     policy = EdgePolicy(
-        bulkhead=bulkhead,
+        bulkhead=o.bulkhead,
         routes={
             "/test.Short/Unary": Route(default=SHORT, maximum=SHORT),
             "/test.Short/Stream": Route(default=SHORT, maximum=SHORT),
             "/test.Long/Unary": Route(default=LONG, maximum=LONG),
             "/test.Long/Stream": Route(default=LONG, maximum=LONG),
         },
-        degraded=modes,
+        degraded=o.modes,
         sweep_period=0.02,
-        events=hub,
+        events=o.hub,
     )
     server = grpc.aio.server(interceptors=[BrownoutServerInterceptor(policy)])
     server.add_generic_rpc_handlers((handlers("test.Short"), handlers("test.Long")))
@@ -140,7 +123,7 @@ async def start(
     await server.start()
     stack.push_async_callback(server.stop, None)
     channel = await stack.enter_async_context(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
-    return channel, stats, bulkhead, limit, cancelled
+    return channel, o
 
 
 async def call(channel: grpc.aio.Channel, outcome: str, metadata: tuple[Any, ...]) -> Any:
@@ -172,10 +155,10 @@ async def test_express_and_serve_agree_on_grpc(outcome: str) -> None:
     seen = {}
     for path_taken, metadata in (("express", ()), ("serve", (("brownout-priority", "sheddable"),))):
         async with contextlib.AsyncExitStack() as stack:
-            channel, stats, bulkhead, limit, cancelled = await start(stack)
+            channel, o = await start(stack)
             answer = await call(channel, outcome, metadata)
             await asyncio.sleep(0.1)  # anything the edge settles after the last message
-            assert bulkhead.express == (1 if path_taken == "express" else 0), path_taken
-            assert bulkhead.in_flight == 0, path_taken
-            seen[path_taken] = (answer, dict(stats.counters), limit.samples, cancelled)
+            assert o.bulkhead.express == (1 if path_taken == "express" else 0), path_taken
+            assert o.bulkhead.in_flight == 0, path_taken
+            seen[path_taken] = (answer, o.seen())
     assert seen["express"] == seen["serve"]

@@ -35,6 +35,7 @@ from tests.edge_inputs import (
     Answer,
     Edge,
     Headers,
+    asgi_scope,
     edge_policy,
     header_lists,
     judge,
@@ -60,23 +61,6 @@ EDGES = {
     for with_bulkhead in (True, False)
     for listening in (True, False)
 }
-
-
-def scope_for(path: str, headers: Headers) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode("utf-8", "surrogateescape"),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"host", b"edge"), *headers],
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-    }
 
 
 async def call(app: Callable[..., Awaitable[None]], scope: dict[str, Any]) -> list[Message]:
@@ -110,7 +94,7 @@ def brownout_middleware(edge: Edge) -> BrownoutMiddleware:
 
 async def check(edge: Edge, trust: Trust, path: str, headers: Headers) -> Answer:
     before = len(edge.seen)
-    sent = await call(edge.app, scope_for(path, headers))
+    sent = await call(edge.app, asgi_scope(path, headers))
     starts = [m for m in sent if m["type"] == "http.response.start"]
     bodies = [m for m in sent if m["type"] == "http.response.body"]
     assert len(starts) == 1, sent

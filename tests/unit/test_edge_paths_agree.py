@@ -28,15 +28,12 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route as StarletteRoute
-from tests.limits import CountingBulkhead
+from tests.edge_inputs import asgi_scope
+from tests.outcomes import LONG, SHORT, Observed, observed
 
 from brownout import (
-    DegradedMode,
-    DegradedModes,
-    EventHub,
     Reason,
     Rejected,
-    Stats,
     UnknownOutcome,
 )
 from brownout.edge import EdgePolicy, Route
@@ -44,39 +41,10 @@ from brownout.integrations.asgi import BrownoutMiddleware
 
 Message = MutableMapping[str, Any]
 
-SHORT = 0.1
-"""The deadline (seconds) of ``/short/...``, where handlers expire; they would sleep 5 s."""
-LONG = 2.0
-"""The deadline of every other route: clients that go away do so after 0.2 s."""
 
-
-class RecordingLimit:
-    """An adaptive limit that never moves and records what it is taught."""
-
-    adaptive = True
-    limit = 8
-
-    def __init__(self) -> None:
-        self.samples: list[bool] = []
-
-    def on_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
-        self.samples.append(dropped)
-        return 8
-
-
-def build() -> tuple[Starlette, Stats, CountingBulkhead, RecordingLimit, list[str]]:
-    hub = EventHub()
-    stats = Stats()
-    hub.subscribe(stats)
-    limit = RecordingLimit()
-    bulkhead = CountingBulkhead("api", limit, events=hub)  # type: ignore[arg-type]
-    modes = DegradedModes([DegradedMode("recs", "recommendations from a default list")])
-    modes.force("recs", on=True)
-    cancelled: list[str] = []
-
-    @modes.fallback("recs", lambda: "default")
-    async def recommendations() -> str:
-        return "personal"
+def build() -> tuple[Starlette, Observed]:
+    o = observed("api", personal="personal", default="default")
+    cancelled = o.cancelled
 
     async def handler(request: Request) -> Response:
         outcome = request.path_params["outcome"]
@@ -119,24 +87,24 @@ def build() -> tuple[Starlette, Stats, CountingBulkhead, RecordingLimit, list[st
 
             return StreamingResponse(slow())
         if outcome == "fallback":
-            return PlainTextResponse(await recommendations())
+            return PlainTextResponse(await o.recommendations())
         raise AssertionError(outcome)
 
     app = Starlette(
         routes=[StarletteRoute("/short/{outcome}", handler), StarletteRoute("/{outcome}", handler)]
     )
     policy = EdgePolicy(
-        bulkhead=bulkhead,
+        bulkhead=o.bulkhead,
         routes={
             "/short/{outcome}": Route(default=SHORT, maximum=SHORT),
             "/{outcome}": Route(default=LONG, maximum=LONG),
         },
-        degraded=modes,
+        degraded=o.modes,
         sweep_period=0.02,
-        events=hub,
+        events=o.hub,
     )
     app.add_middleware(BrownoutMiddleware, policy=policy)
-    return app, stats, bulkhead, limit, cancelled
+    return app, o
 
 
 async def request(app: Any, path: str, headers: list[tuple[bytes, bytes]], gone: bool) -> Any:
@@ -158,20 +126,7 @@ async def request(app: Any, path: str, headers: list[tuple[bytes, bytes]], gone:
     async def send(message: Message) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"host", b"edge"), *headers],
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-    }
+    scope = asgi_scope(path, headers)
     raised = None
     try:
         await asyncio.wait_for(app(scope, receive, send), 10)
@@ -213,12 +168,12 @@ async def test_express_and_serve_agree(outcome: str) -> None:
         ("express", []),
         ("serve", [(b"brownout-priority", b"sheddable")]),
     ):
-        app, stats, bulkhead, limit, cancelled = build()
+        app, o = build()
         gone = outcome in ("disconnect", "swallows_disconnect")
         path = f"/short/{outcome}" if outcome.startswith("expires") else f"/{outcome}"
         answer = await request(app, path, headers, gone)
         await asyncio.sleep(0.05)  # anything the edge settles after the last byte
-        assert bulkhead.express == (1 if path_taken == "express" else 0), path_taken
-        assert bulkhead.in_flight == 0, path_taken
-        seen[path_taken] = (answer, dict(stats.counters), limit.samples, cancelled)
+        assert o.bulkhead.express == (1 if path_taken == "express" else 0), path_taken
+        assert o.bulkhead.in_flight == 0, path_taken
+        seen[path_taken] = (answer, o.seen())
     assert seen["express"] == seen["serve"]

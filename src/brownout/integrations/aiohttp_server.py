@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -247,7 +247,9 @@ class BrownoutAiohttpMiddleware:
             return outcome
         return self._written(outcome, request)
 
-    def _announce(self, answer: web.StreamResponse | web.HTTPException, names: Any) -> None:
+    def _announce(
+        self, answer: web.StreamResponse | web.HTTPException, names: Sequence[str]
+    ) -> None:
         """Name the active degraded modes on the handler's answer (G2), unless it already
         left: a streamed response's head is sent by ``prepare()`` inside the handler, so only
         `announce_degraded` (run by aiohttp at ``prepare()``) can name them there."""

@@ -1091,7 +1091,7 @@ class EdgePolicy:
         if isinstance(e, Rejected):
             # A refusal from inside the handler (a dependency's breaker, budget, ...).
             if flight.reports:
-                self._failed(flight, f"rejected_{e.reason.value}")
+                self._failed(flight, "Rejected")  # as a bulkhead reports it (admission.md)
             if flight.response_started:
                 return None
             return self.refusal(e.reason, e.retry_after)

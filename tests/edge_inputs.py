@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -67,6 +68,16 @@ NEAR_VALID = [
 Headers = list[tuple[bytes, bytes]]
 
 
+def examples(n: int) -> settings:
+    """Hypothesis settings for ``n`` examples of requests: no per-example deadline (a shared
+    machine), and no complaint about slow or large examples (each is real I/O)."""
+    return settings(
+        max_examples=n,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
 @dataclass
 class Edge:
     """An app behind the edge, its policy and bulkhead, and what its handler saw."""
@@ -75,6 +86,10 @@ class Edge:
     policy: EdgePolicy
     bulkhead: Any
     seen: list[tuple[float | None, Priority]] = field(default_factory=list)
+
+
+CONFIGS = [(t, b, lis) for t in Trust for b in (True, False) for lis in (True, False)]
+"""Every edge configuration under test: (trust, with a bulkhead, with a listener)."""
 
 
 def edge_policy(

@@ -18,6 +18,23 @@ LONG = 2.0
 """The deadline of every other route: clients that go away do so after 0.2 s."""
 
 
+# The ways an HTTP handler can end that both edge paths must count alike.
+OUTCOMES = [
+    "ok",
+    "status_500",
+    "raises",
+    "http_404",
+    "rejected",
+    "unknown",
+    "expires",
+    "disconnect",
+    "swallows_disconnect",
+    "stream",
+    "expires_mid_stream",
+    "fallback",
+]
+
+
 class RecordingLimit:
     """An adaptive limit that never moves and records what it is taught (dropped or not)."""
 

@@ -22,12 +22,14 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from tests.edge_inputs import (
+    CONFIGS,
     SLACK,
     Headers,
     edge_policy,
+    examples,
     expected_budget,
     header_lists,
     judge_seen,
@@ -52,31 +54,26 @@ Running = dict[tuple[Trust, bool, bool], tuple[Any, grpc.aio.Channel]]
 
 async def start_servers(stack: contextlib.AsyncExitStack) -> Running:
     running: Running = {}
-    for trust in Trust:
-        for with_bulkhead in (True, False):
-            for listening in (True, False):
-                key = (trust, with_bulkhead, listening)
-                policy = edge_policy(*key, template=METHOD)
+    for key in CONFIGS:
+        policy = edge_policy(*key, template=METHOD)
 
-                async def echo(request: bytes, context: Any) -> bytes:
-                    ctx = brownout.current()
-                    return json.dumps([ctx.remaining(), int(ctx.priority)]).encode()
+        async def echo(request: bytes, context: Any) -> bytes:
+            ctx = brownout.current()
+            return json.dumps([ctx.remaining(), int(ctx.priority)]).encode()
 
-                server = grpc.aio.server(interceptors=[BrownoutServerInterceptor(policy)])
-                server.add_generic_rpc_handlers(
-                    (
-                        grpc.method_handlers_generic_handler(
-                            "test.Inputs", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}
-                        ),
-                    )
-                )
-                port = server.add_insecure_port("127.0.0.1:0")
-                await server.start()
-                stack.push_async_callback(server.stop, None)
-                channel = await stack.enter_async_context(
-                    grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-                )
-                running[key] = (policy, channel)
+        server = grpc.aio.server(interceptors=[BrownoutServerInterceptor(policy)])
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    "test.Inputs", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}
+                ),
+            )
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        stack.push_async_callback(server.stop, None)
+        channel = await stack.enter_async_context(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+        running[key] = (policy, channel)
     return running
 
 
@@ -139,11 +136,7 @@ def test_the_grpc_edge_on_any_metadata_and_timeout(
 ) -> None:
     thread, running = servers
 
-    @settings(
-        max_examples=120,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @examples(120)
     @given(
         with_bulkhead=st.booleans(),
         listening=st.booleans(),

@@ -23,14 +23,16 @@ from collections.abc import Iterator
 
 import pytest
 from aiohttp import web
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from tests.edge_inputs import (
+    CONFIGS,
     Answer,
     Edge,
     Headers,
     aiohttp_edge,
     edge_policy,
+    examples,
     header_lists,
     judge,
     starlette_edge,
@@ -101,19 +103,16 @@ Running = dict[tuple[str, Trust, bool, bool], tuple[Edge, int]]
 async def start_servers(stack: contextlib.AsyncExitStack) -> Running:
     """Both servers for every trust level, with and without a bulkhead and a listener."""
     running: Running = {}
-    for trust in Trust:
-        for with_bulkhead in (True, False):
-            for listening in (True, False):
-                key = (trust, with_bulkhead, listening)
-                edge = aiohttp_edge(edge_policy(*key))
-                runner = web.AppRunner(edge.app)
-                await runner.setup()
-                stack.push_async_callback(runner.cleanup)
-                await web.TCPSite(runner, "127.0.0.1", 0).start()
-                running["aiohttp", *key] = (edge, runner.addresses[0][1])
-                edge = starlette_edge(edge_policy(*key))
-                base = await stack.enter_async_context(serve(edge.app))
-                running["uvicorn", *key] = (edge, int(base.rsplit(":", 1)[1]))
+    for key in CONFIGS:
+        edge = aiohttp_edge(edge_policy(*key))
+        runner = web.AppRunner(edge.app)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        running["aiohttp", *key] = (edge, runner.addresses[0][1])
+        edge = starlette_edge(edge_policy(*key))
+        base = await stack.enter_async_context(serve(edge.app))
+        running["uvicorn", *key] = (edge, int(base.rsplit(":", 1)[1]))
     return running
 
 
@@ -135,11 +134,7 @@ def test_the_edge_on_any_headers_over_loopback(
 
     # The servers are started once; hypothesis's examples run against them (an inner
     # function, since hypothesis does not mix with a function-scoped fixture's state).
-    @settings(
-        max_examples=150,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @examples(150)
     @given(with_bulkhead=st.booleans(), listening=st.booleans(), cases=case_lists)
     def any_headers(with_bulkhead: bool, listening: bool, cases: list[Case]) -> None:
         edge, port = running[server, trust, with_bulkhead, listening]

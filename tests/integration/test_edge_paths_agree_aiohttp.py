@@ -19,8 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from tests.integration.servers import send_then_hang_up
-from tests.outcomes import LONG, SHORT, Observed, observed
-from tests.unit.test_edge_paths_agree import OUTCOMES
+from tests.outcomes import LONG, OUTCOMES, SHORT, Observed, observed
 
 from brownout import (
     Reason,

@@ -28,15 +28,17 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 from tests.edge_inputs import (
+    CONFIGS,
     SIGNER,
     Answer,
     Edge,
     Headers,
     asgi_scope,
     edge_policy,
+    examples,
     header_lists,
     judge,
     paths,
@@ -53,14 +55,7 @@ ANSWER_WITHIN = 10.0
 
 Message = MutableMapping[str, Any]
 
-EDGES = {
-    (trust, with_bulkhead, listening): starlette_edge(
-        edge_policy(trust, with_bulkhead, listening), path_cache_size=PATH_CACHE
-    )
-    for trust in Trust
-    for with_bulkhead in (True, False)
-    for listening in (True, False)
-}
+EDGES = {key: starlette_edge(edge_policy(*key), path_cache_size=PATH_CACHE) for key in CONFIGS}
 
 
 async def call(app: Callable[..., Awaitable[None]], scope: dict[str, Any]) -> list[Message]:
@@ -119,11 +114,7 @@ async def check(edge: Edge, trust: Trust, path: str, headers: Headers) -> Answer
     return answer
 
 
-@settings(
-    max_examples=2000,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@examples(2000)
 @given(
     trust=st.sampled_from(list(Trust)),
     with_bulkhead=st.booleans(),

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route as StarletteRoute
 from tests.edge_inputs import asgi_scope
-from tests.outcomes import LONG, SHORT, Observed, observed
+from tests.outcomes import LONG, OUTCOMES, SHORT, Observed, observed
 
 from brownout import (
     Reason,
@@ -143,22 +143,6 @@ async def request(app: Any, path: str, headers: list[tuple[bytes, bytes]], gone:
     if head.get(b"content-type") == b"application/problem+json":
         reason = json.loads(body)["reason"]
     return status, reason, complete, raised, head.get(b"brownout-degraded")
-
-
-OUTCOMES = [
-    "ok",
-    "status_500",
-    "raises",
-    "http_404",
-    "rejected",
-    "unknown",
-    "expires",
-    "disconnect",
-    "swallows_disconnect",
-    "stream",
-    "expires_mid_stream",
-    "fallback",
-]
 
 
 @pytest.mark.parametrize("outcome", OUTCOMES)

@@ -36,6 +36,7 @@ from ..admission.bulkhead import Permit, Untracked
 from ..clock import loop_and_time
 from ..context import _EMPTY as _NO_REQUEST
 from ..context import _get_current
+from ..degrade.modes import DEGRADED_HEADER
 from ..edge import (
     ABANDONED,
     EXPRESS_HEADERS,
@@ -53,7 +54,6 @@ from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
 __all__ = ["BrownoutAiohttpMiddleware", "announce_degraded", "brownout_middleware"]
 
 _log = logging.getLogger("brownout.edge")
-_DEGRADED = "brownout-degraded"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -100,7 +100,7 @@ def refusal_response(refusal: Refusal) -> web.Response:
     if refusal.do_not_retry:
         headers[RETRY_HEADER] = DO_NOT_RETRY_VALUE
     if refusal.degraded:
-        headers["brownout-degraded"] = ", ".join(refusal.degraded)
+        headers[DEGRADED_HEADER] = ", ".join(refusal.degraded)
     quota: Any = refusal.quota
     if quota is not None:
         headers.update(ratelimit_headers(quota))
@@ -253,7 +253,7 @@ class BrownoutAiohttpMiddleware:
         """Name the active degraded modes on the handler's answer (G2), unless it already
         left: a streamed response's head is sent by ``prepare()`` inside the handler, so only
         `announce_degraded` (run by aiohttp at ``prepare()``) can name them there."""
-        if not names or _DEGRADED in answer.headers:
+        if not names or DEGRADED_HEADER in answer.headers:
             return
         if isinstance(answer, web.StreamResponse) and answer.prepared:
             if not self._warned_prepared:
@@ -265,7 +265,7 @@ class BrownoutAiohttpMiddleware:
                     ", ".join(names),
                 )
             return
-        answer.headers[_DEGRADED] = ", ".join(names)
+        answer.headers[DEGRADED_HEADER] = ", ".join(names)
 
     @staticmethod
     def _written(outcome: Refusal | Abandoned, request: web.Request) -> web.StreamResponse:
@@ -297,11 +297,11 @@ def announce_degraded(
     """
 
     async def on_response_prepare(request: web.Request, response: web.StreamResponse) -> None:
-        if policy.degraded is None or _DEGRADED in response.headers:
+        if policy.degraded is None or DEGRADED_HEADER in response.headers:
             return
         names = policy.degraded_names()
         if names:
-            response.headers[_DEGRADED] = ", ".join(names)
+            response.headers[DEGRADED_HEADER] = ", ".join(names)
 
     return on_response_prepare
 

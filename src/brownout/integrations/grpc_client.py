@@ -103,9 +103,10 @@ _CUT_SLACK = 0.005
 attempt's own deadline (the loop's turn, the server's answer on loopback)."""
 
 
-def _wire_timeout(budget: float) -> float:
-    """The ``timeout=`` to give grpc for ``budget`` seconds so that the ``grpc-timeout`` it
-    sends is not longer (D1: a hop never gets more time than its caller has left).
+def _wire_allowance(budget: float) -> float:
+    """What to take off ``budget`` seconds before giving it to grpc as ``timeout=``, so that
+    the ``grpc-timeout`` it sends is not longer (D1: a hop never gets more time than its
+    caller has left).
 
     grpc core rounds a timeout *up* when it writes the header: to the next millisecond, then
     to 10 ms from 1 s, to 100 ms from 10 s, to whole seconds from 100 s, to 10 s from 1,000 s
@@ -118,7 +119,12 @@ def _wire_timeout(budget: float) -> float:
     while budget >= step * 1000 and step < 1e9:  # (an infinite budget stops at 1e9 s)
         step *= 10
     allowance = step + 0.001
-    return budget - allowance if budget > 2 * allowance else budget / 2
+    return allowance if budget > 2 * allowance else budget / 2
+
+
+def _wire_timeout(budget: float) -> float:
+    """The ``timeout=`` to give grpc for ``budget`` seconds (see `_wire_allowance`)."""
+    return budget - _wire_allowance(budget)
 
 
 def _details(
@@ -202,7 +208,7 @@ class BrownoutClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
                 error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
                 and deadline is not None
                 and timeout is not None
-                and deadline.remaining() <= timeout - _wire_timeout(timeout) + _CUT_SLACK
+                and deadline.remaining() <= _wire_allowance(timeout) + _CUT_SLACK
             ):
                 # The grpc-timeout we sent ran out, one rounding step before the attempt's
                 # budget (`_wire_timeout`): the attempt's deadline expired, as the deadline

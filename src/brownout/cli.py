@@ -15,6 +15,7 @@ import ipaddress
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -58,6 +59,25 @@ def parse_target(url: str) -> tuple[str, int, str]:
     return host, port, path
 
 
+def _seconds_up_to(ceiling: float) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds in (0, ceiling]. A negative, zero, NaN or
+    infinite duration would otherwise start a lab run that measures nothing useful (or never
+    ends), so it is refused before anything starts."""
+
+    def seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        if not (0.0 < value <= ceiling):  # also false for NaN
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: must be more than 0 and at most {ceiling:g} seconds"
+            )
+        return value
+
+    return seconds
+
+
 def _lab_parser() -> argparse.ArgumentParser:
     from .lab.runner import CONFIGURATIONS
     from .lab.scenarios import DEFAULT_SCENARIOS, OPT_IN_SCENARIOS, SCENARIOS
@@ -90,8 +110,16 @@ def _lab_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="lab-report", help="report folder (default lab-report)")
     p.add_argument("--markdown", help="also write this Markdown page (e.g. docs/lab.md)")
-    p.add_argument("--deadline", type=float, help="client deadline in seconds")
-    p.add_argument("--step", type=float, help="seconds per step (>= 3x the deadline)")
+    p.add_argument(
+        "--deadline",
+        type=_seconds_up_to(60.0),
+        help="client deadline in seconds (0 < deadline <= 60)",
+    )
+    p.add_argument(
+        "--step",
+        type=_seconds_up_to(3600.0),
+        help="seconds per step (>= 3x the deadline; at most 3600)",
+    )
     p.add_argument("--poisson", action="store_true", help="Poisson arrivals (default constant)")
     p.add_argument(
         "--no-fail", action="store_true", help="exit 0 even when an invariant fails (report only)"
@@ -116,9 +144,9 @@ def lab_main(argv: list[str]) -> int:
     if not console.is_terminal:
         console = Console(width=200)  # a log file or CI: do not squeeze the tables
     settings = LabSettings.quick() if args.quick else LabSettings()
-    if args.deadline:
+    if args.deadline is not None:
         settings = replace(settings, deadline=args.deadline, settle_seconds=min(args.deadline, 1))
-    if args.step:
+    if args.step is not None:
         settings = replace(settings, step_seconds=args.step)
     if args.poisson:
         settings = replace(settings, arrivals="poisson")

@@ -256,6 +256,33 @@ def test_cli_refuses_a_remote_target_before_sending_anything(
     assert main([]) == 2
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--deadline", "-1"],
+        ["--deadline", "0"],
+        ["--deadline", "nan"],
+        ["--deadline", "inf"],
+        ["--deadline", "61"],
+        ["--deadline", "soon"],
+        ["--step", "0"],
+        ["--step", "-3"],
+        ["--step", "nan"],
+    ],
+)
+def test_cli_refuses_absurd_durations_before_starting_anything(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A negative, zero or non-finite duration used to start a full lab run (or, for 0, be
+    # silently ignored); argparse now refuses it with its usage error (exit 2).
+    with pytest.raises(SystemExit) as exit_info:
+        main(["lab", "--quick", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[0]}" in err
+    assert "seconds" in err
+
+
 def test_cli_top_is_dispatched_lazily(capsys: pytest.CaptureFixture[str]) -> None:
     try:
         import brownout.export.top  # noqa: F401

@@ -20,6 +20,7 @@ import inspect
 import logging
 import math
 import re
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
@@ -455,7 +456,9 @@ class DegradedModes:
             except RuntimeError:
                 return
             self._timer_at = max(due, now)
-            self._timer = loop.call_at(self._timer_at, self._on_timer)
+            # The loop holds the timer; it must not hold the registry: a discarded registry
+            # would otherwise poll its predicates and announce changes for ever.
+            self._timer = loop.call_at(self._timer_at, _fire, weakref.ref(self))
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -519,3 +522,10 @@ class DegradedModes:
 
     def __repr__(self) -> str:
         return f"DegradedModes({list(self._states)!r}, active={self._active!r})"
+
+
+def _fire(ref: weakref.ref[DegradedModes]) -> None:
+    """A registry's loop timer, if the registry is still in use."""
+    modes = ref()
+    if modes is not None:
+        modes._on_timer()

@@ -191,8 +191,10 @@ class StaleCache(Generic[K, V]):
             return await asyncio.shield(flight.task)
         finally:
             flight.waiters -= 1
-            # The last caller gave up: stop the load and free what it holds (D5).
-            if flight.waiters == 0 and not flight.background and not flight.task.done():
+            # The last caller gave up: stop the load and free what it holds (D5). That holds
+            # for a background refresh callers joined too: it may hang (no load_timeout), and
+            # left running it would pin the key, every later caller joining it in vain.
+            if flight.waiters == 0 and not flight.task.done():
                 flight.task.cancel()
                 if self._flights.get(key) is flight:
                     del self._flights[key]  # a caller arriving now starts a new load

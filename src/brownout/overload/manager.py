@@ -192,7 +192,9 @@ class OverloadManager:
             await asyncio.sleep(self.interval)
 
     async def stop(self) -> None:
-        """Stop the periodic task and the probes."""
+        """Stop the periodic task and the probes, and return to level 0: nothing reads the
+        signals any more, so nothing would ever lower the level (a stopped manager sheds
+        nothing, as a broken probe does not)."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -202,6 +204,8 @@ class OverloadManager:
             stop = getattr(s, "stop", None)
             if callable(stop):
                 stop()
+        if task is not None and self.level:
+            self._set(0, self._clock.now())
 
     async def __aenter__(self) -> OverloadManager:
         self.start()

@@ -19,6 +19,7 @@ import time
 import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group, RenderableType
@@ -81,10 +82,28 @@ def parse(text: str, at: float | None = None) -> Scrape:
     return scrape
 
 
+MAX_SCRAPE_BYTES = 32 * 1024 * 1024
+"""A page larger than this is not a brownout service's metrics; `fetch` refuses it rather than
+hold it in memory."""
+
+
+class ScrapeError(OSError):
+    """The URL answered, but not with Prometheus metrics `brownout top` can read."""
+
+
 def fetch(url: str, timeout: float = 5.0) -> Scrape:
-    """GET ``url`` and parse it."""
+    """GET ``url`` and parse it; `OSError` (`ScrapeError` for an answer that is not metrics)
+    when it cannot be read."""
+    if urlsplit(url).scheme not in ("http", "https"):
+        raise ScrapeError(f"not an http:// or https:// URL: {url!r}")
     with urllib.request.urlopen(url, timeout=timeout) as response:
-        return parse(response.read().decode("utf-8"))
+        body = response.read(MAX_SCRAPE_BYTES + 1)
+    if len(body) > MAX_SCRAPE_BYTES:
+        raise ScrapeError(f"the page is larger than {MAX_SCRAPE_BYTES // 2**20} MiB")
+    try:
+        return parse(body.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise ScrapeError(f"not Prometheus text exposition: {exc}") from None
 
 
 def _quantile(buckets: Mapping[float, float], q: float) -> float:
@@ -213,8 +232,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("url", nargs="?", default="http://127.0.0.1:8000/metrics")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     parser.add_argument("--once", action="store_true", help="print one frame and exit")
-    parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per scrape")
     args = parser.parse_args(argv)
+    # NaN fails both comparisons; an interval of 0 would scrape the service in a busy loop.
+    if not 0.1 <= args.interval <= 3600:
+        parser.error(f"--interval {args.interval:g}: must be 0.1 to 3600 seconds")
+    if not 0 < args.timeout <= 300:
+        parser.error(f"--timeout {args.timeout:g}: must be more than 0 and at most 300 seconds")
     console = Console()
     try:
         first = fetch(args.url, args.timeout)

@@ -35,6 +35,7 @@ from .events import (
     DegradedModeChanged,
     Event,
     EventHub,
+    GuardFailedClosed,
     LimitChanged,
     OutcomeUnknown,
     OverloadLevelChanged,
@@ -49,6 +50,7 @@ from .events import (
     RequestShed,
     RequestsTallied,
     RetryBudgetExhausted,
+    StaleServed,
 )
 from .priority import Priority
 
@@ -438,6 +440,10 @@ class Stats:
         self.quota_fallback: dict[str, bool] = {}
         self.headers_ignored: dict[tuple[str, str], int] = {}
         """Inbound deadline/priority headers ignored, by (header, problem)."""
+        self.stale_served: dict[str, int] = {}
+        """Answers a `StaleCache` served older than their freshness bound, by cache (G1)."""
+        self.guard_failed_closed: dict[tuple[str, str], int] = {}
+        """Refusals of a `FailClosedGuard`, by (guarded data, failure type name) (G4)."""
         self._clock = clock if clock is not None else default_clock()
         self._watched: list[Callable[[], Observable | None]] = []
         self._complained: set[int] = set()
@@ -463,6 +469,8 @@ class Stats:
             DegradedModeChanged: self._degraded,
             QuotaBackendChanged: self._quota_backend,
             DeadlineHeaderIgnored: self._header_ignored,
+            StaleServed: self._stale_served,
+            GuardFailedClosed: self._guard_failed_closed,
         }
 
     # -- the sink ---------------------------------------------------------------------------
@@ -704,6 +712,14 @@ class Stats:
         key = (self.reasons(e.header), self.reasons(e.problem))
         self.headers_ignored[key] = self.headers_ignored.get(key, 0) + 1
 
+    def _stale_served(self, e: StaleServed) -> None:
+        source = self.sources(e.source)
+        self.stale_served[source] = self.stale_served.get(source, 0) + 1
+
+    def _guard_failed_closed(self, e: GuardFailedClosed) -> None:
+        key = (self.sources(e.what), self.reasons(e.cause))
+        self.guard_failed_closed[key] = self.guard_failed_closed.get(key, 0) + 1
+
     # -- live state -------------------------------------------------------------------------
     def watch(self, observable: Observable) -> Observable:
         """Read ``observable.gauges()`` at every scrape; returns it (for `unwatch`).
@@ -897,3 +913,5 @@ class Stats:
         self.breaker_transitions.clear()
         self.degraded_activations.clear()
         self.headers_ignored.clear()
+        self.stale_served.clear()
+        self.guard_failed_closed.clear()

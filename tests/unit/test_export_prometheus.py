@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from brownout import Priority, Reason
+from brownout import EventHub, FailClosed, FailClosedGuard, Priority, Reason, StaleCache
 from brownout.events import (
     BreakerStateChanged,
     RequestAdmitted,
@@ -202,3 +204,50 @@ async def test_mount_metrics_on_starlette(stats_registry):
         assert "brownout_stats_series" in r.text
         assert (await client.get("/")).text == "hi"
     assert isinstance(MetricsApp(registry), MetricsApp)
+
+
+@pytest.mark.looptime
+async def test_stale_answers_and_fail_closed_refusals_are_counted_and_exported() -> None:
+    """G1/G4, O2: `StaleServed` and `GuardFailedClosed` were emitted but no sink counted them,
+    so a dashboard could not show how much content was served stale or how often
+    authoritative reads failed closed."""
+    hub = EventHub()
+    stats = hub.subscribe(Stats())
+    registry = CollectorRegistry()
+    register(stats, registry)
+
+    cache: StaleCache[str, str] = StaleCache(
+        max_entries=10, fresh_for=1.0, max_staleness=60.0, name="catalog", events=hub
+    )
+
+    async def load() -> str:
+        return "v"
+
+    await cache.get("k", load)
+    await asyncio.sleep(5)
+    await cache.get("k", load)  # stale, within max_staleness: served, refreshed behind it
+    await cache.get("k", load)  # fresh again once the refresh landed, or stale once more
+
+    guard = FailClosedGuard("authorization", events=hub)
+
+    async def broken() -> str:
+        raise ConnectionError("down")
+
+    for _ in range(3):
+        with pytest.raises(FailClosed):
+            await guard.call(broken)
+
+    samples = scrape(registry)
+    assert value(samples, "brownout_stale_served_total", source="catalog") >= 1
+    assert value(samples, "brownout_stale_served_total", source="catalog") == sum(
+        stats.stale_served.values()
+    )
+    assert (
+        value(
+            samples,
+            "brownout_guard_failed_closed_total",
+            what="authorization",
+            cause="ConnectionError",
+        )
+        == 3
+    )

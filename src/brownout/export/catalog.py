@@ -265,6 +265,20 @@ STATE_COUNTERS: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
         ("header", "problem"),
         "Inbound deadline/priority headers ignored as malformed, forged or untrusted.",
     ),
+    (
+        "stale_served",
+        "brownout_stale_served",
+        "brownout.stale.served",
+        ("source",),
+        "Answers a StaleCache served older than their freshness bound (G1).",
+    ),
+    (
+        "guard_failed_closed",
+        "brownout_guard_failed_closed",
+        "brownout.guard.failed_closed",
+        ("what", "cause"),
+        "Refusals of a FailClosedGuard whose authoritative source failed, by failure (G4).",
+    ),
 )
 """(Stats attribute, Prometheus name, OpenTelemetry name, label names, help) for counters of
 state changes kept outside the request rows."""

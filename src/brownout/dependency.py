@@ -19,6 +19,9 @@ A mutation whose outcome is unknown raises `UnknownOutcome` and is written to th
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, TypeVar
@@ -39,6 +42,8 @@ __all__ = ["AdmitsWork", "Dependency"]
 T = TypeVar("T")
 
 _UNBOUNDED = float("inf")
+_log = logging.getLogger("brownout.dependency")
+_LEDGER_WRITES: set[asyncio.Future[None]] = set()  # shielded writes still running (strong refs)
 _EDGE = 0.001  # the smallest reserve: an attempt always ends before its request (seconds)
 
 
@@ -91,6 +96,9 @@ class Dependency:
         clock: Clock | None = None,
         events: EventHub = hub,
     ) -> None:
+        if timeout is not None and not timeout > 0:  # also refuses NaN
+            # A zero budget would "send" nothing and report an unknown outcome for it.
+            raise ValueError("timeout must be > 0 (or None)")
         self.name = name
         self.timeout = timeout
         self.reserve = reserve
@@ -163,9 +171,7 @@ class Dependency:
             )
         except UnknownOutcome as unknown:
             if self.ledger is not None and unknown.idempotency_key is not None:
-                await self.ledger.record_unknown(
-                    unknown.idempotency_key, dependency=self.name, detail=repr(unknown.__cause__)
-                )
+                await self._record_unknown(self.ledger, unknown.idempotency_key, unknown)
             raise
         except Rejected as refused:
             breaker = self.breaker
@@ -179,6 +185,33 @@ class Dependency:
                     result: T = await breaker.fallback(refused)
                 return result
             raise
+
+    async def _record_unknown(
+        self, ledger: OutcomeLedger, key: str, unknown: UnknownOutcome
+    ) -> None:
+        """Write an unknown outcome to the ledger (D6), whatever happens to this call.
+
+        The write is shielded: the request's deadline (or its caller) may cancel the call while
+        the write is on the wire, and a cut-off write loses the only record of the mutation. A
+        failing ledger is logged, and the caller still gets `UnknownOutcome`, not the store's
+        error (which an upper layer could mistake for a transient failure and retry).
+        """
+        write = asyncio.ensure_future(
+            ledger.record_unknown(key, dependency=self.name, detail=repr(unknown.__cause__))
+        )
+        _LEDGER_WRITES.add(write)
+        write.add_done_callback(self._ledger_written)
+        with contextlib.suppress(Exception):  # logged by _ledger_written
+            await asyncio.shield(write)
+
+    def _ledger_written(self, write: asyncio.Future[None]) -> None:
+        _LEDGER_WRITES.discard(write)
+        if not write.cancelled() and write.exception() is not None:
+            _log.error(
+                "%s: could not record an unknown outcome in the ledger",
+                self.name,
+                exc_info=write.exception(),
+            )
 
     async def _attempt(
         self,

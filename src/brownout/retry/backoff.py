@@ -43,7 +43,7 @@ class ExponentialBackoff:
         jitter: bool = True,
         rng: random.Random | None = None,
     ) -> None:
-        if base < 0 or cap < 0 or multiplier < 1:
+        if not (base >= 0 and cap >= 0 and multiplier >= 1):  # also refuses NaN
             raise ValueError("base and cap must be >= 0 and multiplier >= 1")
         self.base = base
         self.multiplier = multiplier
@@ -86,7 +86,7 @@ class DecorrelatedJitterBackoff:
     def __init__(
         self, base: float = 0.05, *, cap: float = 2.0, rng: random.Random | None = None
     ) -> None:
-        if base < 0 or cap < base:
+        if not 0 <= base <= cap:  # also refuses NaN
             raise ValueError("need 0 <= base <= cap")
         self.base = base
         self.cap = cap

@@ -201,6 +201,9 @@ class CircuitBreaker:
         self._events = events
         if window_type == "count":
             self._window: _CountWindow | _TimeWindow = _CountWindow(window)
+            # A ring of ``window`` outcomes never holds more: a larger minimum would never be
+            # reached and the breaker would never open (Resilience4j caps it the same way).
+            self.minimum_calls = min(self.minimum_calls, window)
         elif window_type == "time":
             self._window = _TimeWindow(window, self._clock)
         else:

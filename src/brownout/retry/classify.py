@@ -196,7 +196,7 @@ def parse_pushback(headers: Mapping[str, str]) -> tuple[float | None, bool]:
     retry_after = headers.get("retry-after")
     if retry_after is not None:
         value = retry_after.strip()
-        if value.isdigit():
+        if value.isascii() and value.isdigit():  # not "²": str.isdigit accepts it, float not
             return float(value), False
         try:
             when = email.utils.parsedate_to_datetime(value)

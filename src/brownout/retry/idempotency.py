@@ -168,9 +168,7 @@ class Reconciler:
 
     async def run_once(self) -> list[OutcomeRecord]:
         resolved: list[OutcomeRecord] = []
-        for record in await self.ledger.pending(self.batch):
-            if record.checks >= self.max_checks:
-                continue
+        for record in await self._checkable():
             try:
                 state = await self.check(record)
             except Exception:
@@ -187,8 +185,25 @@ class Reconciler:
             resolved.append(replace(record, state=state))
         return resolved
 
+    async def _checkable(self) -> list[OutcomeRecord]:
+        """Up to ``batch`` pending entries still under ``max_checks``, oldest first.
+
+        Entries left for a human stay pending at the head of the ledger; reading past them
+        keeps them from starving every newer entry.
+        """
+        limit = self.batch
+        while True:
+            records = await self.ledger.pending(limit)
+            checkable = [r for r in records if r.checks < self.max_checks]
+            if len(checkable) >= self.batch or len(records) < limit:
+                return checkable[: self.batch]
+            limit *= 2
+
     async def run(self, interval: float = 5.0) -> None:
         """Reconcile every ``interval`` seconds until cancelled."""
         while True:
-            await self.run_once()
+            try:
+                await self.run_once()
+            except Exception:  # the ledger's store blipped: try again next round
+                _log.warning("reconciliation round failed", exc_info=True)
             await asyncio.sleep(interval)

@@ -186,7 +186,10 @@ class RetryPolicy:
 
     def _observe(self, duration: float) -> None:
         # Exponentially weighted moving average; alpha 0.2 follows a slowdown within ~5 calls.
-        self._avg_attempt += 0.2 * (duration - self._avg_attempt)
+        # Seeded with the first observation: starting from 0 would claim a fresh policy's
+        # attempts take a fifth of what it just measured, and send retries that cannot fit (R4).
+        avg = self._avg_attempt
+        self._avg_attempt = duration if avg == 0.0 else avg + 0.2 * (duration - avg)
 
     # -- running ------------------------------------------------------------------------
 
@@ -272,6 +275,7 @@ class RetryPolicy:
         previous_delay = 0.0
         last_error: Exception = error
         last_failure: Failure | None = None
+        unknown = False  # an attempt was sent and never answered: it may have been applied (D6)
         while True:
             failure = self.classify(error)
             if not failure.transient:
@@ -290,18 +294,34 @@ class RetryPolicy:
                         idempotent,
                         key,
                         source,
+                        unknown,
                     ) from last_error
                 if failure.do_not_retry:
                     budget.record_failure()
                     raise self._give_up(
-                        error, failure, attempt, StopReason.DO_NOT_RETRY, idempotent, key, source
+                        error,
+                        failure,
+                        attempt,
+                        StopReason.DO_NOT_RETRY,
+                        idempotent,
+                        key,
+                        source,
+                        unknown,
                     ) from error
                 raise error
             budget.record_failure()
             last_error, last_failure = error, failure
+            unknown = unknown or failure.outcome_unknown
             if failure.do_not_retry:
                 raise self._give_up(
-                    error, failure, attempt, StopReason.DO_NOT_RETRY, idempotent, key, source
+                    error,
+                    failure,
+                    attempt,
+                    StopReason.DO_NOT_RETRY,
+                    idempotent,
+                    key,
+                    source,
+                    unknown,
                 ) from error
             if not (idempotent or key is not None or not failure.sent):
                 # Resending a possibly-applied, unkeyed mutation could apply it twice (R2).
@@ -312,7 +332,7 @@ class RetryPolicy:
                 if self.attempts == 1 and (idempotent or not failure.outcome_unknown):
                     raise error  # not a retry layer: the layer above may retry (R1)
                 raise self._give_up(
-                    error, failure, attempt, StopReason.ATTEMPTS, idempotent, key, source
+                    error, failure, attempt, StopReason.ATTEMPTS, idempotent, key, source, unknown
                 ) from error
             delay = self.backoff.delay(attempt, previous_delay)
             if failure.retry_after is not None and failure.retry_after > delay:
@@ -320,13 +340,28 @@ class RetryPolicy:
             deadline = current_deadline()
             if deadline is not None:
                 left = deadline.at - deadline.clock.now()
-                if delay + self.expected(floor) + reserve > left:
+                # Written so that a NaN anywhere (a config, a pushback) stops rather than retries.
+                if not delay + self.expected(floor) + reserve <= left:
                     raise self._give_up(
-                        error, failure, attempt, StopReason.DEADLINE, idempotent, key, source
+                        error,
+                        failure,
+                        attempt,
+                        StopReason.DEADLINE,
+                        idempotent,
+                        key,
+                        source,
+                        unknown,
                     ) from error
             if slots is not None and not slots.try_take():
                 raise self._give_up(
-                    error, failure, attempt, StopReason.CONCURRENT_RETRIES, idempotent, key, source
+                    error,
+                    failure,
+                    attempt,
+                    StopReason.CONCURRENT_RETRIES,
+                    idempotent,
+                    key,
+                    source,
+                    unknown,
                 ) from error
             try:
                 if not budget.try_acquire_retry():
@@ -343,7 +378,7 @@ class RetryPolicy:
                             )
                         )
                     raise self._give_up(
-                        error, failure, attempt, StopReason.BUDGET, idempotent, key, source
+                        error, failure, attempt, StopReason.BUDGET, idempotent, key, source, unknown
                     ) from error
                 if events.enabled:
                     ctx = current()
@@ -387,8 +422,11 @@ class RetryPolicy:
         idempotent: bool,
         key: str | None,
         source: str,
+        unknown: bool = False,
     ) -> Exception:
-        if not idempotent and failure.outcome_unknown:
+        # Once an attempt may have been applied, only an answer settles it: a later attempt
+        # that was never sent, or was refused, says nothing about the earlier one (D6).
+        if not idempotent and (unknown or failure.outcome_unknown):
             return self._unknown(key, source)
         return RetriesExhausted(error, attempts=attempts, stopped_by=why)
 

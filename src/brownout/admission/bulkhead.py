@@ -348,6 +348,7 @@ class Bulkhead:
         self._untracked = Untracked(self)
         self._sweep: asyncio.TimerHandle | None = None
         self._sweep_loop: asyncio.AbstractEventLoop | None = None
+        self._sweep_at = _INF  # when the armed sweep fires (this bulkhead's clock)
 
     # -- public state ----------------------------------------------------------------------
     @property
@@ -772,10 +773,15 @@ class Bulkhead:
         now = self._clock.now()
         est = self._estimator
         d_at = p.deadline_at
+        rank = rank_of(p.priority, p.in_progress)
         if d_at != _INF and est is not None:
             service = est.estimates.get(p.operation)
             if service is not None:
-                wait = (q.size + 1) * service / self._limit_value
+                # only work served before it delays it (S3): lower classes wait behind it
+                ahead = q.size
+                if ahead:
+                    ahead = sum(q.class_depth(r) for r in range(rank, CRITICAL_PLUS_RANK + 2))
+                wait = (ahead + 1) * service / self._limit_value
                 if d_at - now < wait + service:
                     raise self._refuse(
                         p,
@@ -802,13 +808,19 @@ class Bulkhead:
         p._future = fut
         # Age bounds are enforced by one sweep timer for the whole queue; only a deadline
         # that comes first needs a timer of its own.
-        if d_at < now + q.wait_bound(now, rank_of(p.priority, p.in_progress)):
+        if d_at < now + q.wait_bound(now, rank):
             p._timer = loop.call_later(max(0.0, d_at - now), self._expire, p)
         else:
             p._timer = None
         if self._sweep is None or self._sweep_loop is not loop:
             # (a bulkhead outliving its loop, e.g. across asyncio.run calls, re-arms here)
             self._schedule_sweep(loop, now)
+        else:
+            # A waiter may be due before the armed sweep: a class that continues a standing
+            # period gets CoDel's short bound at once (PriorityCoDelQueue), not the interval.
+            at = q.next_expiry(now)
+            if at is not None and at < self._sweep_at:
+                self._schedule_sweep(loop, now)
         events = self._events
         if events.enabled:
             events.emit(RequestQueued(now, self.name, p.operation, p.priority, p.caller, q.size))
@@ -838,9 +850,11 @@ class Bulkhead:
         at = self._queue.next_expiry(now)
         if at is None:
             self._sweep = None
+            self._sweep_at = _INF
             return
         # at least a microsecond: a bound that changes at ``at`` (CoDel's interval ending)
         # may compare a rounding error short when the timer fires exactly then
+        self._sweep_at = at
         self._sweep = loop.call_later(max(1e-6, at - now), self._run_sweep, loop)
 
     def _run_sweep(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -869,7 +883,11 @@ class Bulkhead:
         waited = now - p.enqueued_at
         p.queue_wait = waited
         fut = p._future
-        if fut.done():
+        if fut.done():  # its task was cancelled; the waiter cleans up nothing more (O1)
+            if self._events.enabled:
+                self._events.emit(
+                    RequestAbandoned(now, self.name, p.operation, p.priority, p.caller, waited)
+                )
             return
         if reason is Reason.DEADLINE_EXPIRED:
             events = self._events
@@ -913,6 +931,15 @@ class Bulkhead:
                 p._state = _DONE
                 if p._timer is not None:
                     p._timer.cancel()
+                if reason is None:  # counted as served by the pop: it left, it was not served
+                    q.served -= 1
+                    q.removed += 1
+                if self._events.enabled:  # as the waiter reports it when it cleans up (O1)
+                    self._events.emit(
+                        RequestAbandoned(
+                            now, self.name, p.operation, p.priority, p.caller, now - p.enqueued_at
+                        )
+                    )
                 continue
             if reason is None:
                 # D7: check again after taking work off the queue.

@@ -459,7 +459,10 @@ class Gradient2Limit(_ProbingLimit):
         self.smoothing = smoothing
 
     def _update(self, limit: float, short_rtt: float, no_load_rtt: float) -> float:
-        gradient = _clamp(self.tolerance * no_load_rtt / short_rtt, 0.5, 1.0)
+        # an rtt of 0.0 (a coarse clock, virtual time) is no queueing, not a division by zero
+        gradient = (
+            _clamp(self.tolerance * no_load_rtt / short_rtt, 0.5, 1.0) if short_rtt > 0 else 1.0
+        )
         queue = self.queue_size
         if queue is None:
             queue = _clamp(limit * 0.1, 1.0, 4.0)
@@ -519,7 +522,8 @@ class VegasLimit(_ProbingLimit):
 
     def _update(self, limit: float, short_rtt: float, no_load_rtt: float) -> float:
         t = math.log10(limit) if limit > 10 else 1.0
-        queue = limit * (1.0 - no_load_rtt / short_rtt)
+        # an rtt of 0.0 (a coarse clock, virtual time) is no queueing, not a division by zero
+        queue = limit * (1.0 - no_load_rtt / short_rtt) if short_rtt > 0 else 0.0
         if queue <= t:
             step = 3 * t
         elif queue < 3 * t:

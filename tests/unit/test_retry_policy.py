@@ -251,6 +251,26 @@ async def test_a_long_retry_after_that_outlives_the_deadline_stops_retrying() ->
 
 
 @pytest.mark.looptime
+async def test_a_pushback_longer_than_max_pushback_stops_instead_of_parking_the_call() -> None:
+    """Without a deadline, a ``Retry-After: 3600`` used to hold the call (and its task) for an
+    hour before the retry; past ``max_pushback`` the layer gives up at once."""
+    fn, seen = script(ResponseError(503, retry_after=3600.0), "ok")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(RetriesExhausted) as info:
+        await fast_policy().call(fn, idempotent=True)
+    assert info.value.stopped_by is StopReason.PUSHBACK and len(seen) == 1
+    assert loop.time() - started < 1.0
+    # within the bound it is waited out, as before
+    fn, seen = script(ResponseError(503, retry_after=20.0), "ok")
+    assert await fast_policy(max_pushback=20.0).call(fn, idempotent=True) == "ok"
+    assert seen[1][2] - seen[0][2] == pytest.approx(20.0, abs=1e-3)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="max_pushback"):
+            RetryPolicy(max_pushback=bad)
+
+
+@pytest.mark.looptime
 async def test_an_empty_budget_returns_the_original_error_and_emits_an_event() -> None:
     hub = EventHub()
     rec = hub.subscribe(Recorder())

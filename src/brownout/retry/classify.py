@@ -220,6 +220,8 @@ class StopReason(StrEnum):
     """The dependency (or a lower retry layer) asked not to retry (R1)."""
     CONCURRENT_RETRIES = "concurrent_retries"
     """Too many calls to this dependency were already retrying (A6)."""
+    PUSHBACK = "pushback"
+    """The dependency asked to wait longer than the policy's ``max_pushback``."""
     REFUSED = "refused"
     """A local guard (breaker, throttle, bulkhead, deadline) refused the retry attempt."""
 

@@ -114,6 +114,9 @@ class RetryPolicy:
     by default it is a moving average of observed attempt durations.
     ``idempotency_keys``: generate a key per logical call for mutations that have none, so
     they can be retried and reconciled; turn off if the dependency does not deduplicate.
+    ``max_pushback``: the longest server pushback (``Retry-After``, ``grpc-retry-pushback-ms``)
+    this layer waits out; a longer one stops retrying (`StopReason.PUSHBACK`) instead of holding
+    the call, which matters when no deadline bounds the wait.
     """
 
     __slots__ = (
@@ -127,6 +130,7 @@ class RetryPolicy:
         "expected_attempt_time",
         "idempotency_keys",
         "max_concurrent_retries",
+        "max_pushback",
         "name",
         "reserve",
         "slots",
@@ -143,13 +147,17 @@ class RetryPolicy:
         reserve: float = 0.0,
         max_concurrent_retries: int | None = None,
         idempotency_keys: bool = True,
+        max_pushback: float = 30.0,
         name: str = "retry",
         clock: Clock | None = None,
         events: EventHub = hub,
     ) -> None:
         if attempts < 1:
             raise ValueError("attempts must be >= 1")
+        if not max_pushback >= 0:  # also refuses NaN
+            raise ValueError("max_pushback must be >= 0")
         self.attempts = attempts
+        self.max_pushback = max_pushback
         self._clock = clock or default_clock()
         self.budget: RetryAllowance = budget if budget is not None else RetryBudget(clock=clock)
         self.backoff: Backoff = backoff if backoff is not None else ExponentialBackoff()
@@ -336,6 +344,18 @@ class RetryPolicy:
                 ) from error
             delay = self.backoff.delay(attempt, previous_delay)
             if failure.retry_after is not None and failure.retry_after > delay:
+                if not failure.retry_after <= self.max_pushback:
+                    # "Come back in an hour": not a wait to hold a call (and its task) for.
+                    raise self._give_up(
+                        error,
+                        failure,
+                        attempt,
+                        StopReason.PUSHBACK,
+                        idempotent,
+                        key,
+                        source,
+                        unknown,
+                    ) from error
                 delay = failure.retry_after
             deadline = current_deadline()
             if deadline is not None:

@@ -406,7 +406,11 @@ class Stats:
         )
         self.sources = LabelCap(max_sources)
         self.reasons = LabelCap(max_reasons)
-        """Caps free-form reason labels: exception type names, retry causes, modes."""
+        """Caps free-form reason labels: exception type names, retry causes, header problems."""
+        self.modes = LabelCap(max_reasons)
+        """Caps degraded-mode names. Apart from `reasons`: modes are declared in code, and
+        exception names seen first must not fold a mode into "other", where the gauge of one
+        mode turning off would hide another that is on."""
         self.max_series = max_series
         self._rows: dict[tuple[str, _Labels, str], int] = {}
         # Raw (source, operation, priority, caller) -> capped labels: one dict lookup per event
@@ -696,7 +700,7 @@ class Stats:
         self.overload_levels[self.sources(e.source)] = e.new
 
     def _degraded(self, e: DegradedModeChanged) -> None:
-        mode = self.reasons(e.mode)
+        mode = self.modes(e.mode)
         was = self.degraded_modes.get(mode, False)
         self.degraded_modes[mode] = e.active
         if e.active and not was:
@@ -749,7 +753,7 @@ class Stats:
     def declare_degraded_mode(self, mode: str, max_duration: float) -> None:
         """Record a degraded mode's declared maximum duration (G2), exported so an alert can
         fire when the mode stays on longer."""
-        self.degraded_max[self.reasons(mode)] = float(max_duration)
+        self.degraded_max[self.modes(mode)] = float(max_duration)
 
     def gauges(self) -> list[Gauge]:
         """Every gauge reading: state learned from events plus every watched `Observable`.

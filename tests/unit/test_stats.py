@@ -334,3 +334,29 @@ def test_top_k_never_loses_a_count_nor_exceeds_its_cap(callers, cap, epoch):
     assert len(s.callers) <= cap
     assert len({key[3] for key in s.counters}) <= cap + 1  # the slot holders and "other"
     assert sum(s.count("offered", caller=c) for c in {key[3] for key in s.counters}) == len(callers)
+
+
+def test_exception_names_do_not_fold_degraded_modes_into_other() -> None:
+    """Mode names had the same cap as exception type names: after 64 distinct failures every
+    later mode became "other", and one mode turning off reset the gauge of another that was
+    on."""
+    s = Stats(max_reasons=4)
+    for i in range(10):
+        s.emit(
+            RequestFailed(
+                at=1.0,
+                source="api",
+                operation="get",
+                priority=Priority.CRITICAL,
+                caller="c",
+                latency=0.01,
+                error=f"Error{i}",
+            )
+        )
+    for mode, active in (
+        ("stale_search", True),
+        ("no_recommendations", True),
+        ("no_recommendations", False),
+    ):
+        s.emit(DegradedModeChanged(at=2.0, source="degrade", mode=mode, active=active, trigger="t"))
+    assert s.degraded_modes == {"stale_search": True, "no_recommendations": False}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,7 +25,13 @@ import pytest
 import brownout
 from brownout import Dependency, Priority, Reason, Rejected, RetryPolicy, UnknownOutcome
 from brownout.integrations.grpc_client import brownout_interceptors
-from brownout.retry import ExponentialBackoff, InMemoryOutcomeLedger, RetriesExhausted, StopReason
+from brownout.retry import (
+    ExponentialBackoff,
+    InMemoryOutcomeLedger,
+    ResponseError,
+    RetriesExhausted,
+    StopReason,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -252,3 +260,72 @@ async def test_a_call_cut_at_its_deadline_raises_deadline_exceeded(
         with pytest.raises(brownout.DeadlineExceeded):
             async with brownout.request(deadline=deadline):
                 await ch.unary_unary(READ)(b"x")
+
+
+_DYING_SERVER = """
+import asyncio, sys
+import grpc, grpc.aio
+
+async def echo(request, context):
+    print("called", flush=True)
+    await asyncio.sleep(60)  # killed in here: the call may have been applied
+    return request
+
+async def main():
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "test.Client", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+async def test_a_server_dying_mid_call_leaves_a_mutation_unknown_not_refused(keyed: bool) -> None:
+    """grpc reports a connection lost mid-call as UNAVAILABLE ("Stream removed"), the code a
+    refusal uses. It was read as "refused, not run": an unkeyed mutation was resent (R2), and
+    a keyed one whose later attempts found nobody listening ended as RetriesExhausted, so its
+    possibly-applied first attempt never reached the ledger (D6)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _DYING_SERVER, stdout=asyncio.subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    try:
+        port = int(await asyncio.wait_for(proc.stdout.readline(), 30))
+        ledger = InMemoryOutcomeLedger()
+        dep = Dependency(
+            "dying", retry=fast_retries(3, idempotency_keys=keyed), ledger=ledger, timeout=20.0
+        )
+        async with channel(f"127.0.0.1:{port}", dep) as ch:
+            call = asyncio.ensure_future(ch.unary_unary(ECHO)(b"pay 5"))
+            assert await asyncio.wait_for(proc.stdout.readline(), 30) == b"called\n"
+            proc.kill()
+            with pytest.raises(UnknownOutcome) as info:
+                await asyncio.wait_for(call, 30)
+        cause = info.value.__cause__
+        assert isinstance(cause, ResponseError) and cause.grpc_code == "UNAVAILABLE"
+        if keyed:
+            assert info.value.idempotency_key is not None
+            assert [r.key for r in await ledger.pending()] == [info.value.idempotency_key]
+        else:
+            assert info.value.idempotency_key is None
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+
+
+async def test_a_call_that_never_connects_is_retried_even_as_a_mutation() -> None:
+    """The other side of the same rule: grpc's "failed to connect" never left the client."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    dep = Dependency("nobody", retry=fast_retries(3, idempotency_keys=False))
+    async with channel(f"127.0.0.1:{port}", dep) as ch:
+        with pytest.raises(RetriesExhausted) as info:
+            await ch.unary_unary(ECHO)(b"pay 5")
+    assert info.value.attempts == 3

@@ -53,6 +53,7 @@ from ..propagation import (
     context_headers,
 )
 from ..retry.classify import ResponseError, TransientError, parse_pushback
+from .grpc_server import REFUSAL_REASON_KEY
 
 __all__ = [
     "BrownoutClientInterceptor",
@@ -80,21 +81,35 @@ def _metadata_value(metadata: Iterable[Any] | None, key: str) -> str | None:
     return None
 
 
+_NEVER_CONNECTED = ("failed to connect to all addresses", "DNS resolution failed")
+"""How grpc words an UNAVAILABLE for a call that never left the client. Any other
+UNAVAILABLE without a server's pushback may be a connection lost mid-call (grpc says
+"Stream removed (Socket closed)" when the server dies in the handler): gRPC's status code
+guide warns it is not always safe to retry non-idempotent calls then, so such a call counts
+as sent and unanswered (R2: an unkeyed mutation is not resent; D6: its outcome is unknown)."""
+
+
 def _rpc_failure(error: grpc.aio.AioRpcError) -> Exception:
     """Translate a finished call's error for the retry policy."""
     code = error.code()
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return TransientError(f"DEADLINE_EXCEEDED: {error.details()}", sent=True)
-    pushback = _metadata_value(error.trailing_metadata(), GRPC_PUSHBACK_KEY)
+    trailers = error.trailing_metadata()
+    pushback = _metadata_value(trailers, GRPC_PUSHBACK_KEY)
     retry_after, never = (
         parse_pushback({GRPC_PUSHBACK_KEY: pushback}) if pushback is not None else (None, False)
     )
+    detail = error.details() or ""
     return ResponseError(
         grpc_code=code.name,
         retry_after=retry_after,
         do_not_retry=never,
         response=error,
-        detail=error.details() or "",
+        detail=detail,
+        answered=code is not grpc.StatusCode.UNAVAILABLE
+        or pushback is not None
+        or _metadata_value(trailers, REFUSAL_REASON_KEY) is not None
+        or detail.startswith(_NEVER_CONNECTED),
     )
 
 

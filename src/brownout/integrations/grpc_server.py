@@ -95,8 +95,12 @@ def _metadata_getter(metadata: Sequence[Any]) -> HeaderGetter:
     return get
 
 
+REFUSAL_REASON_KEY = "brownout-reason"
+"""Trailing metadata naming a refusal's reason; clients read it as "refused, not run"."""
+
+
 def _trailers(refusal: Refusal) -> tuple[tuple[str, str], ...]:
-    out = [("brownout-reason", refusal.reason.value)]
+    out = [(REFUSAL_REASON_KEY, refusal.reason.value)]
     if refusal.do_not_retry:
         out.append((GRPC_PUSHBACK_KEY, "-1"))
     elif refusal.retry_after is not None:

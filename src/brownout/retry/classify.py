@@ -70,6 +70,9 @@ class ResponseError(BrownoutError):
     ``retry_after`` is the server's pushback in seconds (``Retry-After``,
     ``grpc-retry-pushback-ms``); ``do_not_retry`` is its "never retry" marker (R1).
     ``response`` keeps the library's response object for the caller.
+    ``answered=False``: the status was made up by the client library, not sent by the
+    dependency (grpc reports a connection lost mid-call as ``UNAVAILABLE``): the request may
+    have been applied (R2, D6).
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class ResponseError(BrownoutError):
         do_not_retry: bool = False,
         response: object = None,
         detail: str = "",
+        answered: bool = True,
     ) -> None:
         what = f"HTTP {status}" if status is not None else f"gRPC {grpc_code}"
         super().__init__(f"{what}: {detail}" if detail else what)
@@ -89,6 +93,7 @@ class ResponseError(BrownoutError):
         self.retry_after = retry_after
         self.do_not_retry = do_not_retry
         self.response = response
+        self.answered = answered
 
 
 class Failure:
@@ -152,10 +157,12 @@ def classify(error: BaseException) -> Failure:
         transient = (error.status is not None and error.status in RETRYABLE_HTTP_STATUSES) or (
             error.grpc_code is not None and error.grpc_code in RETRYABLE_GRPC_CODES
         )
+        answered = error.answered
         return Failure(
             transient=transient,
-            sent=error.status not in _REFUSED_HTTP and error.grpc_code != "UNAVAILABLE",
-            answered=True,
+            sent=not answered
+            or (error.status not in _REFUSED_HTTP and error.grpc_code != "UNAVAILABLE"),
+            answered=answered,
             retry_after=error.retry_after,
             do_not_retry=error.do_not_retry,
         )

@@ -292,7 +292,11 @@ class DeadlineScope:
                 raise ValueError("a deadline cannot be NaN")
             at = _CLOCK.now() + seconds
             old = parent.deadline
-            new_deadline = old if old is not None and old.at <= at else Deadline(at)
+            # (instants on another clock are not comparable with ours: compare what is left)
+            keep = old is not None and (
+                old.at <= at if old.clock is _CLOCK else old.remaining() <= seconds
+            )
+            new_deadline = old if keep else Deadline(at)
         if self._changes:
             ctx = parent.replace(**self._changes)
             if new_deadline is not ctx.deadline:
@@ -328,7 +332,7 @@ class DeadlineScope:
             now = loop.time()
             at = now + seconds  # type: ignore[operator]
             d = parent.deadline
-            if d is None or d.at > at:
+            if d is None or (d.at > at if d.clock is _CLOCK else d.remaining() > at - now):
                 d = _new_deadline(at)
                 ctx = parent._with_deadline(d)
             else:
@@ -453,6 +457,9 @@ def bind(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        return ctx.run(fn, *args, **kwargs)
+        # A fresh copy per call: a Context can be entered by one thread at a time (a bound
+        # callable may run in several workers at once), and one call's changes must not
+        # leak into the next.
+        return ctx.copy().run(fn, *args, **kwargs)
 
     return run

@@ -63,9 +63,12 @@ class Deadline(_DeadlineSlots):
 
     def earliest(self, other: Deadline | None) -> Deadline:
         """The earlier of two deadlines (a scope can only shorten a deadline, never extend it)."""
-        if other is None or self.at <= other.at:
+        if other is None:
             return self
-        return other
+        if self.clock is other.clock:
+            return self if self.at <= other.at else other
+        # Instants on different clocks are not comparable; the time left on each is.
+        return self if self.remaining() <= other.remaining() else other
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Deadline is immutable")
@@ -138,7 +141,8 @@ def call_budget(
     left = deadline.at - deadline.clock.now()
     if left <= 0.0:
         raise Rejected(Reason.DEADLINE_EXPIRED, "the deadline has already passed")
-    budget = left - reserve
+    # A negative reserve would let the call outlive the deadline, a NaN one return NaN.
+    budget = left - reserve if reserve > 0.0 else left
     if budget > normal_timeout:
         budget = normal_timeout
     if budget <= 0.0 or budget < min_useful:

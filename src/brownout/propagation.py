@@ -83,6 +83,7 @@ _GRPC_UNITS: tuple[tuple[str, int], ...] = (
 )
 _GRPC_NS = dict(_GRPC_UNITS)
 _GRPC_MAX_VALUE = 99_999_999
+_GRPC_MAX_SECONDS = _GRPC_MAX_VALUE * 3600
 _GRPC_RE = re.compile(rb"[0-9]{1,8}[HMSmun]")
 
 
@@ -96,7 +97,7 @@ def encode_grpc_timeout(seconds: float) -> str:
         raise HeaderError("cannot encode a NaN timeout")
     if seconds <= 0:
         return "0n"
-    if math.isinf(seconds):
+    if seconds >= _GRPC_MAX_SECONDS:  # (also inf and 1e308, whose nanoseconds overflow)
         return f"{_GRPC_MAX_VALUE}H"
     ns = int(seconds * 1e9)
     for unit, size in _GRPC_UNITS:
@@ -126,6 +127,8 @@ def encode_budget_ms(seconds: float) -> str:
         raise HeaderError("cannot encode a NaN budget")
     if seconds <= 0:
         return "0"
+    if seconds >= 999_999_999.999:  # the 12-digit cap (also inf and 1e308: no int overflow)
+        return "999999999999"
     # Rounding to the microsecond first keeps a decoded value from re-encoding 1 ms short
     # through float error; the millisecond itself is rounded down.
     return str(min(math.floor(round(seconds * 1000, 3)), 999_999_999_999))
@@ -178,6 +181,8 @@ class BudgetSigner:
                 raise ValueError(f"the secret for key {kid!r} is shorter than 16 bytes")
         self._keys = {kid.encode("ascii"): secret for kid, secret in keys.items()}
         self._signing_kid = next(iter(keys))
+        if not skew_tolerance >= 0:  # (NaN would accept a value of any age: no replay bound)
+            raise ValueError("skew_tolerance must be >= 0")
         self.skew_tolerance = skew_tolerance
         self._wall = wall_clock
 
@@ -350,7 +355,9 @@ def outbound_headers(
     ctx = ctx if ctx is not None else current()
     headers = context_headers(ctx)
     if ctx.deadline is not None:
-        budget = ctx.deadline.remaining() - reserve
+        budget = ctx.deadline.remaining()
+        if reserve > 0.0:  # (a negative reserve would send more time than is left)
+            budget -= reserve
         headers[BUDGET_HEADER] = encode_budget_ms(budget)
         if signer is not None:
             headers[SIGNED_BUDGET_HEADER] = signer.sign(max(budget, 0.0))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, TypeVar
@@ -99,6 +100,11 @@ class Dependency:
         if timeout is not None and not timeout > 0:  # also refuses NaN
             # A zero budget would "send" nothing and report an unknown outcome for it.
             raise ValueError("timeout must be > 0 (or None)")
+        if not (0.0 <= reserve < math.inf and 0.0 <= min_useful < math.inf):  # (and NaN)
+            # A negative reserve would give the call more time than the request has left.
+            raise ValueError("reserve and min_useful must be finite and >= 0")
+        if max_active is not None and max_active < 0:
+            raise ValueError("max_active must be >= 0 (or None)")
         self.name = name
         self.timeout = timeout
         self.reserve = reserve

@@ -238,3 +238,21 @@ def test_dependency_refuses_a_timeout_that_cannot_send_anything(timeout: float) 
     # it as an unknown outcome (a pending ledger entry, a breaker failure) for nothing sent.
     with pytest.raises(ValueError):
         Dependency("shop", timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"reserve": -5.0},
+        {"reserve": float("nan")},
+        {"reserve": float("inf")},
+        {"min_useful": -1.0},
+        {"min_useful": float("nan")},
+        {"max_active": -1},
+    ],
+)
+def test_dependency_refuses_reserves_that_would_add_time(kwargs: dict[str, float]) -> None:
+    # A negative reserve let outbound budgets run past the request's deadline (the streaming
+    # gRPC interceptor passed it on unchecked); NaN made budgets NaN.
+    with pytest.raises(ValueError):
+        Dependency("shop", timeout=1.0, **kwargs)  # type: ignore[arg-type]

@@ -7,7 +7,7 @@ from .gcra import GcraOutcome, GcraPolicy, decide
 from .memory import InMemoryQuotaStore
 from .quota import FailurePolicy, Quota, QuotaDecision, policy_window
 from .redis import GCRA_SCRIPT, RedisQuotaStore
-from .store import QuotaStore, QuotaStoreUnavailable
+from .store import QuotaKeyUnusable, QuotaStore, QuotaStoreUnavailable
 
 __all__ = [
     "GCRA_SCRIPT",
@@ -17,6 +17,7 @@ __all__ = [
     "InMemoryQuotaStore",
     "Quota",
     "QuotaDecision",
+    "QuotaKeyUnusable",
     "QuotaStore",
     "QuotaStoreUnavailable",
     "RedisQuotaStore",

@@ -226,8 +226,9 @@ class Quota:
             outcome = await self._store.decide(key, self.policy, cost, budget)
         except QuotaStoreUnavailable as e:
             self.store_failures += 1
-            # A timeout cut short by the request's own deadline says nothing about the store.
-            if not (e.timed_out and deadline_bound):
+            # A timeout cut short by the request's own deadline says nothing about the store,
+            # nor does one key holding another application's value (`QuotaKeyUnusable`).
+            if not ((e.timed_out and deadline_bound) or e.key_only):
                 self._trip(e.detail, probe)
             return self._on_failure(key, cost, self._clock.now())
         finally:

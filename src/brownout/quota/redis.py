@@ -21,7 +21,7 @@ import hashlib
 from typing import Any, Protocol
 
 from .gcra import GcraOutcome, GcraPolicy
-from .store import QuotaStoreUnavailable
+from .store import QuotaKeyUnusable, QuotaStoreUnavailable
 
 __all__ = ["GCRA_SCRIPT", "RedisQuotaStore"]
 
@@ -136,7 +136,11 @@ class RedisQuotaStore:
         budget = self.timeout if budget is None else min(budget, self.timeout)
         if budget <= 0:
             raise QuotaStoreUnavailable("no time left to ask Redis", timed_out=True)
-        args = (self.prefix + key, repr(policy.interval * _US), policy.burst, cost, now_us)
+        # Bytes, not str: a caller id need not be valid UTF-8 (aiohttp decodes header bytes with
+        # ``surrogateescape``), and the client's strict encoder would raise into the request.
+        # ``surrogatepass`` is one-to-one, so no two keys share a bucket.
+        name = (self.prefix + key).encode("utf-8", "surrogatepass")
+        args = (name, repr(policy.interval * _US), policy.burst, cost, now_us)
         self.calls += 1
         try:
             async with asyncio.timeout(budget):
@@ -150,6 +154,8 @@ class RedisQuotaStore:
                 f"redis did not answer within {budget * 1000:.0f} ms", timed_out=True
             ) from e
         except self._redis_errors as e:
+            if str(e).startswith("WRONGTYPE"):
+                raise QuotaKeyUnusable(f"redis key {args[0]!r} is not a quota: {e}") from e
             raise QuotaStoreUnavailable(f"redis failed: {type(e).__name__}: {e}") from e
         allowed, retry_us, remaining, reset_us, tat = reply
         return GcraOutcome(

@@ -7,7 +7,7 @@ from typing import Protocol, runtime_checkable
 from ..errors import BrownoutError
 from .gcra import GcraOutcome, GcraPolicy
 
-__all__ = ["QuotaStore", "QuotaStoreUnavailable"]
+__all__ = ["QuotaKeyUnusable", "QuotaStore", "QuotaStoreUnavailable"]
 
 
 @runtime_checkable
@@ -34,7 +34,20 @@ class QuotaStoreUnavailable(BrownoutError):
     either way.
     """
 
+    key_only = False
+    """True when the failure is one key's, not the store's (`QuotaKeyUnusable`)."""
+
     def __init__(self, detail: str, *, timed_out: bool = False) -> None:
         super().__init__(detail)
         self.detail = detail
         self.timed_out = timed_out
+
+
+class QuotaKeyUnusable(QuotaStoreUnavailable):
+    """The store answered, but this key holds something that is not a quota (Redis's
+    ``WRONGTYPE``: another application's key under the same name). A problem of this key, not
+    an outage: `Quota` applies its failure policy to this request without switching every key
+    to the fallback, and leaves the value alone.
+    """
+
+    key_only = True

@@ -27,7 +27,7 @@ from brownout import (
     RetryPolicy,
     UnknownOutcome,
 )
-from brownout.retry import OutcomeState, TransientError
+from brownout.retry import InMemoryOutcomeLedger, OutcomeState, TransientError
 from brownout.retry.ledger_redis import RedisOutcomeLedger
 
 redis_asyncio = pytest.importorskip("redis.asyncio")
@@ -170,6 +170,18 @@ async def test_ledger_round_trips_any_idempotency_key(client: object, ledger_pre
         rec = await ledger.get(key)
         assert rec is not None and rec.state is OutcomeState.NOT_APPLIED and rec.checks == 1
     assert await ledger.pending() == []
+
+
+async def test_pending_with_no_room_returns_nothing_in_both_ledgers(
+    client: object, ledger_prefix: str
+) -> None:
+    # ``pending(0)`` asked Redis for ZRANGE 0 0 and returned one entry.
+    for ledger in (RedisOutcomeLedger(client, prefix=ledger_prefix), InMemoryOutcomeLedger()):
+        await ledger.record_unknown("k1", dependency="payments")
+        await ledger.record_unknown("k2", dependency="payments")
+        assert await ledger.pending(0) == []
+        assert await ledger.pending(-1) == []
+        assert [r.key for r in await ledger.pending(1)] == ["k1"]
 
 
 # -- a key another application owns -------------------------------------------------------

@@ -127,6 +127,8 @@ class InMemoryOutcomeLedger:
 
     async def pending(self, limit: int = 100) -> list[OutcomeRecord]:
         out: list[OutcomeRecord] = []
+        if limit <= 0:
+            return out
         for record in self._entries.values():
             if record.state is OutcomeState.PENDING:
                 out.append(record)

@@ -126,8 +126,10 @@ class RedisOutcomeLedger:
         return self._decode(key, raw)
 
     async def pending(self, limit: int = 100) -> list[OutcomeRecord]:
+        if limit <= 0:
+            return []
         async with asyncio.timeout(self.timeout):
-            keys = await self._client.zrange(self._pending, 0, max(0, limit - 1))
+            keys = await self._client.zrange(self._pending, 0, limit - 1)
         out: list[OutcomeRecord] = []
         gone: list[str] = []
         for raw_key in keys:

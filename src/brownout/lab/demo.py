@@ -27,9 +27,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -407,6 +409,17 @@ def _listen() -> socket.socket:
     return sock
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Exit once ``parent`` is no longer this process's parent (it died: no one will stop us)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m brownout.lab.demo backend|front [options]``: serve one demo process."""
     parser = argparse.ArgumentParser(prog="python -m brownout.lab.demo")
@@ -418,7 +431,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit-concurrency", type=int, default=None)
     parser.add_argument("--cpus", default="", help="comma-separated cores to pin to")
     parser.add_argument("--drill", default=None, help="force this degraded mode on (front)")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when it is gone")
     args = parser.parse_args(argv)
+    if args.parent_pid is not None:
+        _exit_with_parent(args.parent_pid)
     # Bind and announce the port first, so the parent can start the next process while this
     # one is still importing uvicorn and the app.
     sock = _listen()

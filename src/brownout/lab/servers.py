@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -41,9 +42,12 @@ class ServerProcess:
 
 
 def spawn_server(args: list[str]) -> ServerProcess:
-    """Run ``python -m brownout.lab.demo ARGS``; return once it has bound its port."""
+    """Run ``python -m brownout.lab.demo ARGS``; return once it has bound its port.
+
+    The server exits by itself if this process dies without stopping it (SIGTERM, SIGKILL).
+    """
     proc = subprocess.Popen(
-        [sys.executable, "-m", "brownout.lab.demo", *args],
+        [sys.executable, "-m", "brownout.lab.demo", *args, "--parent-pid", str(os.getpid())],
         stdout=subprocess.PIPE,
         stderr=None,
     )

@@ -90,7 +90,8 @@ def evaluate(lab: dict[str, Any]) -> list[Check]:
                         )
                     )
                 p99 = steady["success_p99_ms"]
-                if p99 is not None:
+                if p99 is not None or steady["offered"]:
+                    # No success at all is a missing figure, not a passing one.
                     checks.append(
                         _check(
                             run,
@@ -98,7 +99,7 @@ def evaluate(lab: dict[str, Any]) -> list[Check]:
                             "success p99 <= half the deadline",
                             p99,
                             deadline_ms / 2,
-                            p99 <= deadline_ms / 2,
+                            p99 is not None and p99 <= deadline_ms / 2,
                             "ms",
                         )
                     )

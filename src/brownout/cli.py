@@ -17,7 +17,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:  # (the lab's imports stay lazy: `brownout top` does not need them)
+    from rich.console import Console
+
+    from .lab.verdict import Check
 
 __all__ = ["main", "parse_target"]
 
@@ -241,11 +247,23 @@ def lab_main(argv: list[str]) -> int:
         write_markdown(lab, out, Path(args.markdown), lab["command"])
         console.print(f"markdown: {args.markdown}")
     console.print(f"took {lab['elapsed_seconds']:.0f}s")
-    failed = [c for c in evaluate(lab) if not c["passed"]]
+    return conclude(evaluate(lab), console, no_fail=args.no_fail)
+
+
+def conclude(checks: list[Check], console: Console, *, no_fail: bool = False) -> int:
+    """Print the lab's verdict line; the exit status (1 when a check failed)."""
+    if not checks:
+        # Only unprotected configurations ran: nothing was judged, so nothing "held".
+        console.print(
+            "[yellow]no invariant was checked:[/] they apply to brownout's configurations "
+            "(or --target), and none of them ran"
+        )
+        return 0
+    failed = [c for c in checks if not c["passed"]]
     if failed:
         console.print(f"[red]{len(failed)} invariant check(s) failed[/]")
-        return 0 if args.no_fail else 1
-    console.print("[green]all invariants held[/]")
+        return 0 if no_fail else 1
+    console.print(f"[green]all invariants held[/] ({len(checks)} checks)")
     return 0
 
 

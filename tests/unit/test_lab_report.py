@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
-from brownout.cli import TargetError, main, parse_target
+from brownout.cli import TargetError, conclude, main, parse_target
 from brownout.lab.generator import PlanResult, StepResult
 from brownout.lab.report import COLUMNS, markdown, scenario_rows, write_markdown, write_report
 from brownout.lab.runner import CONFIGURATIONS, LabSettings, summarize_plan
@@ -300,3 +301,17 @@ def test_quick_ramp_keeps_the_checked_steps() -> None:
     quick = quick_variant(SCENARIOS["ramp"])
     assert [p.load for p in quick.phases] == [0.8, 2.0, 4.0, 10.0]
     assert quick_variant(SCENARIOS["priority"]) is SCENARIOS["priority"]
+
+
+def test_the_verdict_line_says_when_nothing_was_judged() -> None:
+    # `brownout lab --configs unprotected` used to print "all invariants held": nothing held,
+    # nothing was checked.
+    console = Console(record=True, width=200)
+    assert conclude([], console) == 0
+    assert conclude([{"passed": True}, {"passed": True}], console) == 0
+    assert conclude([{"passed": True}, {"passed": False}], console) == 1
+    assert conclude([{"passed": False}], console, no_fail=True) == 0
+    out = console.export_text()
+    assert "no invariant was checked" in out
+    assert "all invariants held (2 checks)" in out
+    assert out.count("invariant check(s) failed") == 2

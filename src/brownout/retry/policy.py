@@ -284,6 +284,16 @@ class RetryPolicy:
         last_error: Exception = error
         last_failure: Failure | None = None
         unknown = False  # an attempt was sent and never answered: it may have been applied (D6)
+
+        def stop(why: StopReason, *, previous: bool = False) -> Exception:
+            """Give up on the current failure (``previous``: on the one before it)."""
+            if previous:
+                assert last_failure is not None
+                return self._give_up(
+                    last_error, last_failure, attempt - 1, why, idempotent, key, source, unknown
+                )
+            return self._give_up(error, failure, attempt, why, idempotent, key, source, unknown)
+
         while True:
             failure = self.classify(error)
             if not failure.transient:
@@ -294,43 +304,16 @@ class RetryPolicy:
                     and last_failure is not None
                 ):
                     # A local guard refused the retry: the caller needs the real failure.
-                    raise self._give_up(
-                        last_error,
-                        last_failure,
-                        attempt - 1,
-                        StopReason.REFUSED,
-                        idempotent,
-                        key,
-                        source,
-                        unknown,
-                    ) from last_error
+                    raise stop(StopReason.REFUSED, previous=True) from last_error
                 if failure.do_not_retry:
                     budget.record_failure()
-                    raise self._give_up(
-                        error,
-                        failure,
-                        attempt,
-                        StopReason.DO_NOT_RETRY,
-                        idempotent,
-                        key,
-                        source,
-                        unknown,
-                    ) from error
+                    raise stop(StopReason.DO_NOT_RETRY) from error
                 raise error
             budget.record_failure()
             last_error, last_failure = error, failure
             unknown = unknown or failure.outcome_unknown
             if failure.do_not_retry:
-                raise self._give_up(
-                    error,
-                    failure,
-                    attempt,
-                    StopReason.DO_NOT_RETRY,
-                    idempotent,
-                    key,
-                    source,
-                    unknown,
-                ) from error
+                raise stop(StopReason.DO_NOT_RETRY) from error
             if not (idempotent or key is not None or not failure.sent):
                 # Resending a possibly-applied, unkeyed mutation could apply it twice (R2).
                 if failure.outcome_unknown:
@@ -339,50 +322,21 @@ class RetryPolicy:
             if attempt >= self.attempts:
                 if self.attempts == 1 and (idempotent or not failure.outcome_unknown):
                     raise error  # not a retry layer: the layer above may retry (R1)
-                raise self._give_up(
-                    error, failure, attempt, StopReason.ATTEMPTS, idempotent, key, source, unknown
-                ) from error
+                raise stop(StopReason.ATTEMPTS) from error
             delay = self.backoff.delay(attempt, previous_delay)
             if failure.retry_after is not None and failure.retry_after > delay:
                 if not failure.retry_after <= self.max_pushback:
                     # "Come back in an hour": not a wait to hold a call (and its task) for.
-                    raise self._give_up(
-                        error,
-                        failure,
-                        attempt,
-                        StopReason.PUSHBACK,
-                        idempotent,
-                        key,
-                        source,
-                        unknown,
-                    ) from error
+                    raise stop(StopReason.PUSHBACK) from error
                 delay = failure.retry_after
             deadline = current_deadline()
             if deadline is not None:
                 left = deadline.at - deadline.clock.now()
                 # Written so that a NaN anywhere (a config, a pushback) stops rather than retries.
                 if not delay + self.expected(floor) + reserve <= left:
-                    raise self._give_up(
-                        error,
-                        failure,
-                        attempt,
-                        StopReason.DEADLINE,
-                        idempotent,
-                        key,
-                        source,
-                        unknown,
-                    ) from error
+                    raise stop(StopReason.DEADLINE) from error
             if slots is not None and not slots.try_take():
-                raise self._give_up(
-                    error,
-                    failure,
-                    attempt,
-                    StopReason.CONCURRENT_RETRIES,
-                    idempotent,
-                    key,
-                    source,
-                    unknown,
-                ) from error
+                raise stop(StopReason.CONCURRENT_RETRIES) from error
             try:
                 if not budget.try_acquire_retry():
                     if events.enabled:
@@ -397,9 +351,7 @@ class RetryPolicy:
                                 attempt + 1,
                             )
                         )
-                    raise self._give_up(
-                        error, failure, attempt, StopReason.BUDGET, idempotent, key, source, unknown
-                    ) from error
+                    raise stop(StopReason.BUDGET) from error
                 if events.enabled:
                     ctx = current()
                     events.emit(

@@ -14,6 +14,7 @@ import pytest
 from brownout import Dependency, RetryPolicy, UnknownOutcome
 from brownout.retry import (
     ExponentialBackoff,
+    InMemoryOutcomeLedger,
     OutcomeRecord,
     OutcomeState,
     Reconciler,
@@ -160,3 +161,128 @@ async def test_mutation_applied_after_client_timeout_is_reconciled_by_key(
             assert await ledger.pending() == []
     finally:
         await runner.cleanup()
+
+
+@pytest.fixture
+def client(redis_client: tuple[object, str]) -> object:
+    return redis_client[0]
+
+
+@pytest.fixture
+def ledger_prefix(redis_client: tuple[object, str]) -> str:
+    """A unique key prefix; `redis_client` deletes its keys afterwards."""
+    return redis_client[1]
+
+
+@pytest.fixture
+async def black_hole() -> AsyncIterator[int]:
+    """A port that accepts connections and never answers (a wedged Redis)."""
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    try:
+        yield int(server.sockets[0].getsockname()[1])
+    finally:
+        server.close()
+
+
+# -- the outcome ledger ----------------------------------------------------------------------
+async def test_ledger_on_a_redis_that_never_answers_raises_within_its_timeout(
+    black_hole: int,
+) -> None:
+    c = redis_asyncio.Redis(host="127.0.0.1", port=black_hole)
+    try:
+        ledger = RedisOutcomeLedger(c, prefix="x", timeout=0.1)
+        loop = asyncio.get_running_loop()
+        for call in (
+            lambda: ledger.record_unknown("k", dependency="d"),
+            lambda: ledger.resolve("k", OutcomeState.APPLIED),
+            lambda: ledger.note_check("k"),
+            lambda: ledger.get("k"),
+            lambda: ledger.pending(),
+        ):
+            t0 = loop.time()
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(5):  # the test's own guard: 5 s means "hangs"
+                    await call()
+            assert loop.time() - t0 < 0.1 + 0.5
+    finally:
+        await c.aclose()
+
+
+async def test_unknown_outcome_reaches_the_caller_when_the_ledger_redis_is_wedged(
+    black_hole: int,
+) -> None:
+    """The mutation timed out; recording it must not hang the request forever (D6)."""
+    c = redis_asyncio.Redis(host="127.0.0.1", port=black_hole)
+    try:
+        ledger = RedisOutcomeLedger(c, prefix="x")  # the default timeout
+        shop = Dependency("shop", timeout=0.05, retry=RetryPolicy(1), ledger=ledger)
+
+        async def charge() -> str:
+            await asyncio.sleep(10)  # sent, never answered
+            raise TransientError("unreachable", sent=True)
+
+        with pytest.raises(UnknownOutcome):
+            async with asyncio.timeout(5):  # before the fix: stuck here until this guard
+                await shop.call(charge)
+    finally:
+        await c.aclose()
+
+
+async def test_pending_index_stays_bounded_without_a_reconciler(
+    client: object, ledger_prefix: str
+) -> None:
+    """Records expire after ``ttl``; their entries in the pending index must go too, even
+    when nobody calls `pending` (later writes keep the index key itself alive)."""
+    short = RedisOutcomeLedger(client, prefix=ledger_prefix, ttl=1)
+    long = RedisOutcomeLedger(client, prefix=ledger_prefix, ttl=60)
+    for i in range(100):
+        await short.record_unknown(f"old-{i}", dependency="d")
+    await long.record_unknown("keeper", dependency="d")  # keeps the index key alive
+    await asyncio.sleep(1.3)  # every old record has expired
+    for i in range(100):
+        await long.record_unknown(f"new-{i}", dependency="d")
+    index = await client.zcard(f"{ledger_prefix}:outcomes:pending")  # type: ignore[attr-defined]
+    assert index == 1 + 100  # was 201: expired keys stayed until a reconciler met them
+    assert [r.key for r in await long.pending(500)] == ["keeper"] + [f"new-{i}" for i in range(100)]
+
+
+async def test_ledger_round_trips_any_idempotency_key(client: object, ledger_prefix: str) -> None:
+    ledger = RedisOutcomeLedger(client, prefix=ledger_prefix, ttl=60, wall=lambda: 1234.5)
+    keys = [
+        "plain",
+        "ключ:{slot}\nnext line",
+        "emoji-\U0001f600",
+        b"raw-\xff\xfe".decode("utf-8", "surrogateescape"),  # an inbound header, via aiohttp
+        "\ud83d\ude00",  # a surrogate pair, not the emoji: a different key
+    ]
+    for key in keys:
+        await ledger.record_unknown(key, dependency="payments", detail="d" * 400 + "é€")
+    pending = await ledger.pending()
+    assert [r.key for r in pending] == sorted(
+        keys, key=lambda k: k.encode("utf-8", "surrogatepass")
+    )
+    for key in keys:
+        rec = await ledger.get(key)
+        assert rec is not None and rec.key == key and rec.recorded_at == 1234.5
+        await ledger.note_check(key)
+        await ledger.resolve(key, OutcomeState.NOT_APPLIED)
+        rec = await ledger.get(key)
+        assert rec is not None and rec.state is OutcomeState.NOT_APPLIED and rec.checks == 1
+    assert await ledger.pending() == []
+
+
+async def test_pending_with_no_room_returns_nothing_in_both_ledgers(
+    client: object, ledger_prefix: str
+) -> None:
+    # ``pending(0)`` asked Redis for ZRANGE 0 0 and returned one entry.
+    for ledger in (RedisOutcomeLedger(client, prefix=ledger_prefix), InMemoryOutcomeLedger()):
+        await ledger.record_unknown("k1", dependency="payments")
+        await ledger.record_unknown("k2", dependency="payments")
+        assert await ledger.pending(0) == []
+        assert await ledger.pending(-1) == []
+        assert [r.key for r in await ledger.pending(1)] == ["k1"]

@@ -418,3 +418,47 @@ async def test_fail_closed_refuses_with_a_503_reason_while_redis_is_down(prefix:
         assert caught.value.reason is Reason.DEPENDENCY_UNAVAILABLE
     finally:
         await c.aclose()
+
+
+# -- quota keys ------------------------------------------------------------------------------
+async def test_a_caller_id_that_is_not_utf8_gets_a_shared_decision(client: object) -> None:
+    """aiohttp hands ``b"\\xff"`` in a header over as ``"\\udcff"``: still just a key."""
+    prefix = f"bq-review:{uuid.uuid4().hex[:12]}:"
+    store = RedisQuotaStore(client, prefix=prefix, timeout=1.0)  # type: ignore[arg-type]
+    quota = Quota(100.0, 2, store=store, events=EventHub())
+    hostile = b"tenant-\xff\xfe".decode("utf-8", "surrogateescape")
+    first = await quota.check(hostile)  # raised UnicodeEncodeError into the request path
+    assert first.backend == "shared" and first.allowed and first.remaining == 1
+    assert (await quota.check(hostile)).allowed
+    assert not (await quota.check(hostile)).allowed  # its own allowance, enforced
+    # ... which no other key shares (not even one whose UTF-8 bytes look alike).
+    for other in ("tenant-", "tenant-\xff\xfe", "tenant-\ufffd\ufffd", "tenant-\\udcff\\udcfe"):
+        assert (await quota.check(other)).remaining == 1, other
+    assert not quota.fallback_active and quota.store_failures == 0
+
+
+# -- a key another application owns -------------------------------------------------------
+async def test_one_key_of_the_wrong_type_does_not_take_the_quota_down_for_everyone(
+    client: object,
+) -> None:
+    """Another app's list under one caller's key name (WRONGTYPE) is that key's problem: the
+    failure policy decides that key, while every other caller keeps the shared quota."""
+    prefix = f"bq-review:{uuid.uuid4().hex[:12]}:"
+    await client.rpush(prefix + "tenant-7", "someone else's data")  # type: ignore[attr-defined]
+    sink = ListSink()
+    events = EventHub()
+    events.subscribe(sink)
+    store = RedisQuotaStore(client, prefix=prefix, timeout=1.0)  # type: ignore[arg-type]
+    quota = Quota(100.0, 5, store=store, on_store_failure="closed", events=events)
+    try:
+        for _ in range(3):
+            poisoned = await quota.check("tenant-7")
+            assert not poisoned.allowed and poisoned.reason is Reason.DEPENDENCY_UNAVAILABLE
+            innocent = await quota.check("tenant-8")
+            assert innocent.backend == "shared" and innocent.allowed  # was: 503 for everyone
+        assert not quota.fallback_active and sink.events == []
+        assert await client.lrange(prefix + "tenant-7", 0, -1) == [  # type: ignore[attr-defined]
+            b"someone else's data"
+        ]  # untouched
+    finally:
+        await client.delete(prefix + "tenant-7", prefix + "tenant-8")  # type: ignore[attr-defined]

@@ -303,3 +303,18 @@ def test_host_lag_and_stalls_in_the_model_are_deterministic() -> None:
     assert a.points == b.points and a.completions == b.completions  # type: ignore[attr-defined]
     with pytest.raises(ValueError):
         a.throughput(5.0, 5.05)  # type: ignore[attr-defined]
+
+
+# -- A5: latency-based limits on zero-rtt samples ---------------------------------------------
+@pytest.mark.looptime
+@pytest.mark.parametrize("make", [Gradient2Limit, VegasLimit])
+@pytest.mark.parametrize("warm_rtt", [0.0, 0.01])
+def test_probing_limits_take_zero_rtt_samples(make: type, warm_rtt: float) -> None:
+    # A coarse clock (or virtual time, or work that never awaits) measures rtt 0.0: a limit
+    # must stay a number within its bounds, not raise ZeroDivisionError.
+    lim = make(4, min_limit=2, max_limit=50)
+    for i in range(40):
+        lim.on_sample(i * 0.01, warm_rtt, 4, False)
+    for i in range(200):
+        n = lim.on_sample(1.0 + i * 0.01, 0.0, lim.limit, False)
+        assert 2 <= n <= 50

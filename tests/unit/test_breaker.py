@@ -264,3 +264,16 @@ def test_server_errors_count_as_failures_but_validation_errors_do_not() -> None:
     assert default_is_failure(ResponseError(status=404)) is False
     assert default_is_failure(ResponseError(status=422)) is False
     assert default_is_failure(ResponseError(grpc_code="FAILED_PRECONDITION")) is False
+
+
+# -- R6: breaker configuration ---------------------------------------------------------------
+
+
+@pytest.mark.looptime
+def test_count_breaker_with_minimum_calls_above_its_window_still_opens() -> None:
+    breaker = CircuitBreaker(window=5, minimum_calls=10, clock=ManualClock())
+    for _ in range(50):
+        if breaker.state is BreakerState.OPEN:
+            break
+        breaker.release(breaker.acquire(), failed=True)
+    assert breaker.state is BreakerState.OPEN

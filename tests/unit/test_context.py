@@ -10,7 +10,8 @@ import threading
 import pytest
 
 import brownout
-from brownout import DeadlineExceeded, Priority, RequestContext
+from brownout import Deadline, DeadlineExceeded, ManualClock, Priority, RequestContext
+from brownout.context import attach
 
 
 def test_empty_context_outside_requests() -> None:
@@ -216,3 +217,91 @@ def test_attach_and_detach() -> None:
     assert brownout.current().caller == "low-level"
     detach(token)
     assert brownout.current().caller == "unknown"
+
+
+# -- bind: one snapshot, entered afresh by every call -----------------------------------------
+
+
+def test_bound_callable_runs_in_several_workers_at_once() -> None:
+    barrier = threading.Barrier(2, timeout=5)
+
+    def lookup() -> str:
+        barrier.wait()  # both calls are inside the bound context at the same time
+        return brownout.current().caller
+
+    with brownout.request(caller="reports"):
+        bound = brownout.bind(lookup)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(bound) for _ in range(2)]
+        assert [f.result() for f in futures] == ["reports", "reports"]
+
+
+def test_bound_callable_may_reenter_itself() -> None:
+    def walk(depth: int) -> int:
+        return depth if depth == 0 else bound(depth - 1)
+
+    bound = brownout.bind(walk)
+    assert bound(2) == 0
+
+
+def test_bound_callable_does_not_leak_context_between_calls() -> None:
+    def job() -> str:
+        seen = brownout.current().caller
+        attach(brownout.current().replace(caller="leaked"))  # a careless job, never detached
+        return seen
+
+    with brownout.request(caller="alice"):
+        bound = brownout.bind(job)
+    assert bound() == "alice"
+    assert bound() == "alice"
+
+
+# -- a scope never extends a deadline, whatever the clocks --------------------------------------
+
+
+def test_scope_with_a_foreign_clock_deadline_does_not_extend_the_outer_one() -> None:
+    manual = ManualClock(0.0)  # its instants are tiny next to the loop/monotonic clock's
+    with brownout.deadline(1.0):
+        with brownout.deadline(Deadline.after(100.0, clock=manual)):
+            left = brownout.remaining()
+            assert left is not None and left <= 1.0
+
+
+def test_numeric_scope_shortens_a_foreign_clock_deadline() -> None:
+    manual = ManualClock(0.0)
+    with brownout.deadline(Deadline.after(100.0, clock=manual)):
+        with brownout.deadline(5.0):
+            left = brownout.remaining()
+            assert left is not None and left <= 5.0
+    # and one far in a foreign clock's future, but with little left, is kept
+    late = ManualClock(1e12)
+    with brownout.deadline(Deadline.after(0.5, clock=late)):
+        with brownout.deadline(5.0):
+            left = brownout.remaining()
+            assert left is not None and left <= 0.5
+
+
+def test_replace_keeps_the_earlier_deadline_across_clocks() -> None:
+    manual = ManualClock(0.0)
+    ctx = brownout.RequestContext(deadline=Deadline.after(1.0))
+    longer = ctx.replace(deadline=Deadline.after(100.0, clock=manual))
+    assert longer.deadline is ctx.deadline
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize(
+    ("origin", "foreign", "expected"),
+    [(-1000.0, 100.0, 2.0), (1e6, 0.5, 0.5)],  # foreign instants below / above the loop's
+)
+async def test_async_scope_keeps_the_earlier_of_loop_and_foreign_deadlines(
+    origin: float, foreign: float, expected: float
+) -> None:
+    manual = ManualClock(origin)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(brownout.DeadlineExceeded):
+        async with brownout.deadline(Deadline.after(foreign, clock=manual)):
+            async with brownout.deadline(2.0):
+                assert brownout.remaining() == pytest.approx(expected)
+                await asyncio.sleep(50)
+    assert loop.time() - start == pytest.approx(expected)

@@ -78,3 +78,14 @@ def test_call_budget_reads_the_request_context() -> None:
         with pytest.raises(Rejected):
             call_budget(1.0, min_useful=0.150)
         assert call_budget(1.0) <= 0.030
+
+
+# -- reserve: kept back, never added -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("reserve", [-5.0, math.nan, -math.inf])
+def test_call_budget_never_outlives_the_deadline(reserve: float) -> None:
+    clock = ManualClock(0.0)
+    d = Deadline.after(1.0, clock=clock)
+    budget = call_budget(30.0, reserve=reserve, deadline=d)
+    assert budget == 1.0

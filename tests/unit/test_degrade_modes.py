@@ -4,6 +4,7 @@ fallbacks and caller-visible metadata, on virtual time (ManualClock, looptime)."
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 import pytest
@@ -424,3 +425,32 @@ def test_due_timers_work_on_uvloop() -> None:
         assert loop.run_until_complete(scenario()) == ["recs"]
     finally:
         loop.close()
+
+
+@pytest.mark.looptime
+async def test_discarded_modes_registry_stops_polling_and_announcing() -> None:
+    """G2: the loop timer of a registry nobody holds any more must not keep it alive, polling
+    its predicates and emitting mode changes for ever (a reconfigured service leaks one per
+    reload)."""
+    hub = EventHub()
+    rec = Recorder()
+    hub.subscribe(rec)
+    calls: list[float] = []
+    flag = {"on": False}
+
+    def signal() -> bool:
+        calls.append(asyncio.get_running_loop().time())
+        return flag["on"]
+
+    modes = DegradedModes(
+        [DegradedMode("m", "hide m", enter_when=signal, poll_interval=0.1)], events=hub
+    )
+    await asyncio.sleep(0.35)
+    assert calls  # polled while in use
+    del modes
+    gc.collect()
+    seen = len(calls)
+    flag["on"] = True
+    await asyncio.sleep(1.0)
+    assert len(calls) == seen
+    assert rec.events == []

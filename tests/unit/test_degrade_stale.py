@@ -291,3 +291,32 @@ def test_property_never_older_than_max_and_bounded(steps: list[tuple[str, bool, 
             assert len(c) <= 3
 
     asyncio.run(scenario())
+
+
+@pytest.mark.looptime
+async def test_hung_background_refresh_does_not_block_the_key_forever() -> None:
+    """G1/D5: with the default ``load_timeout=None`` a background refresh that hangs must not
+    pin the key: once the value is too old, callers join that refresh; when they all give up
+    it is cancelled, and the next caller loads again (the origin has recovered by then)."""
+    c: StaleCache[str, str] = StaleCache(max_entries=10, fresh_for=1.0, max_staleness=5.0)
+    state = {"hang": False, "calls": 0}
+
+    async def loader() -> str:
+        state["calls"] += 1
+        n = state["calls"]
+        if state["hang"]:
+            await asyncio.Event().wait()  # a black-holed connection: never answers
+        return f"v{n}"
+
+    assert (await c.get("k", loader)).value == "v1"
+    await asyncio.sleep(2)
+    state["hang"] = True
+    assert (await c.get("k", loader)).value == "v1"  # stale: one background refresh, hung
+    await asyncio.sleep(10)  # now older than max_staleness: nothing may be served from memory
+    state["hang"] = False  # the origin is back
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(1):
+            await c.get("k", loader)  # joins the hung refresh, gives up
+    async with asyncio.timeout(1):
+        served = await c.get("k", loader)  # must load again, not wait on the hung refresh
+    assert served.value == "v3"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 from typing import Any
 
@@ -465,3 +466,92 @@ async def test_drills_reach_every_dependency_call_and_check_breaker_fallbacks() 
         with drill(failed=["recs"]):
             with contextlib.suppress(Exception):
                 await guarded.call(fetch, idempotent=True)
+
+
+def _policy(attempts: int = 3, **kw: Any) -> RetryPolicy:
+    kw.setdefault("backoff", ExponentialBackoff(0.01, cap=0.05, rng=random.Random(1)))
+    kw.setdefault("budget", RetryBudget(ratio=0.1, min_per_second=100))
+    return RetryPolicy(attempts, **kw)
+
+
+# -- D6 / T3: recording and reconciling unknown outcomes ---------------------------------------
+
+
+class _BrokenLedger(InMemoryOutcomeLedger):
+    async def record_unknown(self, key: str, *, dependency: str, detail: str = "") -> None:
+        raise ConnectionError("ledger store unreachable")
+
+
+async def _hang() -> None:
+    await asyncio.sleep(100)
+
+
+async def test_a_failing_ledger_write_still_raises_unknown_outcome(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    shop = Dependency("shop", timeout=0.1, retry=RetryPolicy(1), ledger=_BrokenLedger())
+    with caplog.at_level(logging.ERROR, logger="brownout"):
+        with pytest.raises(UnknownOutcome):
+            await shop.call(_hang)
+    assert any("ledger" in r.getMessage() for r in caplog.records)  # not swallowed silently
+
+
+class _SlowLedger(InMemoryOutcomeLedger):
+    async def record_unknown(self, key: str, *, dependency: str, detail: str = "") -> None:
+        await asyncio.sleep(0.01)  # a network round trip (Redis)
+        await super().record_unknown(key, dependency=dependency, detail=detail)
+
+
+async def test_the_request_deadline_does_not_cut_off_the_ledger_write() -> None:
+    ledger = _SlowLedger()
+    shop = Dependency("shop", retry=RetryPolicy(1), ledger=ledger)
+    with pytest.raises((UnknownOutcome, brownout.DeadlineExceeded)):
+        async with brownout.deadline(0.5):
+            await shop.call(_hang)
+    await asyncio.sleep(0.05)
+    assert len(await ledger.pending()) == 1
+
+
+# -- D6: an unknown outcome stays unknown until an answer settles it ---------------------------
+
+
+async def test_dependency_records_it_in_the_ledger() -> None:
+    outcomes: list[Exception] = [
+        brownout.retry.TransientError("read timeout", sent=True),
+        brownout.retry.TransientError("refused", sent=False),
+    ]
+
+    async def charge() -> None:
+        raise outcomes.pop(0)
+
+    ledger = InMemoryOutcomeLedger()
+    shop = Dependency("shop", retry=_policy(2), ledger=ledger)
+    with pytest.raises(UnknownOutcome):
+        await shop.call(charge, idempotency_key="order-8")
+    assert [r.key for r in await ledger.pending()] == ["order-8"]
+
+
+@pytest.mark.parametrize("timeout", [0.0, -1.0, float("nan")])
+def test_dependency_refuses_a_timeout_that_cannot_send_anything(timeout: float) -> None:
+    # Without a deadline, timeout=0 used to cancel every attempt before it was sent and report
+    # it as an unknown outcome (a pending ledger entry, a breaker failure) for nothing sent.
+    with pytest.raises(ValueError):
+        Dependency("shop", timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"reserve": -5.0},
+        {"reserve": float("nan")},
+        {"reserve": float("inf")},
+        {"min_useful": -1.0},
+        {"min_useful": float("nan")},
+        {"max_active": -1},
+    ],
+)
+def test_dependency_refuses_reserves_that_would_add_time(kwargs: dict[str, float]) -> None:
+    # A negative reserve let outbound budgets run past the request's deadline (the streaming
+    # gRPC interceptor passed it on unchecked); NaN made budgets NaN.
+    with pytest.raises(ValueError):
+        Dependency("shop", timeout=1.0, **kwargs)  # type: ignore[arg-type]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -315,3 +316,63 @@ def test_the_verdict_line_says_when_nothing_was_judged() -> None:
     assert "no invariant was checked" in out
     assert "all invariants held (2 checks)" in out
     assert out.count("invariant check(s) failed") == 2
+
+
+def _steady(offered: int, ok: int, refused: int) -> Tally:
+    t = Tally(offered=offered, sent=offered, ok=ok, r503=refused)
+    t.timeouts_sent = offered - ok - refused
+    t.success_latency += [0.03] * ok
+    t.refusal_latency += [0.0005] * refused
+    if refused:
+        t.shed_reasons["queue_full"] = refused
+    return t
+
+
+def _lab(ramp: PlanResult) -> dict[str, Any]:
+    config = CONFIGURATIONS["brownout-fixed"]
+    run: dict[str, Any] = {"configuration": config.name, "scenario": "ramp"}
+    run |= summarize_plan(ramp, SCENARIOS["ramp"])
+    return {
+        "settings": asdict(LabSettings()),
+        "target": None,
+        "calibration": {"capacity": CAPACITY, "service_time": 0.021, "levels": []},
+        "configurations": [asdict(config)],
+        "scenarios": [],
+        "runs": [run],
+    }
+
+
+def _ramp_no_success(no_success_at: tuple[float, ...]) -> PlanResult:
+    steps = []
+    for phase in SCENARIOS["ramp"].phases:
+        offered = int(phase.load * CAPACITY * 2)
+        if phase.load in no_success_at:
+            t = _steady(offered, 0, 0)  # every request timed out: no success latency at all
+        elif phase.load <= 1:
+            t = _steady(offered, offered, 0)
+        else:
+            t = _steady(offered, 780, offered - 780)
+        steps.append(
+            StepResult(
+                phase.label,
+                phase.load * CAPACITY,
+                3.0,
+                1.0,
+                True,
+                0.0,
+                whole={"interactive": t},
+                steady={"interactive": t},
+                lateness=[0.001] * 10,
+            )
+        )
+    return PlanResult(steps, 0.5, [], 10)
+
+
+def test_a_ramp_step_without_any_success_fails_instead_of_skipping_its_latency_check() -> None:
+    healthy = evaluate(_lab(_ramp_no_success(())))
+    assert healthy and all(c["passed"] for c in healthy)
+    # At 0.8x and 1x every request timed out: no goodput, no refusal, success p99 missing.
+    checks = evaluate(_lab(_ramp_no_success((0.8, 1.0))))
+    failed = [(c["step"], c["check"]) for c in checks if not c["passed"]]
+    assert ("0.8x", "success p99 <= half the deadline") in failed
+    assert ("1x", "success p99 <= half the deadline") in failed

@@ -234,3 +234,24 @@ def test_manager_gauges() -> None:
         ("overload_level", {"source": "overload"}, 1.0),
         ("overload_pressure", {"source": "overload", "signal": "memory"}, 0.85),
     ]
+
+
+@pytest.mark.looptime
+async def test_stopped_overload_manager_stops_shedding() -> None:
+    """A7: a stopped manager reads no signal any more; it must not keep shedding at the level
+    it last saw (nothing would ever lower it), and its subscribers must hear the level drop."""
+    hub = EventHub()
+    rec = Recorder()
+    hub.subscribe(rec)
+    pressure = {"x": 1.0}
+    m = OverloadManager([FunctionSignal("x", lambda: pressure["x"])], interval=0.25, events=hub)
+    api = Bulkhead("api", FixedLimit(4), FifoQueue(4, 1.0))
+    m.attach(api)
+    async with m:
+        await asyncio.sleep(0.5)
+        assert m.level == 3
+    assert m.level == 0 and m.shed_below == 0
+    async with api.admit(priority=Priority.SHEDDABLE):  # not refused as OVERLOADED
+        pass
+    changes = [(e.old, e.new) for e in rec.events if isinstance(e, OverloadLevelChanged)]
+    assert changes[-1] == (3, 0)

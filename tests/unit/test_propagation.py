@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -9,7 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import brownout
-from brownout import BudgetSigner, HeaderError, InboundDeadlinePolicy, Priority, Stats, Trust
+from brownout import (
+    BudgetSigner,
+    Deadline,
+    HeaderError,
+    InboundDeadlinePolicy,
+    ManualClock,
+    Priority,
+    Stats,
+    Trust,
+)
 from brownout.events import DeadlineHeaderIgnored, EventHub
 from brownout.propagation import (
     BUDGET_HEADER,
@@ -277,3 +287,57 @@ def test_a_protocol_budget_is_clamped_to_the_route_maximum() -> None:
     assert policy.clamp(3.0) == 3.0
     assert policy.clamp(60.0) == 5.0
     assert policy.clamp(0.0) == 0.0  # spent: the edge answers before the work starts
+
+
+# -- encoders: huge and infinite durations are capped, never OverflowError --------------------
+
+
+@pytest.mark.parametrize("seconds", [math.inf, 1e308, 1e300, 1e12])
+def test_encoders_cap_huge_durations(seconds: float) -> None:
+    assert encode_budget_ms(seconds) == "999999999999"
+    assert encode_grpc_timeout(seconds) == "99999999H"
+    signer = BudgetSigner({"k1": b"0123456789abcdef"})
+    assert signer.verify(signer.sign(seconds)) == 999_999_999.999
+
+
+def test_outbound_headers_under_an_infinite_deadline() -> None:
+    with brownout.deadline(math.inf):
+        assert outbound_headers()[BUDGET_HEADER] == "999999999999"
+
+
+@given(st.floats(allow_nan=False))
+def test_encoders_never_raise_and_never_extend(seconds: float) -> None:
+    ms = encode_budget_ms(seconds)
+    grpc = encode_grpc_timeout(seconds)
+    assert decode_budget_ms(ms) <= max(seconds, 0.0) + 1e-6
+    assert decode_grpc_timeout(grpc) <= max(seconds, 0.0) * (1 + 1e-9) + 1e-9
+
+
+# -- reserve: kept back, never added -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("reserve", [-5.0, math.nan])
+def test_outbound_budget_never_exceeds_what_is_left(reserve: float) -> None:
+    ctx = brownout.RequestContext(deadline=Deadline.after(1.0, clock=ManualClock(0.0)))
+    assert outbound_headers(ctx=ctx, reserve=reserve)[BUDGET_HEADER] == "1000"
+
+
+# -- signed budgets: a NaN skew tolerance must not disable the replay bound -------------------
+
+
+@pytest.mark.parametrize("skew", [math.nan, -1.0])
+def test_signer_refuses_a_meaningless_skew_tolerance(skew: float) -> None:
+    with pytest.raises(ValueError, match="skew_tolerance"):
+        BudgetSigner({"k1": b"0123456789abcdef"}, skew_tolerance=skew)
+
+
+def test_signed_budget_replayed_late_is_refused() -> None:
+    wall = [1000.0]
+    signer = BudgetSigner({"k1": b"0123456789abcdef"}, wall_clock=lambda: wall[0])
+    value = signer.sign(7.5)
+    wall[0] += 3600.0
+    with pytest.raises(HeaderError):
+        signer.verify(value)
+    policy = brownout.InboundDeadlinePolicy(default=2.0, maximum=30.0, signer=signer)
+    got = policy.resolve({SIGNED_BUDGET_HEADER: value}.get, brownout.Trust.SIGNED)
+    assert got.seconds == 2.0 and got.origin == "default"

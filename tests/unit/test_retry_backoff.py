@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -75,3 +76,19 @@ def test_bad_parameters_are_refused() -> None:
         ExponentialBackoff(0.1, multiplier=0.5)
     with pytest.raises(ValueError):
         DecorrelatedJitterBackoff(1.0, cap=0.5)
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ExponentialBackoff(float("nan")),
+        lambda: ExponentialBackoff(0.1, cap=float("nan")),
+        lambda: ExponentialBackoff(0.1, multiplier=float("nan")),
+        lambda: DecorrelatedJitterBackoff(float("nan")),
+        lambda: DecorrelatedJitterBackoff(0.1, cap=float("nan")),
+    ],
+)
+def test_backoff_rejects_nan_parameters(make: Any) -> None:
+    with pytest.raises(ValueError):
+        make()

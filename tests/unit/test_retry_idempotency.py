@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from brownout import ManualClock
@@ -62,3 +64,52 @@ async def test_reconciler_resolves_what_check_can_answer_and_gives_up_after_max_
 def test_bad_bound() -> None:
     with pytest.raises(ValueError):
         InMemoryOutcomeLedger(max_entries=0)
+
+
+# -- D6 / T3: recording and reconciling unknown outcomes ---------------------------------------
+
+
+@pytest.mark.looptime
+async def test_entries_left_for_a_human_do_not_starve_newer_ones() -> None:
+    ledger = InMemoryOutcomeLedger()
+    for key in ("stuck-1", "stuck-2", "fresh"):
+        await ledger.record_unknown(key, dependency="shop")
+
+    async def check(record: OutcomeRecord) -> OutcomeState:
+        return OutcomeState.PENDING if record.key.startswith("stuck") else OutcomeState.APPLIED
+
+    reconciler = Reconciler(ledger, check, batch=2, max_checks=1)
+    for _ in range(3):
+        await reconciler.run_once()
+    fresh = await ledger.get("fresh")
+    assert fresh is not None and fresh.state is OutcomeState.APPLIED
+
+
+class _FlakyLedger(InMemoryOutcomeLedger):
+    failures = 1
+
+    async def pending(self, limit: int = 100) -> list[OutcomeRecord]:
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("ledger store blipped")
+        return await super().pending(limit)
+
+
+@pytest.mark.looptime
+async def test_reconciler_run_survives_a_ledger_blip() -> None:
+    ledger = _FlakyLedger()
+    await ledger.record_unknown("k", dependency="shop")
+
+    async def check(record: OutcomeRecord) -> OutcomeState:
+        return OutcomeState.APPLIED
+
+    task = asyncio.create_task(Reconciler(ledger, check).run(interval=1.0))
+    await asyncio.sleep(2.5)
+    try:
+        assert not task.done(), task.exception()
+        record = await ledger.get("k")
+        assert record is not None and record.state is OutcomeState.APPLIED
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task

@@ -423,3 +423,85 @@ def test_property_retries_stay_within_budget_and_deadline(
     assert retries <= ratio * counter["originals"] + min_per_second * window
     assert retries <= (attempts - 1) * counter["originals"]
     assert not late
+
+
+def _policy(attempts: int = 3, **kw: Any) -> RetryPolicy:
+    kw.setdefault("backoff", ExponentialBackoff(0.01, cap=0.05, rng=random.Random(1)))
+    kw.setdefault("budget", RetryBudget(ratio=0.1, min_per_second=100))
+    return RetryPolicy(attempts, **kw)
+
+
+# -- R4: the attempt-time estimate -------------------------------------------------------------
+
+
+@pytest.mark.looptime
+async def test_first_observed_attempt_time_is_the_estimate_not_a_fifth_of_it() -> None:
+    """A fresh policy saw one 1 s attempt; 0.5 s is left: a retry cannot fit (R4)."""
+    attempts = 0
+
+    async def slow_failure() -> None:
+        nonlocal attempts
+        attempts += 1
+        await asyncio.sleep(1.0)
+        raise TimeoutError
+
+    policy = _policy()
+    with pytest.raises(RetriesExhausted) as info:
+        async with brownout.deadline(1.5):
+            await policy.call(slow_failure, idempotent=True)
+    assert info.value.stopped_by is StopReason.DEADLINE
+    assert attempts == 1
+    assert policy.expected() == pytest.approx(1.0)
+
+
+@pytest.mark.looptime
+async def test_nan_in_the_deadline_arithmetic_stops_rather_than_retrying() -> None:
+    """A NaN term must not make ``backoff + expected + reserve > left`` silently false (R4)."""
+    calls = 0
+
+    async def unavailable() -> None:
+        nonlocal calls
+        calls += 1
+        raise ResponseError(503)
+
+    policy = _policy(expected_attempt_time=0.5, reserve=float("nan"))
+    with pytest.raises(RetriesExhausted) as info:
+        async with brownout.deadline(0.3):
+            await policy.call(unavailable, idempotent=True)
+    assert info.value.stopped_by is StopReason.DEADLINE and calls == 1
+
+
+# -- pushback parsing ------------------------------------------------------------------------
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize("value", ["\u00b2", "\u00b9\u00b3"])
+def test_retry_after_parser_never_raises_on_non_ascii_digits(value: str) -> None:
+    # httpx decodes header bytes as latin-1: a 0xB2 byte is "²", which str.isdigit() accepts.
+    retry_after, never = parse_pushback({"retry-after": value})
+    assert never is False
+    assert retry_after is None
+
+
+# -- D6: an unknown outcome stays unknown until an answer settles it ---------------------------
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize(
+    "later",
+    [
+        brownout.retry.TransientError("refused", sent=False),  # never left: says nothing
+        ResponseError(503),  # refused by the server: says nothing of attempt 1
+    ],
+)
+async def test_a_mutation_sent_and_unanswered_once_stays_unknown_after_later_attempts(
+    later: Exception,
+) -> None:
+    outcomes: list[Exception] = [brownout.retry.TransientError("read timeout", sent=True), later]
+
+    async def charge() -> None:
+        raise outcomes.pop(0)
+
+    with pytest.raises(UnknownOutcome) as info:
+        await _policy(2).call(charge, idempotency_key="order-7")
+    assert info.value.idempotency_key == "order-7"

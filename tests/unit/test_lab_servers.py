@@ -1,0 +1,52 @@
+"""Demo server processes (brownout.lab.servers)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# -- demo servers outliving the lab -----------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_demo_servers_exit_when_the_lab_process_dies() -> None:
+    # SIGTERM from a CI timeout or `kill` runs no `finally`: the uvicorn servers the lab
+    # started were left running for ever, holding their ports (SIGKILL alike).
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import os, signal\n"
+        "from brownout.lab.servers import spawn_server\n"
+        "server = spawn_server(['backend'])\n"
+        "print(server.proc.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    # stderr is not ours to read: the server inherits it and would hold the pipe open.
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    assert parent.stdout is not None
+    line = parent.stdout.readline()
+    parent.wait(30)
+    parent.stdout.close()
+    child = int(line)
+    try:
+        give_up = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < give_up:
+            time.sleep(0.1)
+        assert not _alive(child), "the demo server outlived the process that started it"
+    finally:
+        if _alive(child):
+            os.kill(child, 9)

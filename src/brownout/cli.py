@@ -143,7 +143,7 @@ def lab_main(argv: list[str]) -> int:
     from .lab.report import print_tables, write_markdown, write_report
     from .lab.runner import CONFIGURATIONS, Configuration, LabSettings, Target, run_lab
     from .lab.scenarios import DEFAULT_SCENARIOS, QUICK_SCENARIOS, SCENARIOS, quick_variant
-    from .lab.verdict import evaluate
+    from .lab.verdict import evaluate, judged_runs
 
     args = _lab_parser().parse_args(argv)
     console = Console()
@@ -247,17 +247,20 @@ def lab_main(argv: list[str]) -> int:
         write_markdown(lab, out, Path(args.markdown), lab["command"])
         console.print(f"markdown: {args.markdown}")
     console.print(f"took {lab['elapsed_seconds']:.0f}s")
-    return conclude(evaluate(lab), console, no_fail=args.no_fail)
+    return conclude(evaluate(lab), console, judged=bool(judged_runs(lab)), no_fail=args.no_fail)
 
 
-def conclude(checks: list[Check], console: Console, *, no_fail: bool = False) -> int:
-    """Print the lab's verdict line; the exit status (1 when a check failed)."""
-    if not checks:
-        # Only unprotected configurations ran: nothing was judged, so nothing "held".
-        console.print(
-            "[yellow]no invariant was checked:[/] they apply to brownout's configurations "
-            "(or --target), and none of them ran"
-        )
+def conclude(
+    checks: list[Check], console: Console, *, judged: bool = True, no_fail: bool = False
+) -> int:
+    """Print the lab's verdict line; the exit status (1 when a check failed). ``judged``:
+    some run was of a configuration the invariants apply to."""
+    if not checks:  # nothing was checked, so nothing "held"
+        if judged:
+            why = "the scenarios that ran have none (their targets, if any, are reported above)"
+        else:
+            why = "they apply to brownout's configurations (or --target), and none of them ran"
+        console.print(f"[yellow]no invariant was checked:[/] {why}")
         return 0
     failed = [c for c in checks if not c["passed"]]
     if failed:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Check", "evaluate", "targets"]
+__all__ = ["Check", "evaluate", "judged_runs", "targets"]
 
 Check = dict[str, Any]
 
@@ -61,6 +61,12 @@ def _judged(lab: dict[str, Any]) -> set[str]:
     if lab.get("target"):
         return {c["name"] for c in lab["configurations"]}
     return {c["name"] for c in lab["configurations"] if c.get("brownout")}
+
+
+def judged_runs(lab: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs whose configuration the invariants apply to (brownout's, or ``--target``)."""
+    judged = _judged(lab)
+    return [run for run in lab["runs"] if run["configuration"] in judged]
 
 
 def evaluate(lab: dict[str, Any]) -> list[Check]:

@@ -405,11 +405,11 @@ degraded goodput.
   mode `recommendations` (entered when the dependency's latency average passes 2.5x its
   baseline, left below 1.5x, held at least 1 s) serves them from a `StaleCache`; responses
   carrying `brownout-degraded` are counted and their goodput reported apart (G3). With
-  `--drill recommendations` the mode is forced on from the start (a drill). Watch the step
-  after recovery with `Gradient2Limit()`: the adaptive limit takes the fast degraded
-  responses as its no-load latency, so once the mode leaves it reads the normal 20 ms as
-  queueing and shrinks until its next probe, up to about 5 s later (a known interaction
-  between the adaptive limit and degraded modes, reported for a fix).
+  `--drill recommendations` the mode is forced on from the start (a drill). Answers served
+  by a fallback count as goodput but are never samples of the adaptive limit: learning from
+  the fast degraded responses, `Gradient2Limit()` took them as its no-load latency and, once
+  the mode left, read the normal 20 ms as queueing and fell to a quarter of the demand (fixed
+  in 37223a4; the step after recovery shows it).
 
 The three-layer chain (front -> mid -> backend) is not a lab scenario: it is measured by
 counts in `tests/integration/test_retry_chain.py` (20 originals: 23 attempts at the bottom

@@ -707,6 +707,11 @@ class Bulkhead:
         if row is not None:
             # Tallied: count a plain admission; one that waited is news (its queue wait).
             if queued:
+                # While it waited it held no count in its row, which a ledger compaction
+                # may have forgotten: count the rest in the row the ledger reports (O1).
+                ledger = self._ledger
+                assert ledger is not None
+                row = p._row = ledger.row(p.operation, p.priority, p.caller)
                 row[WAITED] += 1
                 if now is None:
                     now = self._clock.now()
@@ -833,14 +838,12 @@ class Bulkhead:
                 p._state = _DONE
                 later = self._clock.now()
                 q.remove(p, later)
-                if events.enabled:
-                    events.emit(
-                        RequestAbandoned(
-                            later, self.name, p.operation, p.priority, p.caller, later - now
-                        )
-                    )
+                self._left_queue(p, later, later - now, later >= d_at)
             elif p._state == _ADMITTED:  # granted, but cancelled before it could run
-                self._release(p, _IGNORED, None)
+                self._release(p, _IGNORED, None)  # it never ran: nothing for the limit
+                if events.enabled:  # admitted, so it ends: abandoned, or expired (O1)
+                    later = self._clock.now()
+                    self._emit_outcome(p, _DROPPED, "CancelledError", later, 0.0)
             raise
 
     def _schedule_sweep(self, loop: asyncio.AbstractEventLoop, now: float) -> None:
@@ -884,10 +887,8 @@ class Bulkhead:
         p.queue_wait = waited
         fut = p._future
         if fut.done():  # its task was cancelled; the waiter cleans up nothing more (O1)
-            if self._events.enabled:
-                self._events.emit(
-                    RequestAbandoned(now, self.name, p.operation, p.priority, p.caller, waited)
-                )
+            expired = reason is Reason.DEADLINE_EXPIRED or now >= p.deadline_at
+            self._left_queue(p, now, waited, expired)
             return
         if reason is Reason.DEADLINE_EXPIRED:
             events = self._events
@@ -908,6 +909,21 @@ class Bulkhead:
             Reason.DEADLINE_TOO_SHORT: "too little time left to run after queueing",
         }.get(reason, reason.value)
         fut.set_exception(self._refuse(p, reason, detail, waited, justified=True))
+
+    def _left_queue(self, p: Permit, now: float, waited: float, expired: bool) -> None:
+        """Report a waiter whose task was cancelled while it waited: at or after its deadline
+        the cancellation is the deadline's (an edge's deadline timer, ``asyncio.timeout``),
+        which is an expiry in the queue, as if this bulkhead's own timer had fired first;
+        before it, the caller went away (O1)."""
+        events = self._events
+        if not events.enabled:
+            return
+        if expired:
+            events.emit(
+                RequestExpired(now, self.name, p.operation, p.priority, p.caller, "queue", waited)
+            )
+        else:
+            events.emit(RequestAbandoned(now, self.name, p.operation, p.priority, p.caller, waited))
 
     def _drain(self) -> None:
         """Hand freed slots to waiters, best class first, dropping dead work at the head."""
@@ -934,12 +950,8 @@ class Bulkhead:
                 if reason is None:  # counted as served by the pop: it left, it was not served
                     q.served -= 1
                     q.removed += 1
-                if self._events.enabled:  # as the waiter reports it when it cleans up (O1)
-                    self._events.emit(
-                        RequestAbandoned(
-                            now, self.name, p.operation, p.priority, p.caller, now - p.enqueued_at
-                        )
-                    )
+                # as the waiter reports it when it cleans up (O1)
+                self._left_queue(p, now, now - p.enqueued_at, now >= p.deadline_at)
                 continue
             if reason is None:
                 # D7: check again after taking work off the queue.

@@ -162,8 +162,28 @@ class Dependency:
         error when it is not retryable.
         """
 
+        sent = False  # the current attempt of a mutation reached ``fn``
+        lost = False  # an attempt of this mutation was sent and never answered (D6)
+        lost_key: str | None = None
+
+        async def sending(*a: Any, **kw: Any) -> T:
+            nonlocal sent
+            sent = True
+            return await fn(*a, **kw)
+
         async def attempt(number: int, key: str | None) -> T:
-            return await self._attempt(fn, args, kwargs, number, key)
+            nonlocal sent, lost, lost_key
+            if idempotent:
+                return await self._attempt(fn, args, kwargs, number, key)
+            sent, lost_key = False, key
+            try:
+                return await self._attempt(sending, args, kwargs, number, key)
+            except asyncio.CancelledError:
+                lost = lost or sent
+                raise
+            except Exception as error:
+                lost = lost or (sent and self.retry.classify(error).outcome_unknown)
+                raise
 
         try:
             return await self.retry.execute(
@@ -178,6 +198,16 @@ class Dependency:
         except UnknownOutcome as unknown:
             if self.ledger is not None and unknown.idempotency_key is not None:
                 await self._record_unknown(self.ledger, unknown.idempotency_key, unknown)
+            raise
+        except asyncio.CancelledError as cancelled:
+            # Cancelled with a mutation sent and unanswered: the request's deadline fired in
+            # the same loop iteration as the attempt's (a loop stalled past the reserve), or
+            # the caller went away. Cancelling did not undo it: still an unknown outcome (D6).
+            if lost:
+                outcome = self.retry._unknown(lost_key, self.name)
+                outcome.__cause__ = cancelled
+                if self.ledger is not None and lost_key is not None:
+                    await self._record_unknown(self.ledger, lost_key, outcome)
             raise
         except Rejected as refused:
             breaker = self.breaker

@@ -1,4 +1,5 @@
-"""Real servers on loopback for integration tests: one way to run an ASGI app in-process."""
+"""Real servers on loopback for integration tests: an ASGI app under uvicorn, an aiohttp app
+under aiohttp's own server, both in-process."""
 
 from __future__ import annotations
 
@@ -31,6 +32,21 @@ async def serve(app: Any) -> AsyncIterator[str]:
         server.should_exit = True
         server.force_exit = True
         await asyncio.wait_for(task, 10)
+
+
+@contextlib.asynccontextmanager
+async def serve_aiohttp(app: Any, **runner_options: Any) -> AsyncIterator[str]:
+    """Run the aiohttp ``app`` on an ephemeral 127.0.0.1 port; yields its base URL.
+    ``runner_options`` go to ``web.AppRunner`` (``handler_cancellation=True``, ...)."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, **runner_options)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 async def send_then_hang_up(

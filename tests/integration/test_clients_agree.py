@@ -23,6 +23,7 @@ import aiohttp
 import httpx
 import pytest
 from aiohttp import web
+from tests.integration.servers import serve_aiohttp
 
 import brownout
 from brownout import (
@@ -70,13 +71,8 @@ async def scripted_server(script: Script) -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_route("*", "/thing", handle)
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serve_aiohttp(app, handler_cancellation=True) as url:
+        yield url
 
 
 class Kinds:

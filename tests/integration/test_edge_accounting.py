@@ -43,7 +43,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route as StarletteRoute
-from tests.integration.servers import serve
+from tests.integration.servers import serve, serve_aiohttp
 
 from brownout import (
     Bulkhead,
@@ -240,13 +240,8 @@ async def aiohttp_server(svc: Service) -> AsyncIterator[str]:
         ("/health", health),
     ):
         app.router.add_get(path, handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serve_aiohttp(app) as url:
+        yield url
 
 
 SERVERS = {"asgi": asgi_server, "aiohttp": aiohttp_server}

@@ -46,6 +46,7 @@ import httpx
 import pytest
 from aiohttp import ClientHandlerType, ClientRequest, ClientResponse, web
 from prometheus_client import CollectorRegistry
+from tests.integration.servers import serve_aiohttp
 
 import brownout
 from brownout import (
@@ -182,13 +183,8 @@ async def scripted_server(log: ServerLog) -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_route("*", "/thing", handle)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serve_aiohttp(app, handler_cancellation=True, access_log=None) as url:
+        yield url
 
 
 @dataclass

@@ -135,6 +135,16 @@ def ratelimit_headers(decision: Any) -> dict[str, str]:
     return out
 
 
+def _idle(admission: Any) -> bool:
+    """True when ``admission`` has a free permit and nobody waits for one (S5: over-quota
+    work may use idle capacity only). An admission that does not say (no ``in_flight``,
+    ``limit`` and ``queue_depth``, as `Bulkhead` has) is left to ``try_admit``."""
+    try:
+        return bool(admission.in_flight < admission.limit and not admission.queue_depth)
+    except AttributeError:
+        return True
+
+
 def _quota_reason(decision: Any) -> Reason:
     # A quota store that is down and fails closed is the service's problem (503), not the
     # caller's (429): the decision says so with its own reason.
@@ -960,7 +970,7 @@ class EdgePolicy:
         demote = False
         result: Any = None
         if self.quota is not None:
-            result = await self._check_quota(cls, flight, bulkhead is not None)
+            result = await self._check_quota(cls, flight, bulkhead)
             if result is not None:
                 return result  # type: ignore[no-any-return]
             if flight.classification is not cls:  # demoted to SHEDDABLE
@@ -978,7 +988,6 @@ class EdgePolicy:
         ):  # (a NaN reaches Deadline, which refuses it)
             deadline = _new_deadline(seconds) if seconds == seconds else Deadline(seconds)
         flight.deadline = deadline
-        refused_quota: QuotaDecision | None = None
         try:
             # The request context, set directly (what ``brownout.request(...)`` sets, without
             # its per-call dictionaries): deadline, priority, caller, operation, stopwatch.
@@ -1001,8 +1010,14 @@ class EdgePolicy:
             try:
                 # Against the stopwatch's start when nothing was awaited since (no second
                 # clock read; a deadline passing in those microseconds is caught by its timer,
-                # armed below as it is that close); after a quota check, against now.
-                if deadline.at <= (flight.started if self.quota is None else loop.time()):
+                # armed below as it is that close); after a quota check, against now. A
+                # bulkhead checks it itself at entry, and counts it (offered, shed
+                # deadline_expired); without one the edge counts it the same way (O1).
+                if bulkhead is None and deadline.at <= (
+                    flight.started if self.quota is None else loop.time()
+                ):
+                    if events.enabled:
+                        self._emit_refused(cls, Reason.DEADLINE_EXPIRED)
                     raise DeadlineExceeded("the deadline expired before the work started")
                 # One loop timer enforces the deadline, as asyncio.timeout does: it cancels
                 # the task, and that cancellation becomes DeadlineExceeded below.
@@ -1016,17 +1031,14 @@ class EdgePolicy:
                         flight.admitted = True
                         result = await call()
                     elif demote:
-                        try:
-                            permit = bulkhead.try_admit()
-                        except Rejected:
-                            # No idle capacity: the over-quota caller is refused (the
-                            # bulkhead already counted the offer and the shed).
-                            refused_quota = flight.quota
-                        else:
-                            flight.admitted = True
-                            result = await _run_settling(permit, call, flight, answers)
-                            if marks and not permit.settled:
-                                self.settle_fallback(permit, flight, cls, deadline)
+                        # Idle capacity was checked (`_check_quota`); a refusal by the
+                        # bulkhead's own rules (shares, overload, deadline) is answered and
+                        # counted as any refusal at admission.
+                        permit = bulkhead.try_admit()
+                        flight.admitted = True
+                        result = await _run_settling(permit, call, flight, answers)
+                        if marks and not permit.settled:
+                            self.settle_fallback(permit, flight, cls, deadline)
                     else:
                         answered: BaseException | None = None
                         async with bulkhead.admit() as permit:
@@ -1069,8 +1081,6 @@ class EdgePolicy:
             if answer is None:
                 raise
             return answer
-        if refused_quota is not None:
-            return await self._refuse_quota(cls, refused_quota, counted=True)
         if flight.abandoned:
             return self.record_abandoned(flight)
         if self.slowed is not None or flight.reports:
@@ -1246,10 +1256,13 @@ class EdgePolicy:
         return seconds if seconds < policy.maximum else policy.maximum
 
     async def _check_quota(
-        self, cls: Classification, flight: Flight, guarded: bool
+        self, cls: Classification, flight: Flight, bulkhead: Admission | None
     ) -> Refusal | None:
         """The quota hook's verdict: a refusal, or ``None`` to go on (``flight.classification``
-        replaced by a ``SHEDDABLE`` one when an over-quota caller is demoted)."""
+        replaced by a ``SHEDDABLE`` one when an over-quota caller is demoted: only while the
+        bulkhead has an idle permit, checked here so that the 429 otherwise answered is
+        counted as what it is, a quota refusal, not offered to the bulkhead and shed there as
+        ``overloaded``)."""
         assert self.quota is not None
         decision = await self.quota(cls)
         flight.quota = decision
@@ -1257,8 +1270,9 @@ class EdgePolicy:
             return None
         if (
             self.on_quota_exceeded == "demote"
-            and guarded
+            and bulkhead is not None
             and _quota_reason(decision) is Reason.QUOTA
+            and _idle(bulkhead)
         ):
             flight.classification = cls._replace(priority=Priority.SHEDDABLE)
             return None
@@ -1317,20 +1331,20 @@ class EdgePolicy:
                 )
             )
 
-    async def _refuse_quota(
-        self, cls: Classification, decision: QuotaDecision, *, counted: bool = False
-    ) -> Refusal:
+    async def _refuse_quota(self, cls: Classification, decision: QuotaDecision) -> Refusal:
         reason = _quota_reason(decision)
-        events = self.events
-        if events.enabled and not counted:
-            t = _now()
-            events.emit(RequestOffered(t, self.name, cls.operation, cls.priority, cls.caller, None))
-            events.emit(
-                RequestShed(
-                    t, self.name, cls.operation, cls.priority, cls.caller, reason, None, 0.0
-                )
-            )
+        if self.events.enabled:
+            self._emit_refused(cls, reason)
         return await self._held(self.refusal(reason, decision.retry_after, quota=decision))
+
+    def _emit_refused(self, cls: Classification, reason: Reason) -> None:
+        """Count a request refused before any bulkhead saw it: offered, then shed."""
+        t = _now()
+        events = self.events
+        events.emit(RequestOffered(t, self.name, cls.operation, cls.priority, cls.caller, None))
+        events.emit(
+            RequestShed(t, self.name, cls.operation, cls.priority, cls.caller, reason, None, 0.0)
+        )
 
     def _emit_unguarded_admission(self, cls: Classification, deadline: Deadline) -> None:
         t = _now()

@@ -239,3 +239,39 @@ async def test_drill_against_the_live_server() -> None:
                 with drill(modes, "recommendations", failed=["recs-service"]):
                     r = await http.get("/bad-recs")
                     assert r.status_code == 200  # the app hid the error; the drill did not
+
+
+@pytest.mark.parametrize("path", ["express", "serve"])
+async def test_the_header_names_modes_as_the_response_starts(path: str) -> None:
+    """G2: the header was computed when the request arrived. A mode that came on while the
+    handler ran went unnamed, and so did a mode whose fallback answered and that ended
+    before the response (the caller got fallback content with no word of it)."""
+    modes = DegradedModes([DegradedMode("recommendations", "hide personalised recommendations")])
+
+    @modes.fallback("recommendations", lambda: ["popular"])
+    async def recommendations() -> list[str]:
+        return ["for you"]
+
+    async def turns_on(request: Request) -> JSONResponse:
+        modes.force("recommendations", True)
+        return JSONResponse(["ok"])
+
+    async def answered_then_ended(request: Request) -> JSONResponse:
+        body = await recommendations()  # served by the fallback: the mode is on
+        modes.force("recommendations", False)
+        return JSONResponse(body)
+
+    app = Starlette(routes=[Route("/on", turns_on), Route("/fallback", answered_then_ended)])
+    # A priority claim is a header the edge must decide about: it takes `serve`.
+    app.add_middleware(BrownoutMiddleware, policy=EdgePolicy(degraded=modes))
+    headers = {"brownout-priority": "critical"} if path == "serve" else {}
+    async with serve(app) as base, httpx.AsyncClient(base_url=base) as http:
+        r = await http.get("/on", headers=headers)
+        assert r.headers.get("brownout-degraded") == "recommendations"
+        modes.force("recommendations", True)
+        r = await http.get("/fallback", headers=headers)
+        assert r.json() == ["popular"]
+        assert r.headers.get("brownout-degraded") == "recommendations"
+        assert not modes.active("recommendations")
+        r = await http.get("/fallback", headers=headers)  # off, and no fallback answered
+        assert r.json() == ["for you"] and "brownout-degraded" not in r.headers

@@ -14,7 +14,8 @@ What it does per HTTP request (see `brownout.edge` for the policy itself):
   ``Content-Length``, so the connection stays open for the next request (unlike uvicorn's
   ``--limit-concurrency``, which closes it);
 - responses, including streaming ones, pass through unbuffered; ``brownout-degraded`` is added
-  to the response head while a degraded mode is active;
+  to the response head naming the degraded modes active when the response starts, and any
+  whose fallback answered this request (G2);
 - at deadline expiry the handler is cancelled and, if no response started, a 504 problem is
   written; if the response had started, the response is left incomplete so the client sees a
   truncated answer rather than a falsely complete one;
@@ -46,9 +47,10 @@ from ..clock import current_task_of as _current_task
 from ..clock import loop_and_time
 from ..context import _EMPTY as _NO_REQUEST
 from ..context import _get_current, _inbound_context, _reset_current, _set_current
-from ..degrade.markers import _reset_fallback_marks, _set_fallback_marks
+from ..degrade.markers import _reset_fallback_marks, _set_fallback_marks, served_by_fallback
 from ..edge import (
     EXPRESS_HEADERS,
+    DegradedModes,
     EdgePolicy,
     Express,
     Flight,
@@ -88,6 +90,7 @@ _ENCODED: dict[str, bytes] = {}
 _claims_nothing = EXPRESS_HEADERS.isdisjoint
 _header_name = itemgetter(0)
 _NEW = object.__new__
+_fallback_marks = served_by_fallback.get
 
 
 _Path = tuple[ResolvedRoute, "Express | None"]
@@ -150,7 +153,7 @@ class _Exchange(Flight):
         scope: Scope,
         receive: Receive,
         send: Send,
-        degraded: tuple[str, ...],
+        degraded: DegradedModes | None,
         watch: bool,
     ) -> None:
         # A request for `EdgePolicy.serve`, which sets what it decides (classification,
@@ -214,17 +217,27 @@ class _Exchange(Flight):
         if kind == "http.response.start":
             self.response_started = True
             self.status = message["status"]
-            if self.degraded:
-                self._announce_degraded(message)
+            modes = self.degraded
+            if modes is not None:
+                self._announce_degraded(message, modes)
         elif kind == "http.response.body" and not message.get("more_body", False):
             self.response_done = True
         send = self.send  # (a slot read, then a call: ``self.send(...)`` is not specialized)
         return send(message)
 
-    def _announce_degraded(self, start: Message) -> None:
-        headers = list(start.get("headers", ()))
-        headers.append((_DEGRADED, ", ".join(self.degraded).encode()))
-        start["headers"] = headers
+    @staticmethod
+    def _announce_degraded(start: Message, modes: DegradedModes) -> None:
+        # Read as the head leaves, not when the request arrived: a mode that came on while
+        # the handler ran is named, and so is one whose fallback answered and that has ended
+        # since (the marks of this request's context).
+        names = modes.active_names()
+        marks = _fallback_marks()
+        if marks:
+            names += tuple(m for m in dict.fromkeys(marks) if m not in names)
+        if names:
+            headers = list(start.get("headers", ()))
+            headers.append((_DEGRADED, ", ".join(names).encode()))
+            start["headers"] = headers
 
     async def __call__(self) -> Message:
         buffer = self._buffer
@@ -420,7 +433,7 @@ class BrownoutMiddleware:
         exchange._receive = receive
         exchange.watch = watch
         exchange.send = send
-        exchange.degraded = () if modes is None else modes.active_names()
+        exchange.degraded = modes
         exchange.watcher = None
         exchange._buffer = None
         exchange._waiter = None
@@ -486,7 +499,7 @@ class BrownoutMiddleware:
             scope,
             receive,
             send,
-            policy.degraded_names() if policy.degraded is not None else (),
+            policy.degraded,
             self.watch_disconnects,
         )
         try:

@@ -37,7 +37,7 @@ import json
 import math
 import random
 import re
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from contextvars import Token
 from dataclasses import dataclass, field
@@ -100,6 +100,7 @@ __all__ = [
     "Route",
     "SlowedRejections",
     "TrustSource",
+    "announced_modes",
     "compile_template",
     "header_getter",
     "problem_body",
@@ -143,6 +144,16 @@ def _idle(admission: Any) -> bool:
         return bool(admission.in_flight < admission.limit and not admission.queue_depth)
     except AttributeError:
         return True
+
+
+def announced_modes(modes: DegradedModes, marks: Sequence[str] | None) -> tuple[str, ...]:
+    """The degraded modes a response names in ``brownout-degraded`` (G2), read as it leaves:
+    those active now, then any whose fallback answered the request (``marks``, the
+    `brownout.degrade.markers.served_by_fallback` list) and has ended since."""
+    names = modes.active_names()
+    if marks:
+        names += tuple(m for m in dict.fromkeys(marks) if m not in names)
+    return names
 
 
 def _quota_reason(decision: Any) -> Reason:

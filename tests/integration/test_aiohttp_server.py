@@ -23,7 +23,7 @@ from tests.integration.flood import (
     probe_under_flood,
     server_process,
 )
-from tests.integration.servers import send_then_hang_up
+from tests.integration.servers import send_then_hang_up, serve_aiohttp
 
 import brownout
 from brownout import Bulkhead, EventHub, FifoQueue, FixedLimit, InboundDeadlinePolicy, Stats, Trust
@@ -262,3 +262,32 @@ async def test_health_is_answered_fast_under_a_10x_flood() -> None:
     assert counts.get("200", 0) >= 8  # the limit kept serving
     assert counts.get("503", 0) > 5 * counts.get("200", 0)  # and the flood was >= 10x capacity
     assert_answered_fast(latencies)
+
+
+@pytest.mark.parametrize("path", ["express", "serve"])
+async def test_the_header_names_modes_as_the_response_leaves(path: str) -> None:
+    """G2, as on the ASGI edge: a mode whose fallback answered and that ended before the
+    answer left is still named (the header was the modes active at the end only)."""
+    modes = brownout.DegradedModes(
+        [brownout.DegradedMode("recommendations", "hide personalised recommendations")]
+    )
+
+    @modes.fallback("recommendations", lambda: ["popular"])
+    async def recommendations() -> list[str]:
+        return ["for you"]
+
+    async def answered_then_ended(request: web.Request) -> web.Response:
+        body = await recommendations()
+        modes.force("recommendations", False)
+        return web.json_response(body)
+
+    app = web.Application(middlewares=[brownout_middleware(EdgePolicy(degraded=modes))])
+    app.router.add_get("/fallback", answered_then_ended)
+    headers = {"brownout-priority": "critical"} if path == "serve" else {}
+    async with serve_aiohttp(app) as base, aiohttp.ClientSession(base) as http:
+        modes.force("recommendations", True)
+        async with http.get("/fallback", headers=headers) as r:
+            assert await r.json() == ["popular"]
+            assert r.headers.get("brownout-degraded") == "recommendations"
+        async with http.get("/fallback", headers=headers) as r:  # off: nothing to name
+            assert await r.json() == ["for you"] and "brownout-degraded" not in r.headers

@@ -36,6 +36,7 @@ from ..admission.bulkhead import Permit, Untracked
 from ..clock import loop_and_time
 from ..context import _EMPTY as _NO_REQUEST
 from ..context import _get_current
+from ..degrade.markers import served_by_fallback
 from ..degrade.modes import DEGRADED_HEADER
 from ..edge import (
     ABANDONED,
@@ -47,11 +48,14 @@ from ..edge import (
     Flight,
     Refusal,
     ResolvedRoute,
+    announced_modes,
     ratelimit_headers,
 )
 from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
 __all__ = ["BrownoutAiohttpMiddleware", "announce_degraded", "brownout_middleware"]
+
+_fallback_marks = served_by_fallback.get
 
 _log = logging.getLogger("brownout.edge")
 
@@ -164,7 +168,7 @@ class BrownoutAiohttpMiddleware:
             flight.status = e.status
             scope.settle(permit)
             if express.degraded is not None:
-                self._announce(e, express.degraded.active_names())
+                self._announce(e, announced_modes(express.degraded, scope.marks))
             raise
         except (asyncio.CancelledError, Exception) as e:
             # Settled, and answered as `serve` would; re-raised when there is no answer.
@@ -175,7 +179,7 @@ class BrownoutAiohttpMiddleware:
             if flight.abandoned:
                 raise asyncio.CancelledError  # nobody is listening (`serve`'s ABANDONED)
             if express.degraded is not None:
-                self._announce(response, express.degraded.active_names())
+                self._announce(response, announced_modes(express.degraded, scope.marks))
             return response
         return self._written(outcome, request)
 
@@ -218,14 +222,17 @@ class BrownoutAiohttpMiddleware:
             return headers.get(name)
 
         async def call() -> web.StreamResponse:
+            # Named here, inside `serve`, where this request's fallback marks are set.
             try:
                 response = await handler(request)
             except web.HTTPException as e:
                 flight.status = e.status
                 if policy.degraded is not None:
-                    self._announce(e, policy.degraded_names())
+                    self._announce(e, announced_modes(policy.degraded, _fallback_marks()))
                 raise
             flight.status = response.status
+            if policy.degraded is not None:
+                self._announce(response, announced_modes(policy.degraded, _fallback_marks()))
             return response
 
         try:

@@ -56,6 +56,7 @@ from ..edge import (
     Flight,
     Refusal,
     ResolvedRoute,
+    announced_modes,
     ratelimit_headers,
 )
 from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
@@ -227,13 +228,9 @@ class _Exchange(Flight):
 
     @staticmethod
     def _announce_degraded(start: Message, modes: DegradedModes) -> None:
-        # Read as the head leaves, not when the request arrived: a mode that came on while
-        # the handler ran is named, and so is one whose fallback answered and that has ended
-        # since (the marks of this request's context).
-        names = modes.active_names()
-        marks = _fallback_marks()
-        if marks:
-            names += tuple(m for m in dict.fromkeys(marks) if m not in names)
+        # Read as the head leaves, not when the request arrived (the marks are this request's
+        # context's: the send runs in the application's task).
+        names = announced_modes(modes, _fallback_marks())
         if names:
             headers = list(start.get("headers", ()))
             headers.append((_DEGRADED, ", ".join(names).encode()))

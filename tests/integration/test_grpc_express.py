@@ -326,3 +326,34 @@ async def test_a_handler_that_swallows_the_client_cancel_is_still_abandoned(
     assert service.stats.count("abandoned") == 1  # O1: nobody heard the answer
     assert service.stats.count("completed") == 0
     assert service.bulkhead.in_flight == 0
+
+
+@pytest.mark.parametrize("path", ["express", "serve"])
+async def test_a_fallback_whose_mode_ended_before_the_answer_is_still_named(path: str) -> None:
+    """G2: the trailing metadata named only the modes active when the call ended, so a call
+    answered by a fallback whose mode ended meanwhile carried no word of it."""
+    modes = DegradedModes([DegradedMode("recs", "recommendations from a default list")])
+
+    def policy(bulkhead: CountingBulkhead, hub: EventHub) -> EdgePolicy:
+        return EdgePolicy(bulkhead=bulkhead, degraded=modes, events=hub)
+
+    @modes.fallback("recs", lambda: "default")
+    async def recommendations() -> str:
+        return "personal"
+
+    async def answered_then_ended() -> str:
+        body = await recommendations()
+        modes.force("recs", on=False)
+        return body
+
+    metadata = (("brownout-priority", "critical"),) if path == "serve" else ()
+    async for svc in start(policy, recs=answered_then_ended):
+        method = svc.channel.unary_unary("/test.Express/Recs")
+        modes.force("recs", on=True)
+        call = method(b"", timeout=5, metadata=metadata)
+        assert await call == b"default"
+        assert dict(await call.trailing_metadata() or ())["brownout-degraded"] == "recs"
+        call = method(b"", timeout=5, metadata=metadata)  # off, no fallback: nothing named
+        assert await call == b"personal"
+        assert "brownout-degraded" not in dict(await call.trailing_metadata() or ())
+        assert svc.bulkhead.express == (2 if path == "express" else 0)

@@ -45,6 +45,7 @@ from ..admission.bulkhead import Permit, Untracked
 from ..clock import current_task_of, loop_and_time
 from ..context import _EMPTY as _NO_REQUEST
 from ..context import _get_current
+from ..degrade.markers import served_by_fallback
 from ..edge import (
     ABANDONED,
     EXPRESS_HEADERS,
@@ -56,6 +57,7 @@ from ..edge import (
     Flight,
     Refusal,
     ResolvedRoute,
+    announced_modes,
 )
 from ..errors import Reason
 from ..propagation import GRPC_PUSHBACK_KEY, HeaderGetter
@@ -63,6 +65,7 @@ from ..propagation import GRPC_PUSHBACK_KEY, HeaderGetter
 __all__ = ["BrownoutServerInterceptor", "GrpcCall", "status_code_for"]
 
 HEALTH_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
+_fallback_marks = served_by_fallback.get
 
 
 class GrpcCall(NamedTuple):
@@ -307,8 +310,10 @@ async def _run(
             )
     flight = Flight(started)
     budget = None if remaining is None else max(remaining, 0.0)
+    named: tuple[str, ...] | None = None
 
     async def noted() -> Any:
+        nonlocal named
         task = current_task_of(loop)
         assert task is not None
         cancelling = task.cancelling()
@@ -319,6 +324,8 @@ async def _run(
             raise
         flight.status = _status_of(context)
         flight.abandoned = _swallowed(task, cancelling, flight)  # `serve` counts it abandoned
+        if policy.degraded is not None:  # here, where this call's fallback marks are set
+            named = announced_modes(policy.degraded, _fallback_marks())
         return result
 
     try:
@@ -338,7 +345,9 @@ async def _run(
         raise
     if isinstance(outcome, Refusal) or outcome is ABANDONED:
         await _end(outcome, context)
-    _announce_degraded(policy.degraded_names() if policy.degraded is not None else (), context)
+    if named is None:
+        named = policy.degraded_names() if policy.degraded is not None else ()
+    _announce_degraded(named, context)
     return outcome
 
 
@@ -378,7 +387,7 @@ async def _express(
     if flight.abandoned:
         raise asyncio.CancelledError  # nobody is listening (`serve`'s ABANDONED)
     modes = express.degraded
-    _announce_degraded(() if modes is None else modes.active_names(), context)
+    _announce_degraded(() if modes is None else announced_modes(modes, scope.marks), context)
     return result
 
 

@@ -262,6 +262,10 @@ class Ask:
     status: int | None = None
     """None: the client hung up before any answer."""
     reason: str | None = None
+    reset: bool = False
+    """The connection broke under the request (a reset, seen about once in ten runs with
+    both cores saturated, on uvicorn only, root cause not found): the client knows nothing of
+    what the server did, so any one ending is consistent with it. Bounded by `check_laws`."""
 
     @property
     def operation(self) -> str:
@@ -302,7 +306,11 @@ def plan(seed: int, n: int, unique_callers: bool) -> list[Ask]:
 
 
 async def ask_http(client: httpx.AsyncClient, a: Ask) -> None:
-    r = await client.get(a.path, headers=a.headers)
+    try:
+        r = await client.get(a.path, headers=a.headers)
+    except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+        a.reset = True
+        return
     a.status = r.status_code
     if r.headers.get("content-type", "").startswith("application/problem+json"):
         a.reason = r.json()["reason"]
@@ -420,7 +428,9 @@ def check_laws(svc: Service, asks: list[Ask], *, client_deadline: bool = False) 
         # answers that reached the client after its own deadline (client_deadline only)
         overtaken = max(0, seen[504] - expired) if client_deadline else 0
         answered = n("completed") + n("completed_late")
-        if not seen[200] <= answered or seen[200] + seen[500] + overtaken != answered + n("failed"):
+        resets = sum(1 for a in mine if a.reset)  # may have been answered, or not
+        told = seen[200] + seen[500] + overtaken
+        if not seen[200] <= answered or not told <= answered + n("failed") <= told + resets:
             problems.append(
                 f"{op} {pr}: {seen[200]} answered 200 and {seen[500]} 500 but completed"
                 f" {n('completed')} + late {n('completed_late')}, failed {n('failed')}"
@@ -473,7 +483,7 @@ def check_laws(svc: Service, asks: list[Ask], *, client_deadline: bool = False) 
             )
             if c["admitted"] != (1 if admitted_end else 0):
                 problems.append(f"{a.caller} {a.path}: admitted {c['admitted']} yet {end}")
-            if end not in client_expects(a):
+            if end not in client_expects(a) and not a.reset:
                 if a.status is None and end[:5] in ("shed:", "expir"):
                     raced += 1  # refused as it hung up: the answer was written to nobody
                 elif client_deadline and a.status == 504 and end in ("completed", "late", "failed"):
@@ -492,6 +502,12 @@ def check_laws(svc: Service, asks: list[Ask], *, client_deadline: bool = False) 
     fp = stats.count("shed_false_positive")
     if fp:
         problems.append(f"{fp} false-positive sheds")
+
+    # Broken connections: tolerated as unknowable, never as a habit.
+    reset = sum(1 for a in offered_asks if a.reset)
+    total["reset"] = reset
+    if reset > max(2, len(offered_asks) // 100):
+        problems.append(f"{reset} of {len(offered_asks)} connections broke under their request")
 
     # The bulkhead is empty again, and its ledger holds no row.
     b = svc.bulkhead

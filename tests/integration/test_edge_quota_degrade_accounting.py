@@ -56,7 +56,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as StarletteRoute
-from tests.integration.servers import serve
+from tests.integration.servers import serve, serve_aiohttp
 from tests.integration.test_edge_accounting import Recorder
 from tests.limits import SpyLimit
 
@@ -134,13 +134,8 @@ async def aiohttp_server(
     app = web.Application(middlewares=[brownout_middleware(policy)])
     for p in paths:
         app.router.add_get(p, endpoint(p))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serve_aiohttp(app) as url:
+        yield url
 
 
 SERVERS = {"asgi": asgi_server, "aiohttp": aiohttp_server}

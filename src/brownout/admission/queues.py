@@ -153,9 +153,13 @@ class WaitQueue:
     def wait_bound(self, now: float, rank: int | None = None) -> float:
         """How long an item (of class ``rank``) may wait, decided now (the age bound in force).
 
-        With ``rank=None``: the loosest bound any waiting item has now. An item's bound never
-        loosens while it waits (its class cannot empty while it is in it), so this is also
-        the longest a waiter pushed now can stay.
+        With ``rank=None``: the loosest bound any waiting item has now. Its class cannot empty
+        while it is in it, so an item's bound does not loosen for that reason; a queue whose
+        bounds follow the measured service time (``scales_with_service``) may still raise
+        them while it waits, never past ``max_wait``. A `Bulkhead` gives a waiter a deadline
+        timer of its own only when its deadline comes before the bound at entry, so under
+        such a queue a deadline that passes later is enforced by the sweep, at most
+        ``max_wait`` after entry (the edge's own deadline timer cancels the request anyway).
         """
         return self.max_wait
 

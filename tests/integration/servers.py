@@ -49,6 +49,18 @@ async def serve_aiohttp(app: Any, **runner_options: Any) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
+@contextlib.asynccontextmanager
+async def serve_grpc(server: Any) -> AsyncIterator[str]:
+    """Start the grpc.aio ``server`` (handlers added) on an ephemeral 127.0.0.1 port; yields
+    its target (``host:port``) and stops it, cancelling calls still running."""
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
 async def send_then_hang_up(
     base: str, target: str, headers: bytes = b"", after: float = 0.2
 ) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
+from tests.integration.servers import serve_grpc
 from tests.integration.test_edge_accounting import (
     DEADLINE,
     PRIORITIES,
@@ -40,9 +41,18 @@ from tests.integration.test_edge_accounting import (
     service,
     settle,
 )
+from tests.integration.test_outbound_accounting import (
+    CALL,
+    ending,
+    instrumented_dependency,
+    prom_total,
+)
 
-from brownout import InboundDeadlinePolicy
+import brownout
+from brownout import InboundDeadlinePolicy, RetryBudget
 from brownout.edge import Classification, EdgePolicy
+from brownout.events import AttemptRetried, OutcomeUnknown
+from brownout.integrations.grpc_client import brownout_interceptors
 from brownout.integrations.grpc_server import (
     REFUSAL_REASON_KEY,
     BrownoutServerInterceptor,
@@ -171,12 +181,8 @@ async def grpc_server(svc: Service, delivered: Delivered) -> AsyncIterator[str]:
             grpc.method_handlers_generic_handler("grpc.health.v1.Health", {"Check": uu(health)}),
         )
     )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
+    async with serve_grpc(server) as target:
+        yield target
 
 
 # -- the clients ----------------------------------------------------------------------------------
@@ -513,12 +519,8 @@ async def scripted_grpc(seed: int, hits: list[OutHit]) -> AsyncIterator[str]:
             ),
         )
     )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
+    async with serve_grpc(server) as target:
+        yield target
 
 
 @dataclass
@@ -545,51 +547,23 @@ async def test_concurrent_grpc_calls_through_a_dependency_are_accounted(seed: in
     received after its caller's deadline nor given time past it (R4, D1); unknown outcomes
     raised == OutcomeUnknown events == ledger entries, each a mutation sent and unanswered
     (D6); Stats == events == Prometheus; afterwards nothing active, no retry slot held."""
-    from prometheus_client import CollectorRegistry
-    from tests.integration.test_outbound_accounting import CALL, ByCall, ending, prom_total
-
-    import brownout
-    from brownout import CircuitBreaker, Dependency, EventHub, RetryBudget, RetryPolicy, Stats
-    from brownout.events import AttemptRetried, OutcomeUnknown
-    from brownout.export.prometheus import register
-    from brownout.integrations.grpc_client import brownout_interceptors
-    from brownout.retry import ExponentialBackoff, InMemoryOutcomeLedger
-
-    hub = EventHub()
-    stats = hub.subscribe(Stats())
-    by_call = hub.subscribe(ByCall())
-    registry = CollectorRegistry()
-    register(stats, registry)
-    ledger = InMemoryOutcomeLedger()
-    budget = RetryBudget(OUT_RATIO, min_per_second=OUT_MIN_PER_SECOND, window=OUT_WINDOW)
-    dep = Dependency(
+    out = instrumented_dependency(
         "out",
+        seed,
         timeout=OUT_TIMEOUT,
         reserve=OUT_RESERVE,
         min_useful=0.1,
-        retry=RetryPolicy(
-            3,
-            budget=budget,
-            backoff=ExponentialBackoff(0.01, cap=0.05, rng=random.Random(seed)),
-            name="out",
-            events=hub,
-        ),
-        breaker=CircuitBreaker(
-            failure_rate=0.75,
-            window=20,
-            minimum_calls=10,
-            open_for=0.25,
-            open_jitter=0.2,
-            half_open_probes=2,
-            name="out",
-            rng=random.Random(seed),
-            events=hub,
-        ),
-        max_concurrent_retries=2,
-        ledger=ledger,
-        events=hub,
+        budget=RetryBudget(OUT_RATIO, min_per_second=OUT_MIN_PER_SECOND, window=OUT_WINDOW),
+        probes=2,
+        max_retries=2,
     )
-    stats.watch(dep)
+    stats, by_call, registry, ledger, dep = (
+        out.stats,
+        out.by_call,
+        out.registry,
+        out.ledger,
+        out.dep,
+    )
     rng = random.Random(seed)
     calls = []
     for i in range(300):

@@ -360,6 +360,73 @@ def prom_total(registry: CollectorRegistry, name: str) -> float:
     return total
 
 
+@dataclass
+class Instrumented:
+    """One shared `Dependency` with everything a law reads: its hub, Stats, events by call,
+    Prometheus registry, ledger, budget and breaker."""
+
+    hub: EventHub
+    stats: Stats
+    by_call: ByCall
+    registry: CollectorRegistry
+    ledger: InMemoryOutcomeLedger
+    budget: RetryBudget
+    breaker: CircuitBreaker
+    dep: Dependency
+
+
+def instrumented_dependency(
+    name: str,
+    seed: int,
+    *,
+    timeout: float | None,
+    reserve: float,
+    min_useful: float,
+    budget: RetryBudget,
+    probes: int,
+    max_retries: int,
+) -> Instrumented:
+    """3 attempts under ``budget``, a breaker of ``probes`` half-open probes, at most
+    ``max_retries`` retrying at once, a ledger; events counted by Stats and by call."""
+    hub = EventHub()
+    stats = hub.subscribe(Stats())
+    by_call = hub.subscribe(ByCall())
+    registry = CollectorRegistry()
+    register(stats, registry)
+    ledger = InMemoryOutcomeLedger()
+    breaker = CircuitBreaker(
+        failure_rate=0.75,
+        window=20,
+        minimum_calls=10,
+        open_for=0.25,
+        open_jitter=0.2,
+        half_open_probes=probes,
+        name=name,
+        rng=random.Random(seed),
+        events=hub,
+    )
+    dep = Dependency(
+        name,
+        timeout=timeout,
+        reserve=reserve,
+        min_useful=min_useful,
+        retry=RetryPolicy(
+            3,
+            budget=budget,
+            backoff=ExponentialBackoff(0.01, cap=0.05, rng=random.Random(seed)),
+            name=name,
+            events=hub,
+        ),
+        breaker=breaker,
+        max_concurrent_retries=max_retries,
+        ledger=ledger,
+        events=hub,
+    )
+    stats.watch(dep)
+    assert isinstance(stats, Stats) and isinstance(by_call, ByCall)
+    return Instrumented(hub, stats, by_call, registry, ledger, budget, breaker, dep)
+
+
 @pytest.mark.parametrize(
     ("seed", "reserve", "timeout", "ratio"),
     [
@@ -374,42 +441,18 @@ async def test_concurrent_faulty_calls_are_accounted_and_bounded(
     seed: int, reserve: float, timeout: float | None, ratio: float
 ) -> None:
     log = ServerLog(seed)
-    hub = EventHub()
-    stats = hub.subscribe(Stats())
-    by_call = hub.subscribe(ByCall())
-    registry = CollectorRegistry()
-    register(stats, registry)
-    ledger = InMemoryOutcomeLedger()
-    budget = RetryBudget(ratio, min_per_second=MIN_PER_SECOND, window=WINDOW)
-    breaker = CircuitBreaker(
-        failure_rate=0.75,
-        window=20,
-        minimum_calls=10,
-        open_for=0.25,
-        open_jitter=0.2,
-        half_open_probes=PROBES,
-        name="things",
-        rng=random.Random(seed),
-        events=hub,
-    )
-    dep = Dependency(
+    out = instrumented_dependency(
         "things",
+        seed,
         timeout=timeout,
         reserve=reserve,
         min_useful=MIN_USEFUL,
-        retry=RetryPolicy(
-            3,
-            budget=budget,
-            backoff=ExponentialBackoff(0.01, cap=0.05, rng=random.Random(seed)),
-            name="things",
-            events=hub,
-        ),
-        breaker=breaker,
-        max_concurrent_retries=MAX_RETRIES_IN_FLIGHT,
-        ledger=ledger,
-        events=hub,
+        budget=RetryBudget(ratio, min_per_second=MIN_PER_SECOND, window=WINDOW),
+        probes=PROBES,
+        max_retries=MAX_RETRIES_IN_FLIGHT,
     )
-    stats.watch(dep)
+    stats, by_call, registry = out.stats, out.by_call, out.registry
+    ledger, budget, dep = out.ledger, out.budget, out.dep
     recorder = Recorder(dep)
     calls = make_calls(seed, 300)
     rng = random.Random(seed + 1)

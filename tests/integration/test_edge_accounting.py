@@ -390,8 +390,8 @@ def ending_of(c: Counter[str]) -> list[str]:
 
 def check_laws(svc: Service, asks: list[Ask], *, client_deadline: bool = False) -> dict[str, int]:
     """``client_deadline``: the client enforces the deadline itself (grpc does), so an answer
-    the server finished in time can arrive after it and be seen as a 504: such a call moves
-    from the answered counts to the 504s, and nothing else may differ."""
+    or a refusal the server sent in time can arrive after it and be seen as a 504: such a
+    call moves from its bin to the 504s, and nothing else may differ."""
     stats = svc.stats
     stats.sync()
     problems: list[str] = []
@@ -425,12 +425,15 @@ def check_laws(svc: Service, asks: list[Ask], *, client_deadline: bool = False) 
         if n("offered") != ends:
             problems.append(f"{op} {pr}: offered {n('offered')} != ended {ends}")
         expired = n("expired") + n("shed", "deadline_expired")
-        # answers that reached the client after its own deadline (client_deadline only)
+        # answers or refusals that reached the client after its own deadline (client_deadline
+        # only): each moved from its bin to the 504s
         overtaken = max(0, seen[504] - expired) if client_deadline else 0
         answered = n("completed") + n("completed_late")
         resets = sum(1 for a in mine if a.reset)  # may have been answered, or not
-        told = seen[200] + seen[500] + overtaken
-        if not seen[200] <= answered or not told <= answered + n("failed") <= told + resets:
+        told = seen[200] + seen[500]
+        if not seen[200] <= answered or not (
+            told <= answered + n("failed") <= told + resets + overtaken
+        ):
             problems.append(
                 f"{op} {pr}: {seen[200]} answered 200 and {seen[500]} 500 but completed"
                 f" {n('completed')} + late {n('completed_late')}, failed {n('failed')}"
@@ -442,7 +445,7 @@ def check_laws(svc: Service, asks: list[Ask], *, client_deadline: bool = False) 
         refused = Counter(a.reason for a in mine if a.status == 503)
         for reason in {r for r in refused} | {"queue_full", "queue_timeout", "deadline_too_short"}:
             shed = n("shed", reason)
-            if not refused[reason] <= shed <= refused[reason] + gone:
+            if not refused[reason] <= shed <= refused[reason] + gone + overtaken:
                 problems.append(f"{op} {pr}: {refused[reason]} answered 503 {reason}, shed {shed}")
         if not seen[504] - overtaken <= expired <= seen[504] + gone:
             problems.append(f"{op} {pr}: {seen[504]} answered 504, expired {expired}")
@@ -486,8 +489,12 @@ def check_laws(svc: Service, asks: list[Ask], *, client_deadline: bool = False) 
             if end not in client_expects(a) and not a.reset:
                 if a.status is None and end[:5] in ("shed:", "expir"):
                     raced += 1  # refused as it hung up: the answer was written to nobody
-                elif client_deadline and a.status == 504 and end in ("completed", "late", "failed"):
-                    overtaken_total += 1  # answered, and the client's deadline came first
+                elif (
+                    client_deadline
+                    and a.status == 504
+                    and (end in ("completed", "late", "failed") or end[:5] == "shed:")
+                ):
+                    overtaken_total += 1  # answered or refused; the client's deadline came first
                 else:
                     problems.append(
                         f"{a.caller} {a.path} saw {a.status} {a.reason}: server says {end}"

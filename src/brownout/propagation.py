@@ -42,6 +42,7 @@ __all__ = [
     "GRPC_TIMEOUT_HEADER",
     "IDEMPOTENCY_HEADER",
     "PRIORITY_HEADER",
+    "REFUSAL_REASON_KEY",
     "RETRY_HEADER",
     "SIGNED_BUDGET_HEADER",
     "BudgetSigner",
@@ -70,6 +71,9 @@ RETRY_HEADER = "brownout-retry"
 DO_NOT_RETRY_VALUE = "never"
 GRPC_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 """gRPC trailing metadata: milliseconds to wait before retrying; negative means do not retry."""
+REFUSAL_REASON_KEY = "brownout-reason"
+"""gRPC trailing metadata naming an edge refusal's reason; clients read it as "refused, not
+run"."""
 
 # -- grpc-timeout ----------------------------------------------------------------------------
 

@@ -53,11 +53,8 @@ from brownout import InboundDeadlinePolicy, RetryBudget
 from brownout.edge import Classification, EdgePolicy
 from brownout.events import AttemptRetried, OutcomeUnknown
 from brownout.integrations.grpc_client import brownout_interceptors
-from brownout.integrations.grpc_server import (
-    REFUSAL_REASON_KEY,
-    BrownoutServerInterceptor,
-    GrpcCall,
-)
+from brownout.integrations.grpc_server import BrownoutServerInterceptor, GrpcCall
+from brownout.propagation import REFUSAL_REASON_KEY
 
 pytestmark = pytest.mark.integration
 

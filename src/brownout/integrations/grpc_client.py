@@ -50,10 +50,10 @@ from ..propagation import (
     GRPC_PUSHBACK_KEY,
     IDEMPOTENCY_HEADER,
     PRIORITY_HEADER,
+    REFUSAL_REASON_KEY,
     context_headers,
 )
 from ..retry.classify import ResponseError, TransientError, parse_pushback
-from .grpc_server import REFUSAL_REASON_KEY
 
 __all__ = [
     "BrownoutClientInterceptor",

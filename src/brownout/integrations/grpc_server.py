@@ -60,7 +60,7 @@ from ..edge import (
     announced_modes,
 )
 from ..errors import Reason
-from ..propagation import GRPC_PUSHBACK_KEY, HeaderGetter
+from ..propagation import GRPC_PUSHBACK_KEY, REFUSAL_REASON_KEY, HeaderGetter
 
 __all__ = ["BrownoutServerInterceptor", "GrpcCall", "status_code_for"]
 
@@ -96,10 +96,6 @@ def _metadata_getter(metadata: Sequence[Any]) -> HeaderGetter:
         return None
 
     return get
-
-
-REFUSAL_REASON_KEY = "brownout-reason"
-"""Trailing metadata naming a refusal's reason; clients read it as "refused, not run"."""
 
 
 def _trailers(refusal: Refusal) -> tuple[tuple[str, str], ...]:

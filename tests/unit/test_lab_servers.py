@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import resource
+import time
 
 import pytest
+
+from brownout.lab.servers import spawn_server
 
 # -- demo servers outliving the lab -----------------------------------------------------------
 
@@ -50,3 +54,36 @@ def test_demo_servers_exit_when_the_lab_process_dies() -> None:
     finally:
         if _alive(child):
             os.kill(child, 9)
+
+
+# -- demo servers and the open-file limit -------------------------------------------------------
+
+
+def _soft_nofile(pid: int) -> int:
+    with open(f"/proc/{pid}/limits") as f:
+        for line in f:
+            if line.startswith("Max open files"):
+                return int(line.split()[3])
+    raise AssertionError("no open-file limit in /proc/<pid>/limits")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_demo_servers_make_room_for_a_flood_of_connections() -> None:
+    # The front accepts the generator's whole pool (1,024 connections) and opens its own to
+    # the dependency. Started under a stock soft limit of 1,024 it ran out of descriptors
+    # under the 10x flood and refused connections: the lab blamed the configuration.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 4096:
+        pytest.skip("hard file limit below what the demo asks for")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        server = spawn_server(["backend"])  # inherits the stock limit
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        give_up = time.monotonic() + 10
+        while _soft_nofile(server.proc.pid) <= 1024 and time.monotonic() < give_up:
+            time.sleep(0.05)  # the port is announced first, the limit raised right after
+        assert _soft_nofile(server.proc.pid) >= 4096
+    finally:
+        server.stop()

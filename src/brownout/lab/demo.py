@@ -38,6 +38,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
+from .fds import fit_fd_limit
+
 __all__ = ["Backend", "create_front", "main"]
 
 Scope = MutableMapping[str, Any]
@@ -398,6 +400,10 @@ def create_front(backend_url: str, mode: str = "unprotected", drill: str | None 
     return app
 
 
+_SERVER_CONNECTIONS = 4096
+"""Sockets a demo server makes room for: what it accepts and what it opens, with headroom."""
+
+
 def _listen() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -439,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     # one is still importing uvicorn and the app.
     sock = _listen()
     print(f"PORT {sock.getsockname()[1]}", flush=True)
+    # The generator's pool (1,024 connections) plus this server's own to its dependency: a
+    # stock soft limit of 1,024 made the front refuse connections (EMFILE) under the flood.
+    fit_fd_limit(_SERVER_CONNECTIONS)
 
     import uvicorn
 

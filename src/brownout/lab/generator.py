@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
 import re
 import time
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ..retry.budget import RetryBudget
+from .fds import fit_fd_limit
 from .http1 import Response, ResponseParseError, ResponseParser, encode_request
 from .tally import Tally, percentile
 
@@ -555,37 +555,6 @@ class _Pool:
 
 # -- running a plan ----------------------------------------------------------------------------
 
-_FD_MARGIN = 64
-"""Descriptors kept free beyond the pool's connections (the pipe, the loop, admin calls)."""
-
-
-def _fit_fd_limit(connections: int) -> int:
-    """Raise the soft ``RLIMIT_NOFILE`` so ``connections`` sockets fit; return how many fit.
-
-    A stock soft limit (1024 on Linux, 256 on macOS) is below a 1024-connection pool: connects
-    failed with EMFILE and the generator's own shortage was counted as server ``errors``. When
-    the hard limit forbids enough, the pool shrinks instead: requests wait for a connection and
-    expire unsent, which is what ``timeouts_unsent`` means (the generator's own limit).
-    """
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - Windows
-        return connections
-    try:
-        in_use = len(os.listdir("/dev/fd"))
-    except OSError:  # pragma: no cover
-        in_use = _FD_MARGIN
-    need = in_use + connections + _FD_MARGIN
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < need:
-        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft == resource.RLIM_INFINITY:
-        return connections
-    return max(1, min(connections, soft - in_use - _FD_MARGIN))
-
 
 def _payloads(plan: LoadPlan) -> dict[str, bytes]:
     host = f"{plan.host}:{plan.port}"
@@ -638,7 +607,7 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
     ``progress(step_index, seconds_into_step, counts)`` is called about four times a second.
     """
     loop = asyncio.get_running_loop()
-    pool = _Pool(loop, plan.host, plan.port, _fit_fd_limit(plan.max_connections))
+    pool = _Pool(loop, plan.host, plan.port, fit_fd_limit(plan.max_connections))
     clock = pool.clock
     payloads = _payloads(plan)
     rng = random.Random(plan.seed)

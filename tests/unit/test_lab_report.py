@@ -48,11 +48,15 @@ def _step(label: str, load: float, classes: dict[str, Tally], late: bool = False
     )
 
 
-def _ramp(goodput_at_overload: float, p99: float, refused_at_08: int) -> PlanResult:
+def _ramp(
+    goodput_at_overload: float, p99: float, refused_at_08: int, timeouts_at_05: int = 0
+) -> PlanResult:
     steps = []
     for phase in SCENARIOS["ramp"].phases:
         offered = int(phase.load * CAPACITY * 2)  # 2 s of steady state
-        if phase.load <= 1:
+        if phase.load == 0.5:
+            t = _tally(offered, offered - timeouts_at_05, 0, p99)
+        elif phase.load <= 1:
             ok = offered - refused_at_08 if phase.load == 0.8 else offered
             t = _tally(offered, ok, offered - ok, p99)
         else:
@@ -83,12 +87,18 @@ def make_lab(
     p99: float = 0.06,
     refused_at_08: int = 0,
     interactive: float = 1.0,
+    timeouts_at_05: int = 0,
 ) -> dict[str, Any]:
     configs = [CONFIGURATIONS["unprotected"], CONFIGURATIONS["brownout-adaptive"]]
     runs = []
     for config in configs:
         protected = config.brownout
-        ramp = _ramp(goodput if protected else 20.0, p99 if protected else 0.9, refused_at_08)
+        ramp = _ramp(
+            goodput if protected else 20.0,
+            p99 if protected else 0.9,
+            refused_at_08,
+            timeouts_at_05 if protected else 0,
+        )
         prio = _priority(interactive if protected else 0.1)
         for name, result in (("ramp", ramp), ("priority", prio)):
             run = {"configuration": config.name, "scenario": name}
@@ -122,6 +132,12 @@ def test_healthy_protection_passes_every_invariant() -> None:
     assert any("half the deadline" in n for n in names)
     assert any("refusals <= 0.1%" in n for n in names)
     assert any("interactive goodput" in n for n in names)
+    assert {
+        c["step"] for c in checks if "below capacity" in c["check"] and "goodput" in c["check"]
+    } == {
+        "0.5x",
+        "0.8x",
+    }
     # the generator was late at 10x: those checks say so
     assert all(c["generator_late"] == (c["step"] == "10x") for c in checks)
 
@@ -133,6 +149,8 @@ def test_healthy_protection_passes_every_invariant() -> None:
         ({"p99": 0.6}, "success p99 <= half the deadline"),
         ({"refused_at_08": 5}, "refusals <= 0.1% below capacity"),
         ({"interactive": 0.95}, "interactive goodput >= 99% of its demand"),
+        # No refusal, yet 2% of the requests below capacity timed out (T1, T4).
+        ({"timeouts_at_05": 8}, "goodput >= 99% of offered below capacity"),
     ],
 )
 def test_each_broken_invariant_fails_the_lab(kwargs: dict[str, Any], failing: str) -> None:
@@ -378,3 +396,20 @@ def test_a_ramp_step_without_any_success_fails_instead_of_skipping_its_latency_c
     failed = [(c["step"], c["check"]) for c in checks if not c["passed"]]
     assert ("0.8x", "success p99 <= half the deadline") in failed
     assert ("1x", "success p99 <= half the deadline") in failed
+
+
+def test_late_successes_count_as_expired_and_are_named() -> None:
+    # A 2xx after the client's deadline is not goodput; it appeared in no column at all.
+    t = _steady(100, 90, 0)
+    t.timeouts_sent = 4
+    t.ok_late = 6
+    step = StepResult(
+        "2x", 2 * CAPACITY, 3.0, 1.0, True, 0.0, whole={"i": t}, steady={"i": t}, lateness=[0.001]
+    )
+    run: dict[str, Any] = {"configuration": "brownout-fixed", "scenario": "ramp"}
+    run |= summarize_plan(PlanResult([step], 0.5, [], 1), SCENARIOS["ramp"])
+    assert run["steps"][0]["steady"]["expired"] == 10
+    lab = _lab(PlanResult([step], 0.5, [], 1))
+    lab["scenarios"] = [{"name": "ramp", "title": "Ramp", "description": ""}]
+    rows = scenario_rows(lab, "ramp")
+    assert rows[0][COLUMNS.index("expired")] == "10 (6 late 2xx)"

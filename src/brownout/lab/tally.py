@@ -80,8 +80,9 @@ class Tally:
 
     @property
     def expired(self) -> int:
-        """Deadline ran out: at the client (sent or not) or at the server (504)."""
-        return self.timeouts_sent + self.timeouts_unsent + self.r504
+        """Deadline ran out: at the client (sent or not, or a 2xx that came too late) or at
+        the server (504)."""
+        return self.timeouts_sent + self.timeouts_unsent + self.ok_late + self.r504
 
     def add(self, other: Tally) -> None:
         """Fold ``other`` into this tally."""

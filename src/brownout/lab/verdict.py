@@ -28,6 +28,7 @@ OVERLOAD_LOADS = (2.0, 4.0, 10.0)
 GOODPUT_FLOOR = 0.90
 NO_FALSE_POSITIVE_LOAD = 0.8
 MAX_FALSE_POSITIVES = 0.001
+UNDERLOAD_GOODPUT = 0.99
 INTERACTIVE_FLOOR = 0.99
 HEALTH_P99_MS = 50.0
 HERD_PEAK_FACTOR = 1.5
@@ -107,6 +108,21 @@ def evaluate(lab: dict[str, Any]) -> list[Check]:
                             deadline_ms / 2,
                             p99 is not None and p99 <= deadline_ms / 2,
                             "ms",
+                        )
+                    )
+                if step["load"] < 1.0 and steady["offered"]:
+                    # The refusal check alone passed a service that timed out everything
+                    # below capacity without refusing.
+                    served = steady["ok"] / steady["offered"]
+                    checks.append(
+                        _check(
+                            run,
+                            step,
+                            f"goodput >= {UNDERLOAD_GOODPUT:.0%} of offered below capacity",
+                            round(served * 100, 2),
+                            UNDERLOAD_GOODPUT * 100,
+                            served >= UNDERLOAD_GOODPUT,
+                            "%",
                         )
                     )
                 if step["load"] == NO_FALSE_POSITIVE_LOAD:

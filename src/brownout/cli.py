@@ -270,6 +270,26 @@ def conclude(
     return 0
 
 
+LAB_PACKAGES = ("uvicorn", "httptools", "aiohttp", "starlette", "rich", "matplotlib", "httpx")
+"""What ``brownout[lab]`` installs (and uvloop, off Windows)."""
+
+
+def _lab_entry(argv: list[str]) -> int:
+    import importlib.util
+
+    wanted = LAB_PACKAGES + (("uvloop",) if sys.platform != "win32" else ())
+    missing = [name for name in wanted if importlib.util.find_spec(name) is None]
+    if missing:
+        # Not a traceback from deep inside the demo's imports: say what to install.
+        print(
+            f"brownout lab needs {', '.join(missing)}, which come with brownout's 'lab' extra: "
+            "pip install 'brownout[lab]'",
+            file=sys.stderr,
+        )
+        return 2
+    return lab_main(argv)
+
+
 def _top_main(argv: list[str]) -> int:
     try:
         from .export.top import main as top
@@ -295,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "lab":
-        return lab_main(rest)
+        return _lab_entry(rest)
     if command == "top":
         return _top_main(rest)
     print(f"brownout: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

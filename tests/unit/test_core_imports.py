@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[2] / "src" / "brownout"
 # Layers allowed to import third-party packages (each is an optional extra).
 OPTIONAL_LAYERS = {"integrations", "export", "lab", "cli.py"}
@@ -52,3 +54,53 @@ def test_importing_brownout_loads_no_framework() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- an extra that is not installed ------------------------------------------------------------
+
+_BLOCK = "import sys\nfor name in {blocked!r}: sys.modules[name] = None  # as if not installed\n"
+
+
+@pytest.mark.parametrize(
+    ("module", "blocked", "extra"),
+    [
+        ("brownout.integrations.aiohttp_client", "aiohttp", "aiohttp"),
+        ("brownout.integrations.aiohttp_server", "aiohttp", "aiohttp"),
+        ("brownout.integrations.grpc_client", "grpc", "grpc"),
+        ("brownout.integrations.grpc_server", "grpc", "grpc"),
+        ("brownout.integrations.httpx", "httpx", "httpx"),
+        ("brownout.export.otel", "opentelemetry", "otel"),
+        ("brownout.export.prometheus", "prometheus_client", "prometheus"),
+        ("brownout.export.top", "rich", "prometheus,lab"),
+    ],
+)
+def test_a_missing_extra_is_named_with_what_to_install(
+    module: str, blocked: str, extra: str
+) -> None:
+    # Without its extra a module failed with "No module named 'grpc'" and no hint.
+    code = _BLOCK.format(blocked=[blocked]) + (
+        f"try:\n    import {module}\n"
+        "except ModuleNotFoundError as e:\n    print(e.name, '|', e)\n"
+        "else:\n    print('imported')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.split(" | ")[0].split(".")[0] == blocked, out  # e.name: what failed to import
+    assert f"{module} needs the {blocked} package" in out, out
+    assert f"pip install 'brownout[{extra}]'" in out, out
+
+
+def test_the_lab_without_its_extra_says_what_to_install() -> None:
+    code = _BLOCK.format(blocked=["rich", "matplotlib"]) + (
+        "import importlib.util\n"
+        "real = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda n, *a: None if n in ('rich', 'matplotlib') "
+        "else real(n, *a)\n"
+        "from brownout.cli import main\n"
+        "raise SystemExit(main(['lab', '--quick']))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "rich, matplotlib" in r.stderr and "pip install 'brownout[lab]'" in r.stderr, r.stderr

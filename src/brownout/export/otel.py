@@ -16,8 +16,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from opentelemetry import metrics
-from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
+try:
+    from opentelemetry import metrics
+    from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
+except ModuleNotFoundError as e:  # the extra is not installed
+    from .._extras import missing_extra
+
+    raise missing_extra(__name__, "otel", e) from e
 
 from ..clock import Clock, default_clock
 from ..events import Event, RequestAdmitted, RequestCompleted, RequestOffered, RequestsTallied

@@ -19,15 +19,20 @@ import re
 from collections.abc import Awaitable, Callable, Iterable, Iterator, MutableMapping
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.exposition import choose_encoder
-from prometheus_client.registry import Collector
+try:
+    from prometheus_client import REGISTRY, CollectorRegistry
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        Metric,
+    )
+    from prometheus_client.exposition import choose_encoder
+    from prometheus_client.registry import Collector
+except ModuleNotFoundError as e:  # the extra is not installed
+    from .._extras import missing_extra
+
+    raise missing_extra(__name__, "prometheus", e) from e
 
 from ..stats import LatencyHistogram, Stats
 from .catalog import COUNTERS, GAUGES, HISTOGRAMS, STATE_COUNTERS, CounterSpec, GaugeSpec

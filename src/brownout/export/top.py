@@ -21,10 +21,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from prometheus_client.parser import text_string_to_metric_families
-from rich.console import Console, Group, RenderableType
-from rich.table import Table
-from rich.text import Text
+try:
+    from prometheus_client.parser import text_string_to_metric_families
+    from rich.console import Console, Group, RenderableType
+    from rich.table import Table
+    from rich.text import Text
+except ModuleNotFoundError as e:  # the extras are not installed
+    from .._extras import missing_extra
+
+    raise missing_extra(__name__, "prometheus,lab", e) from e
 
 __all__ = ["Scrape", "fetch", "main", "parse", "render"]
 

@@ -26,15 +26,20 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from aiohttp import (
-    ClientConnectionError,
-    ClientConnectorError,
-    ClientHandlerType,
-    ClientPayloadError,
-    ClientRequest,
-    ClientResponse,
-    ConnectionTimeoutError,
-)
+try:
+    from aiohttp import (
+        ClientConnectionError,
+        ClientConnectorError,
+        ClientHandlerType,
+        ClientPayloadError,
+        ClientRequest,
+        ClientResponse,
+        ConnectionTimeoutError,
+    )
+except ModuleNotFoundError as e:  # the extra is not installed
+    from .._extras import missing_extra
+
+    raise missing_extra(__name__, "aiohttp", e) from e
 
 from ..dependency import Dependency
 from ..propagation import (

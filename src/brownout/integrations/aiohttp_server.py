@@ -30,7 +30,12 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from aiohttp import web
+try:
+    from aiohttp import web
+except ModuleNotFoundError as e:  # the extra is not installed
+    from .._extras import missing_extra
+
+    raise missing_extra(__name__, "aiohttp", e) from e
 
 from ..admission.bulkhead import Permit, Untracked
 from ..clock import loop_and_time

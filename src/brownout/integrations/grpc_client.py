@@ -38,8 +38,13 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-import grpc
-import grpc.aio
+try:
+    import grpc
+    import grpc.aio
+except ModuleNotFoundError as e:  # the extra is not installed
+    from .._extras import missing_extra
+
+    raise missing_extra(__name__, "grpc", e) from e
 
 from ..context import RequestContext, current
 from ..deadline import call_budget

@@ -38,8 +38,13 @@ import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from typing import Any, NamedTuple, NoReturn
 
-import grpc
-import grpc.aio
+try:
+    import grpc
+    import grpc.aio
+except ModuleNotFoundError as e:  # the extra is not installed
+    from .._extras import missing_extra
+
+    raise missing_extra(__name__, "grpc", e) from e
 
 from ..admission.bulkhead import Permit, Untracked
 from ..clock import current_task_of, loop_and_time

@@ -37,7 +37,12 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Protocol
 
-import httpx
+try:
+    import httpx
+except ModuleNotFoundError as e:  # the extra is not installed
+    from .._extras import missing_extra
+
+    raise missing_extra(__name__, "httpx", e) from e
 
 from ..context import current
 from ..dependency import Dependency

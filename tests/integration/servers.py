@@ -9,9 +9,27 @@ import threading
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
+import httpx
 import uvicorn
 
 T = TypeVar("T")
+
+
+CLIENT_KEEPALIVE = 1.0
+"""How long test clients keep an idle pooled connection (seconds): well under uvicorn's
+keep-alive timeout (5 s, and aiohttp's 75 s), so the client always gives up an idle
+connection first and never sends a request on one the server is closing (`Ask.reset` in
+test_edge_accounting.py). httpx's default (5 s) equals uvicorn's, and the client times it
+from a later instant."""
+
+
+def client_limits(concurrency: int) -> httpx.Limits:
+    """httpx pool limits for ``concurrency`` connections with `CLIENT_KEEPALIVE`."""
+    return httpx.Limits(
+        max_connections=concurrency,
+        max_keepalive_connections=concurrency,
+        keepalive_expiry=CLIENT_KEEPALIVE,
+    )
 
 
 @contextlib.asynccontextmanager

@@ -56,7 +56,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as StarletteRoute
-from tests.integration.servers import serve, serve_aiohttp
+from tests.integration.servers import client_limits, serve, serve_aiohttp
 from tests.integration.test_edge_accounting import Recorder
 from tests.limits import SpyLimit
 
@@ -254,7 +254,7 @@ async def drive_quota(base: str, seed: int, heavy: int, light: int) -> list[Seen
     seen: list[Seen] = []
     loop = asyncio.get_running_loop()
     stop = loop.time() + RUN
-    limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+    limits = client_limits(200)
     async with httpx.AsyncClient(base_url=base, timeout=15, limits=limits) as client:
 
         async def hammer(caller: str, path: str, pause: float) -> None:
@@ -554,7 +554,7 @@ async def test_many_distinct_callers_stay_within_the_caps(server: str) -> None:
     peak = 0
     seen: list[Seen] = []
     async with SERVERS[server](svc.policy, list(QUOTAS), quota_handler(svc)) as base:
-        limits = httpx.Limits(max_connections=48, max_keepalive_connections=48)
+        limits = client_limits(48)
         async with httpx.AsyncClient(base_url=base, timeout=15, limits=limits) as client:
             pending = [f"caller{i}" for i in range(n_callers)]
             pending.reverse()
@@ -723,7 +723,7 @@ async def drive_degrade(base: str, seed: int, concurrency: int, seconds: float) 
     loop = asyncio.get_running_loop()
     answers: list[Answer] = []
     stop = loop.time() + seconds
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    limits = client_limits(concurrency)
     async with httpx.AsyncClient(base_url=base, timeout=15, limits=limits) as client:
 
         async def worker(i: int) -> None:

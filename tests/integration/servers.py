@@ -1,5 +1,5 @@
-"""Real servers on loopback for integration tests: an ASGI app under uvicorn, an aiohttp app
-under aiohttp's own server, both in-process."""
+"""Real servers on loopback for integration tests, in-process: an ASGI app under uvicorn (or
+Hypercorn, for HTTP/2), an aiohttp app under aiohttp's own server, a grpc.aio server."""
 
 from __future__ import annotations
 
@@ -65,6 +65,32 @@ async def serve_aiohttp(app: Any, **runner_options: Any) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def serve_hypercorn(app: Any) -> AsyncIterator[str]:
+    """Run the ASGI ``app`` under Hypercorn (HTTP/1.1 and HTTP/2 over cleartext: clients with
+    prior knowledge speak h2c) on an ephemeral 127.0.0.1 port; yields its base URL."""
+    import socket
+
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    sock.setblocking(False)
+    config = Config()
+    config.bind = [f"fd://{sock.fileno()}"]
+    config.accesslog = config.errorlog = None
+    stop = asyncio.Event()
+    task = asyncio.create_task(hypercorn_serve(app, config, shutdown_trigger=stop.wait))
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        sock.detach()  # Hypercorn closed the descriptor it served
 
 
 @contextlib.asynccontextmanager

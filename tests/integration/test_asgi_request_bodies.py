@@ -14,12 +14,15 @@ abandoned and its handler cancelled.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
+from typing import Any
 
+import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
-from tests.integration.servers import serve
+from tests.integration.servers import serve, serve_hypercorn
 
 from brownout import Bulkhead, EventHub, FixedLimit, Stats
 from brownout.edge import EdgePolicy
@@ -210,3 +213,96 @@ async def test_a_stream_whose_client_stays_completes(running: tuple[App, int]) -
     await settle(app)
     assert app.cancelled == []
     assert app.stats.count("completed") == 1
+
+
+# -- HTTP/2: a body nobody declared ----------------------------------------------------------------
+
+
+class Uploads:
+    """A raw ASGI app behind `BrownoutMiddleware` (20 ms sweep), under a layer that notes
+    every message the server hands out and when, to see what the edge reads ahead."""
+
+    def __init__(self) -> None:
+        hub = EventHub()
+        self.stats = Stats()
+        hub.subscribe(self.stats)
+        self.bulkhead = Bulkhead("api", FixedLimit(8), events=hub)
+        policy = EdgePolicy(bulkhead=self.bulkhead, sweep_period=0.02, events=hub)
+        self.edge = BrownoutMiddleware(self.handler, policy)
+        self.server_reads: list[tuple[float, bool]] = []
+        self.app_reads_from = 0.0
+        self.received = 0
+        self.cancelled = False
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return  # lifespan: nothing to start
+        assert scope["http_version"] == "2"
+
+        async def noted() -> Any:
+            message = await receive()
+            if message["type"] == "http.request":
+                self.server_reads.append((time.monotonic(), message.get("more_body", False)))
+            return message
+
+        await self.edge(scope, noted, send)
+
+    async def handler(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await asyncio.sleep(0.3)  # old long before it reads its body
+            self.app_reads_from = time.monotonic()
+            while True:
+                message = await receive()
+                self.received += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+            if scope["path"] == "/wait":
+                await asyncio.sleep(10)  # until its client goes away
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": str(self.received).encode()})
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+
+async def chunks(n: int, size: int) -> AsyncIterator[bytes]:
+    for _ in range(n):
+        yield b"x" * size
+        await asyncio.sleep(0)
+
+
+async def test_an_undeclared_http2_body_is_not_read_ahead_of_the_app() -> None:
+    # HTTP/2 needs no content-length, so a request without one may still have a body. The
+    # edge took such a request for bodiless and its disconnect watch read the whole upload
+    # into memory while the application was not reading (4 MiB in 323 messages here, with
+    # no backpressure). It now holds one message, and resumes watching after the body.
+    app = Uploads()
+    async with (
+        serve_hypercorn(app) as base,
+        httpx.AsyncClient(base_url=base, http1=False, http2=True, timeout=10) as client,
+    ):
+        r = await client.post("/upload", content=chunks(64, 65536))
+        assert r.http_version == "HTTP/2"
+        assert r.status_code == 200 and r.text == str(64 * 65536)
+        ahead = [more for at, more in app.server_reads if at < app.app_reads_from]
+        assert len(ahead) <= 1, f"{len(ahead)} body messages read before the app asked"
+
+        # Body read, the watch resumed: a client that goes away now is heard (D5, O1).
+        app.received = 0
+        leaving = httpx.AsyncClient(base_url=base, http1=False, http2=True, timeout=10)
+        waiting = asyncio.create_task(leaving.post("/wait", content=chunks(3, 1024)))
+        for _ in range(200):
+            if app.received == 3 * 1024:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)  # the handler waits; the watch has resumed
+        waiting.cancel()
+        await leaving.aclose()  # the connection goes, and the stream with it
+        for _ in range(100):
+            if app.cancelled:
+                break
+            await asyncio.sleep(0.02)
+        assert app.cancelled, "the handler kept running after its client went away"
+    assert app.stats.count("abandoned") == 1
+    assert app.stats.count("completed") == 1
+    assert app.bulkhead.in_flight == 0

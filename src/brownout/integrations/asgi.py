@@ -140,6 +140,7 @@ class _Exchange(Flight):
         "disconnected",
         "reading",
         "response_done",
+        "resume_watch",
         "scope",
         "send",
         "watch",
@@ -190,6 +191,9 @@ class _Exchange(Flight):
         self.disconnected = False
         self.reading = False
         self.watching = False
+        self.resume_watch = False
+        """The watch stopped at a body message the application had not read yet: it resumes
+        once the application has read the body (`__call__`)."""
         self.response_done = False
         """Set once the last response byte left: servers answer ``receive`` with
         ``http.disconnect`` after that, which is not the client going away."""
@@ -253,6 +257,11 @@ class _Exchange(Flight):
         if kind == "http.request":
             if not msg.get("more_body", False):
                 self.body_done = True
+                if self.resume_watch:
+                    self.resume_watch = False
+                    self.watcher = asyncio.get_running_loop().create_task(
+                        self._watch(self._disconnected)
+                    )
         elif kind == "http.disconnect":
             self.disconnected = True
         return msg
@@ -313,6 +322,12 @@ class _Exchange(Flight):
                 self._deliver(msg)
                 if was_done:
                     return  # a server that repeats body messages: nothing to watch for
+                if not self.body_done:
+                    # A body nobody declared (HTTP/2 needs no content-length): reading on
+                    # would buffer all of it ahead of the application, with no backpressure.
+                    # Hold this one message; watch again once the application has the rest.
+                    self.resume_watch = True
+                    return
         finally:
             self.watching = False
 
@@ -438,6 +453,7 @@ class BrownoutMiddleware:
         exchange.disconnected = False
         exchange.reading = False
         exchange.watching = False
+        exchange.resume_watch = False
         exchange.response_done = False
         ctx = _inbound_context(started + seconds, priority, caller, operation, in_progress, started)
         exchange.deadline = ctx.deadline

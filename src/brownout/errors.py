@@ -107,4 +107,14 @@ class UnknownOutcome(BrownoutError):
 
 
 class HeaderError(BrownoutError, ValueError):
-    """A propagation header (grpc-timeout, budget, signature) could not be parsed or verified."""
+    """A propagation header (grpc-timeout, budget, signature) could not be parsed or verified.
+
+    ``problem`` names what was wrong in a few fixed words (``"malformed"``, ``"not ascii"``,
+    ``"unknown key"``, ``"bad signature"``, ``"stale"``): what `DeadlineHeaderIgnored` reports
+    and metrics label. The message may quote the value; a label must not, or forged headers
+    would each make a new one.
+    """
+
+    def __init__(self, detail: str, problem: str = "malformed") -> None:
+        super().__init__(detail)
+        self.problem = problem

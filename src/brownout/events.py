@@ -221,7 +221,10 @@ class QuotaBackendChanged(Event):
 
 @_event
 class DeadlineHeaderIgnored(Event):
-    """An inbound deadline/priority header was malformed, forged or untrusted and ignored."""
+    """An inbound deadline/priority header was malformed, forged or untrusted and ignored.
+
+    ``problem`` is one of a few fixed words (`brownout.HeaderError.problem`, ``"untrusted
+    source"``, ``"no signer configured"``), never the header's value: it is a metric label."""
 
     header: str
     problem: str

@@ -151,7 +151,7 @@ def _ascii(value: str | bytes, header: str) -> bytes:
         try:
             return value.encode("ascii")
         except UnicodeEncodeError:
-            raise HeaderError(f"{header} is not ASCII") from None
+            raise HeaderError(f"{header} is not ASCII", "not ascii") from None
     if isinstance(value, bytes | bytearray):
         return bytes(value)
     raise HeaderError(f"{header} must be str or bytes, not {type(value).__name__}")
@@ -212,19 +212,21 @@ class BudgetSigner:
         _, kid, ms, issued, sig = parts
         secret = self._keys.get(kid)
         if secret is None:
-            raise HeaderError(f"unknown signing key id {kid[:20]!r}")
+            raise HeaderError(f"unknown signing key id {kid[:20]!r}", "unknown key")
         expected = self._mac(secret, b".".join(parts[:4]))
         try:
             given = base64.urlsafe_b64decode(sig + b"=" * (-len(sig) % 4))
         except ValueError:
             raise HeaderError("malformed signature") from None
         if not hmac.compare_digest(expected, given):
-            raise HeaderError("bad signature")
+            raise HeaderError("bad signature", "bad signature")
         if _ISSUED_RE.fullmatch(issued) is None or _MS_RE.fullmatch(ms) is None:
             raise HeaderError(f"malformed {SIGNED_BUDGET_HEADER}")
         age = self._wall() - int(issued) / 1000
         if abs(age) > self.skew_tolerance:
-            raise HeaderError(f"signed budget issued {age:.1f}s away from now (replay or skew)")
+            raise HeaderError(
+                f"signed budget issued {age:.1f}s away from now (replay or skew)", "stale"
+            )
         return int(ms) / 1000
 
 
@@ -296,7 +298,7 @@ class InboundDeadlinePolicy:
                     try:
                         best, origin = self.signer.verify(raw), "signed"
                     except HeaderError as e:
-                        self._ignored(SIGNED_BUDGET_HEADER, str(e))
+                        self._ignored(SIGNED_BUDGET_HEADER, e.problem)
         elif trust is Trust.TRUSTED or self.honour_untrusted:
             candidates = (
                 [BUDGET_HEADER, ENVOY_TIMEOUT_HEADER] if self.read_envoy else [BUDGET_HEADER]
@@ -308,7 +310,7 @@ class InboundDeadlinePolicy:
                 try:
                     value = decode_budget_ms(raw, name)
                 except HeaderError as e:
-                    self._ignored(name, str(e))
+                    self._ignored(name, e.problem)
                     continue
                 if best is None or value < best:
                     best, origin = value, "envoy" if name == ENVOY_TIMEOUT_HEADER else "header"

@@ -372,7 +372,8 @@ class Stats:
     Subscribe it to a hub (``brownout.hub.subscribe(Stats())``). Recording costs a few dict
     operations per event; reading (`count`, `snapshot`, `rows`, `gauges`, exporters) does the
     aggregation. ``max_series`` bounds the number of counter rows: past it, new rows fold the
-    caller, then the operation, into ``"other"``.
+    caller, then the operation, into ``"other"``, and what still finds no row folds source and
+    reason too, into at most one row per (kind, priority): at most ``max_series`` + 52 rows.
 
     `Stats` accepts tallies (`brownout.events.RequestsTallied`): while it and the other sinks
     on a hub do, bulkheads count routine requests instead of emitting three events each, and
@@ -489,6 +490,8 @@ class Stats:
     def subscribed_to(self, hub: EventHub) -> None:
         """Called by `EventHub.subscribe`: reads flush ``hub`` first (see `sync`)."""
         if all(r() is not hub for r in self._hubs):
+            # Hubs that are gone are dropped here, so short-lived hubs leave nothing behind.
+            self._hubs = [r for r in self._hubs if r() is not None]
             self._hubs.append(weakref.ref(hub))
 
     def sync(self) -> None:
@@ -559,12 +562,18 @@ class Stats:
             self._rebalance_callers()
 
     def _overflow(self, key: tuple[str, _Labels, str]) -> tuple[str, _Labels, str]:
-        # Past the series ceiling, give up detail: first the caller, then the operation too.
+        # Past the series ceiling, give up detail: first the caller, then the operation, into
+        # rows that already exist; then the source and reason too, into one row per (kind,
+        # priority), so the ceiling holds however many sources and reasons come.
         kind, (source, op, prio, _caller), reason = key
+        rows = self._rows
         key = (kind, (source, op, prio, OTHER), reason)
-        if key in self._rows:
+        if key in rows:
             return key
-        return (kind, (source, OTHER, prio, OTHER), reason)
+        key = (kind, (source, OTHER, prio, OTHER), reason)
+        if key in rows:
+            return key
+        return (kind, (OTHER, OTHER, prio, OTHER), OTHER if reason else "")
 
     def _rebalance_callers(self) -> None:
         self._epoch_left = self.caller_epoch

@@ -1083,3 +1083,39 @@ async def test_waiter_cancelled_in_the_tick_it_is_evicted_is_abandoned() -> None
     p.success()
     (await pusher).success()
     assert b.in_flight == 0 and b.queue_depth == 0
+
+
+# -- bounded: waiters that give up leave nothing behind --------------------------------------------
+
+
+async def test_bounded_100k_cancelled_waiters_leave_nothing_behind() -> None:
+    """100,000 callers, each a different one, queue behind a held slot and give up (their
+    client went away, an edge's deadline cancelled them): the queue, its per-caller table, the
+    lazily removed items and the ledger's rows all stay within their bounds, and empty out."""
+    hub = EventHub()
+    stats = hub.subscribe(brownout.Stats())
+    b = Bulkhead(
+        "api", FixedLimit(1), FifoQueue(max_size=64, max_wait=60.0, caller_share=0.5), events=hub
+    )
+    queue = b.queue
+    hold = b.try_admit(caller="holder")
+
+    async def wait(caller: str) -> None:
+        async with b.admit(caller=caller, operation="/q"):
+            pass
+
+    for batch in range(100_000 // 50):
+        tasks = [asyncio.create_task(wait(f"c{batch}-{i}")) for i in range(50)]
+        await asyncio.sleep(0)
+        assert queue.size == 50
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert queue.size == 0
+        assert queue._per_caller == {}
+        assert queue._stored <= 2 * 64 + 16 + 1
+        ledger = b.ledger
+        assert ledger is not None and ledger.row_count <= ledger.max_rows + 1
+    hold.success()
+    assert b.in_flight == 0
+    assert stats.count("abandoned") == 100_000

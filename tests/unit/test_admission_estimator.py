@@ -79,3 +79,22 @@ async def test_bulkhead_decisions_are_counted_in_stats() -> None:
     assert stats.count("completed", operation="q", caller="web") == 1
     assert stats.count("completed") == 2
     assert stats.latency(operation="q").count == 2
+
+
+def test_bounded_100k_operations_keep_max_operations_estimates() -> None:
+    """Operations named from input (a classifier that uses the raw path): at most
+    ``max_operations`` are tracked, and estimates leave with them."""
+    e = LatencyEstimator(min_samples=1, max_operations=256)
+    for i in range(100_000):
+        e.observe(f"/items/{i}", 0.01)
+        assert len(e) <= 256 and len(e.estimates) <= 256
+    assert set(e.estimates) == set(e.operations())
+
+
+async def test_bounded_a_bulkheads_estimator_under_100k_operations() -> None:
+    b = Bulkhead("api", FixedLimit(4), estimate_every=1)
+    for i in range(100_000):
+        async with b.admit(operation=f"/items/{i}"):
+            pass
+    assert b.estimator is not None
+    assert len(b.estimator) <= b.estimator.max_operations

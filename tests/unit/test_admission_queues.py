@@ -416,3 +416,36 @@ def test_priority_codel_short_bound_is_one_round_trip_of_the_work() -> None:
         fast.note_service(0.002, 10)  # 2 ms work: the 5 ms target stands
     assert fast.short_bound == 0.005
     assert fast.long_bound == pytest.approx(0.1)
+
+
+# -- bounded: 100,000 distinct callers -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [FifoQueue, LifoQueue, CoDelQueue, AdaptiveLifoQueue, PriorityCoDelQueue],
+    ids=lambda m: m.__name__,
+)
+def test_bounded_per_caller_counts_and_lazily_removed_items(make: type[WaitQueue]) -> None:
+    """Each of 100,000 callers queues once and leaves every way an item can leave (served,
+    removed from the middle, evicted, aged out): the per-caller table holds only callers
+    with an item waiting, and items removed lazily never outnumber the compaction bound."""
+    q = make(max_size=64, max_wait=1.0, caller_share=0.25)
+    now = 0.0
+    for i in range(100_000):
+        p = Priority(i % 4)
+        it = item(p, caller=f"c{i}")
+        q.push(it, now)
+        if i % 5 == 1:
+            q.remove(it, now)
+        elif i % 5 == 2:
+            q.pop(now)
+        elif i % 5 == 3:
+            now += 0.2
+            q.expire_old(now)
+        assert q.size <= 64
+        assert len(q._per_caller) == q.size  # one item each: only waiting callers
+        assert q._stored <= 2 * 64 + 16 + 1
+    while q.size:
+        q.pop(now)
+    assert q._per_caller == {}

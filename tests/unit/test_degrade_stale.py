@@ -320,3 +320,45 @@ async def test_hung_background_refresh_does_not_block_the_key_forever() -> None:
     async with asyncio.timeout(1):
         served = await c.get("k", loader)  # must load again, not wait on the hung refresh
     assert served.value == "v3"
+
+
+# -- bounded memory (100,000 distinct keys, as a crawler would send) ---------------------------
+
+
+async def test_bounded_entries_under_100k_distinct_keys() -> None:
+    c = cache(max_entries=50)
+    src = Source()
+    for i in range(100_000):
+        await c.get(f"item-{i}", src)
+    assert len(c) == 50
+    assert not c._flights  # every load landed and let go of its flight
+
+
+async def test_bounded_hanging_refreshes_of_evicted_keys_do_not_pile_up() -> None:
+    """A refresh that never answers (a hung dependency, no ``load_timeout``) of a key the LRU
+    then evicts refreshes nothing anyone can read: it is stopped, so the number of refreshes
+    in flight stays within ``max_entries`` however many keys go by."""
+    c = cache(max_entries=10, fresh_for=1.0)
+    ok, hung = Source(), Source(delay=10**9)
+    for i in range(1000):
+        await c.get(f"item-{i}", ok)
+        await asyncio.sleep(2.0)  # stale now
+        await c.get(f"item-{i}", hung)  # served stale; starts a refresh that hangs
+        await settle()
+    assert len(c) == 10
+    assert len(c._flights) <= 10
+    assert len(asyncio.all_tasks()) <= 10 + 1  # the hung refreshes were cancelled, not leaked
+
+
+async def test_bounded_refreshes_in_flight_even_when_keys_are_invalidated() -> None:
+    c = cache(max_entries=10, fresh_for=1.0)
+    ok, hung = Source(), Source(delay=10**9)
+    for i in range(1000):
+        await c.get(f"item-{i}", ok)
+        await asyncio.sleep(2.0)
+        await c.get(f"item-{i}", hung)
+        c.invalidate(f"item-{i}")  # its refresh keeps running, as documented
+        await settle()
+    assert len(c._flights) <= 10
+    value, _age = await c.get("new", ok)  # still answered (a foreground load)
+    assert value.startswith("v")

@@ -710,3 +710,22 @@ async def test_a_refusal_from_inside_the_handler_is_counted_alike_with_or_withou
     assert isinstance(out, Refusal) and out.reason is Reason.BREAKER_OPEN
     assert stats.count("failed", reason="Rejected") == 1
     assert stats.count("completed") == 0
+
+
+@pytest.mark.looptime
+async def test_bounded_slowed_rejections_under_a_100k_refusal_flood() -> None:
+    """A flood of refusals whose clients hang up while held: at most ``max_held`` futures
+    are held (the rest answered at once), cancelled ones leave with the timer, and the
+    latency ring keeps ``window`` samples."""
+    slowed = SlowedRejections(max_held=1000, floor=0.5, window=64)
+    for i in range(100_000):
+        slowed.observe(0.001 * (i % 100))
+        fut = slowed.hold()
+        assert slowed.held <= 1000
+        if fut is not None and i % 2:
+            fut.cancel()  # the client went away while held
+        if i % 10_000 == 0:
+            await asyncio.sleep(0)
+    assert len(slowed._samples) == 64
+    await asyncio.sleep(1.0)
+    assert slowed.held == 0

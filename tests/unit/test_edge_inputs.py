@@ -149,3 +149,69 @@ def test_both_paths_are_taken_whatever_hypothesis_draws(trust: Trust) -> None:
     ]
     for headers in cases:
         asyncio.run(check(edge, trust, "/items/7", headers))
+
+
+# -- bounded: an attacker forging headers and paths ----------------------------------------------
+
+
+async def test_bounded_100k_forged_callers_paths_and_headers_through_the_middleware() -> None:
+    """100,000 requests, each with its own path (half match no route), its own caller (from a
+    forged API key) and forged budget and priority headers, through the real middleware and
+    a Starlette app, with a classifier as careless as it can be (operation = the raw path).
+    Every per-key structure on the way stays within its bound, and nothing is left behind."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route as StarletteRoute
+    from tests.edge_inputs import TEMPLATE
+
+    from brownout import Bulkhead, EventHub, FixedLimit, InboundDeadlinePolicy, Stats
+    from brownout.edge import Classification, EdgePolicy, Route
+
+    def classify(scope: Any, cls: Classification) -> Classification:
+        key = dict(scope["headers"]).get(b"x-api-key", b"anonymous").decode("latin-1")
+        return cls._replace(caller=key, operation=scope["path"])
+
+    hub = EventHub()
+    stats = hub.subscribe(Stats(max_callers=100, max_operations=200))
+    bulkhead = Bulkhead("api", FixedLimit(4), events=hub)
+    policy = EdgePolicy(
+        bulkhead=bulkhead,
+        deadline=InboundDeadlinePolicy(signer=SIGNER, events=hub),
+        trust=Trust.SIGNED,
+        routes={TEMPLATE: Route(default=1.5, maximum=5.0)},
+        classifier=classify,
+        events=hub,
+    )
+
+    async def item(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[StarletteRoute(TEMPLATE, item)])
+    app.add_middleware(BrownoutMiddleware, policy=policy, path_cache_size=PATH_CACHE)
+    for i in range(100_000):
+        path = f"/items/{i}" if i % 2 else f"/nowhere/{i}"
+        forged: Headers = [(b"x-api-key", f"key-{i}".encode())]
+        if i % 3 == 0:
+            forged += [
+                (b"brownout-budget-ms", f"{i}x".encode()),
+                (b"brownout-priority", b"critical_plus"),
+                (b"brownout-signed-budget", f"v1.k{i}.150.0.AAAA".encode()),
+            ]
+        sent = await call(app, asgi_scope(path, forged))
+        assert sent[0]["status"] in (200, 404)
+    layer: Any = app.middleware_stack
+    while not isinstance(layer, BrownoutMiddleware):
+        layer = layer.app
+    assert len(layer._paths) <= PATH_CACHE
+    assert len(policy._resolved) <= 1024 + 1 and len(policy._plain) <= 1024
+    assert not policy._sweeper.pending
+    assert bulkhead.in_flight == 0
+    ledger = bulkhead.ledger
+    assert ledger is not None and ledger.row_count <= ledger.max_rows
+    assert bulkhead.estimator is not None
+    assert len(bulkhead.estimator) <= bulkhead.estimator.max_operations
+    assert len(stats.callers) <= 100 and len(stats.operations) <= 200
+    assert stats.series_count() <= stats.max_series + 52 + 3 * 201
+    assert len({problem for _h, problem in stats.headers_ignored}) <= 8
+    assert stats.count("completed") == 100_000

@@ -65,3 +65,20 @@ def test_a_broken_sink_never_breaks_the_request(caplog: pytest.LogCaptureFixture
         hub.emit(shed())
     assert len(got) == 2
     assert sum("raised" in r.message for r in caplog.records) == 1  # logged once, not per event
+
+
+def test_bounded_ledgers_of_discarded_bulkheads_are_not_kept() -> None:
+    """A hub remembers the ledgers that emit on it weakly: 10,000 bulkheads made and
+    discarded (per request, by mistake) leave nothing on the hub."""
+    import gc
+
+    from brownout import Bulkhead, FixedLimit, Stats
+
+    hub = EventHub()
+    hub.subscribe(Stats())
+    for i in range(10_000):
+        b = Bulkhead(f"b{i}", FixedLimit(1), events=hub)
+        b.try_admit(caller=f"c{i}").success()  # makes its ledger
+        del b
+    gc.collect()
+    assert len(hub._ledgers) == 0

@@ -121,3 +121,17 @@ async def test_run_writes_summaries_after_the_burst_ends(caplog):
     with pytest.raises(asyncio.CancelledError):
         await task
     assert hub is not events
+
+
+def test_bounded_summary_tables_under_100k_distinct_callers_and_operations(caplog):
+    """The per-interval summary counts at most 1,000 callers and operations each, the rest
+    as "other"; the token bucket keeps the log volume to ``burst`` + ``rate`` x seconds."""
+    caplog.set_level(logging.INFO, logger="brownout.shed")
+    log = ShedLog(rate=5.0, burst=20, interval=10.0)
+    for i in range(100_000):
+        log.emit(shed(i / 100_000, caller=f"tenant-{i}", op=f"/items/{i}"))
+        assert len(log.by_caller) <= 1001 and len(log.by_operation) <= 1001
+    assert log.by_caller["other"] == 99_000
+    assert log.logged <= 20 + 5
+    log.flush()
+    assert log.by_caller == {} and log.by_operation == {}

@@ -110,3 +110,26 @@ def test_the_library_needs_only_the_api():
         "o.OtelMetrics(__import__('brownout').Stats())"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bounded_100k_callers_and_operations_keep_the_data_points_bounded(reader_and_provider):
+    """What the instruments report is what `Stats` keeps (bounded by its caps); the histogram
+    sink caps operations and sources itself."""
+    reader, provider = reader_and_provider
+    stats = Stats(max_callers=100, max_operations=50)
+    OtelMetrics(stats, meter_provider=provider)
+    sink = OtelHistogramSink(meter_provider=provider, max_operations=50, max_sources=10)
+    for i in range(100_000):
+        stats.emit(req(RequestOffered, caller=f"tenant-{i}", op=f"/items/{i}", remaining=1.0))
+        sink.emit(
+            req(RequestCompleted, op=f"/items/{i}", source=f"hop{i}", latency=0.01, useful=True)
+        )
+        sink.emit(req(RequestAdmitted, source=f"hop{i}", queue_wait=0.0))
+    for _ in range(3):  # repeated collections do not accumulate anything either
+        points = collect(reader)
+    # offered: one series per caller holding a slot (each with its own operation) + "other"
+    assert len(points["brownout.requests.offered"]) <= 101
+    assert len(points["brownout.success.latency"]) <= 51  # operations cap + "other"
+    assert len(points["brownout.queue.wait"]) <= 11  # sources cap + "other"
+    assert sum(len(p) for p in points.values()) < 500
+    assert sum(p.value for p in points["brownout.requests.offered"]) == 100_000

@@ -20,7 +20,7 @@ from brownout.events import (
     RequestOffered,
     RequestsTallied,
 )
-from brownout.ledger import Ledger, held
+from brownout.ledger import MAX_SAMPLES, Ledger, held
 
 pytestmark = pytest.mark.looptime
 
@@ -246,3 +246,21 @@ async def test_tallies_folded_on_a_scrape_thread_and_events_on_the_loop_lose_not
 def test_ledger_rejects_a_bad_bound() -> None:
     with pytest.raises(ValueError):
         Ledger("x", EventHub(), ManualClock(), max_rows=0)
+
+
+async def test_bounded_samples_wait_for_no_reader() -> None:
+    """Nobody reads and the clock never reaches ``flush_interval``: the latency and remaining
+    deadline samples of 100,000 requests with deadlines are flushed at `MAX_SAMPLES`."""
+    clock = ManualClock()
+    hub = EventHub()
+    hub.subscribe(TallyRecorder())  # accepts tallies, never reads
+    b = Bulkhead("api", FixedLimit(10), events=hub, clock=clock)
+    for i in range(100_000):
+        deadline = Deadline.after(5.0, clock=clock)
+        async with b.admit(priority=Priority.CRITICAL, caller=f"c{i}", deadline=deadline):
+            pass
+    ledger = b.ledger
+    assert ledger is not None
+    assert len(ledger.latencies) < MAX_SAMPLES
+    assert len(ledger.remaining) < MAX_SAMPLES
+    assert ledger.row_count <= ledger.max_rows

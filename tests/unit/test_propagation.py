@@ -341,3 +341,33 @@ def test_signed_budget_replayed_late_is_refused() -> None:
     policy = brownout.InboundDeadlinePolicy(default=2.0, maximum=30.0, signer=signer)
     got = policy.resolve({SIGNED_BUDGET_HEADER: value}.get, brownout.Trust.SIGNED)
     assert got.seconds == 2.0 and got.origin == "default"
+
+
+# -- bounded labels: forged headers cannot fill the metric label sets -----------------------------
+
+
+def test_bounded_forged_headers_name_a_few_problems_and_leave_the_reasons_cap_alone() -> None:
+    """100,000 forged budget headers, each different, as an attacker would send them: the
+    ``problem`` of each `DeadlineHeaderIgnored` is one of a few fixed words, never the forged
+    value, so it neither puts attacker bytes in a metric label nor fills `Stats.reasons`, the
+    cap that exception type names share (a failure seen afterwards keeps its own label)."""
+    hub = EventHub()
+    stats = hub.subscribe(Stats())
+    wall = [1_000.0]
+    signer = BudgetSigner({"k1": b"0123456789abcdef"}, wall_clock=lambda: wall[0])
+    policy = InboundDeadlinePolicy(default=1.0, events=hub, signer=signer)
+    for i in range(25_000):
+        policy.resolve({BUDGET_HEADER: f"soon-{i}"}.get, Trust.TRUSTED)
+        policy.resolve({BUDGET_HEADER: f"{i}\u00e9"}.get, Trust.TRUSTED)
+        policy.resolve({SIGNED_BUDGET_HEADER: f"v1.kid{i}.10.1.sig"}.get, Trust.SIGNED)
+        replayed = signer.sign(5.0)
+        wall[0] += 10 + i / 10  # replayed, it was issued a different time ago each round
+        policy.resolve({SIGNED_BUDGET_HEADER: replayed}.get, Trust.SIGNED)
+    problems = {problem for _header, problem in stats.headers_ignored}
+    assert len(problems) <= 8
+    assert sum(stats.headers_ignored.values()) == 100_000
+    assert all("soon" not in p and "kid" not in p for p in problems)
+    stats.emit(
+        brownout.events.RequestFailed(0.0, "api", "/q", Priority.CRITICAL, "c", 0.1, "KeyError")
+    )
+    assert stats.count("failed", reason="KeyError") == 1

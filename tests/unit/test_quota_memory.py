@@ -69,3 +69,17 @@ async def test_store_protocol_is_async_too() -> None:
 def test_max_keys_must_be_positive() -> None:
     with pytest.raises(ValueError):
         InMemoryQuotaStore(max_keys=0)
+
+
+def test_bounded_100k_forged_keys_while_every_bucket_still_drains() -> None:
+    """100,000 distinct keys (an attacker rotating API keys or caller headers) within one
+    second: none is idle yet, so the store evicts the least recently used and stays at
+    ``max_keys``; each eviction is counted."""
+    clock = ManualClock()
+    store = InMemoryQuotaStore(max_keys=1000, clock=clock)
+    slow = GcraPolicy(rate=0.001, burst=1)  # a bucket drains for 1,000 s
+    for i in range(100_000):
+        assert store.decide_now(f"key-{i}", slow).allowed
+        clock.advance(1e-5)
+        assert len(store) <= 1000
+    assert store.evicted_active == 99_000

@@ -261,3 +261,20 @@ async def test_for_edge_adapts_the_quota_to_a_classification() -> None:
 def test_invalid_configuration_is_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         Quota(1.0, 1, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_bounded_the_fail_open_fallback_store_under_100k_keys() -> None:
+    """While the shared store is down, every key is decided by the local fallback store:
+    bounded by ``fallback_max_keys`` however many distinct keys arrive."""
+    clock = ManualClock(1000.0)
+    store = ScriptedStore(clock)
+    store.up = False
+    quota = Quota(
+        rate=0.001, burst=1, store=store, fallback_max_keys=500, clock=clock, events=EventHub()
+    )
+    for i in range(100_000):
+        assert (await quota.check(f"tenant-{i}")).allowed
+        clock.advance(1e-5)
+    assert quota.fallback_active
+    assert len(quota._fallback) <= 500
+    assert len(store.inner) == 0

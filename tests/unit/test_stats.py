@@ -16,8 +16,11 @@ from brownout.events import (
     BreakerStateChanged,
     DeadlineHeaderIgnored,
     DegradedModeChanged,
+    EventHub,
+    GuardFailedClosed,
     LimitChanged,
     OverloadLevelChanged,
+    QuotaBackendChanged,
     RequestAbandoned,
     RequestAdmitted,
     RequestCompleted,
@@ -27,6 +30,7 @@ from brownout.events import (
     RequestQueued,
     RequestShed,
     RetryBudgetExhausted,
+    StaleServed,
 )
 from brownout.stats import (
     COUNTER_KINDS,
@@ -360,3 +364,73 @@ def test_exception_names_do_not_fold_degraded_modes_into_other() -> None:
     ):
         s.emit(DegradedModeChanged(at=2.0, source="degrade", mode=mode, active=active, trigger="t"))
     assert s.degraded_modes == {"stale_search": True, "no_recommendations": False}
+
+
+# -- bounded: 100,000 distinct values of every label ---------------------------------------------
+
+
+def test_bounded_max_series_is_a_hard_ceiling_whatever_the_labels() -> None:
+    """Past ``max_series`` new rows fold the caller, then the operation, then source and
+    reason: at most one row per (kind, priority) takes what comes past that, so many sources,
+    priorities and exception names cannot carry the row count past the documented ceiling."""
+    s = Stats(max_series=1000, max_callers=10_000, max_operations=10_000)
+    reasons = list(Reason)
+    for i in range(100_000):
+        kw = {"caller": f"c{i}", "op": f"op{i}", "source": f"src{i % 10}"}
+        p = Priority(i % 4)
+        s.emit(req(RequestOffered, priority=p, remaining=None, **kw))
+        s.emit(req(RequestFailed, priority=p, latency=0.1, error=f"Err{i % 64}", **kw))
+        s.emit(
+            req(
+                RequestShed,
+                priority=p,
+                reason=reasons[i % len(reasons)],
+                remaining=None,
+                queue_wait=0.0,
+                **kw,
+            )
+        )
+    assert len(s.rows) <= 1000 + len(COUNTER_KINDS) * len(Priority)
+    assert s.count("offered") == s.count("failed") == s.count("shed") == 100_000
+    assert len(s._label_cache) <= 4096
+    assert len(s._activity_base) <= len(s.callers) + 1
+
+
+def test_bounded_every_table_under_100k_distinct_sources_modes_and_causes() -> None:
+    s = Stats(max_sources=20, max_reasons=30)
+    for i in range(100_000):
+        s.emit(LimitChanged(at=0.0, source=f"bh{i}", old=1, new=2))
+        s.emit(BreakerStateChanged(at=0.0, source=f"dep{i}", old="closed", new="open"))
+        s.emit(OverloadLevelChanged(at=0.0, source=f"om{i}", old=0, new=1, signals=("x",)))
+        s.emit(DegradedModeChanged(at=0.0, source="d", mode=f"m{i}", active=True, trigger="x"))
+        s.emit(QuotaBackendChanged(at=0.0, source=f"q{i}", fallback=True, detail="x"))
+        s.emit(DeadlineHeaderIgnored(at=0.0, source="edge", header=f"h{i}", problem=f"p{i}"))
+        s.emit(StaleServed(at=0.0, source=f"cache{i}", age=1.0, refreshing=False))
+        s.emit(GuardFailedClosed(at=0.0, source="g", what=f"w{i}", cause=f"E{i}"))
+        s.emit(req(RequestAdmitted, source=f"bh{i}", queue_wait=0.0))
+        s.emit(req(RequestOffered, source=f"bh{i}", remaining=1.0))
+        s.emit(req(RequestCompleted, op=f"op{i}", latency=0.1, useful=True))
+        s.declare_degraded_mode(f"declared{i}", 60.0)
+    per_source = (s.limits, s.breakers, s.overload_levels, s.quota_fallback, s.stale_served)
+    assert all(len(t) <= 21 for t in per_source)
+    assert len(s.breaker_transitions) <= 21
+    assert len(s.queue_wait) <= 21 and len(s.remaining_on_arrival) <= 21
+    assert len(s.success_latency) <= s.operations.max_values + 1
+    for table in (s.degraded_modes, s.degraded_since, s.degraded_activations, s.degraded_max):
+        assert len(table) <= 31
+    assert len(s.headers_ignored) <= 31 * 31
+    assert len(s.guard_failed_closed) <= 21 * 31
+    assert len(s.gauges()) < 500
+
+
+def test_bounded_hubs_a_stats_was_subscribed_to_are_forgotten_when_gone() -> None:
+    s = Stats()
+    for _ in range(1000):
+        hub = EventHub()
+        hub.subscribe(s)
+        hub.unsubscribe(s)
+        del hub
+    gc.collect()
+    keep = EventHub()
+    keep.subscribe(s)
+    assert len(s._hubs) <= 2

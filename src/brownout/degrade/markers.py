@@ -34,7 +34,10 @@ _reset_fallback_marks = served_by_fallback.reset
 
 
 def note_fallback_served(mode: str) -> None:
-    """Record that ``mode``'s fallback answered (a no-op outside an edge that asks)."""
+    """Record that ``mode``'s fallback answered (a no-op outside an edge that asks).
+
+    Each mode is listed once: a task spawned by the request inherits the list and may serve
+    fallbacks long after it, so the list is bounded by the modes, not by the calls."""
     marks = served_by_fallback.get()
-    if marks is not None:
+    if marks is not None and mode not in marks:
         marks.append(mode)

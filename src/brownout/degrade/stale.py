@@ -9,10 +9,13 @@
 - missing or older than ``max_staleness``: the caller waits for a load (one per key, shared
   by every concurrent caller); if it fails, the error propagates: nothing too old is served.
 
-The age is reported so the response can say how old it is (`stale_headers`). The size is
-bounded (least recently used entries are evicted). Stale content is for *content only*: a
-loader that fails closed (`FailClosed`) is never answered from the cache, and a
-`FailClosedGuard` refuses to run inside a cache load (G4).
+The age is reported so the response can say how old it is (`stale_headers`). Memory is
+bounded: at most ``max_entries`` values (least recently used entries are evicted), at most
+``max_entries`` background refreshes in flight (a refresh of a key the LRU evicts is
+cancelled: nobody could read its result; past the cap a stale value is served without
+starting one), and one foreground load per key that callers still wait for. Stale content is
+for *content only*: a loader that fails closed (`FailClosed`) is never answered from the
+cache, and a `FailClosedGuard` refuses to run inside a cache load (G4).
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ class StaleCache(Generic[K, V]):
         self._events = events
         self._entries: OrderedDict[K, _Entry[V]] = OrderedDict()
         self._flights: dict[K, _Flight[V]] = {}
+        self._refreshing = 0  # background refreshes not yet landed (at most max_entries)
         self.loads = 0
         """Loader calls started (foreground and background)."""
 
@@ -169,7 +173,13 @@ class StaleCache(Generic[K, V]):
                 self._entries.move_to_end(key)
                 if age > fresh:
                     revalidating = key in self._flights
-                    if not revalidating and now >= entry.retry_at:
+                    if (
+                        not revalidating
+                        and now >= entry.retry_at
+                        # Refreshes that hang (no load_timeout) must not pile up past the
+                        # entries they could refresh.
+                        and self._refreshing < self.max_entries
+                    ):
                         self._start(key, loader, background=True)
                         revalidating = True
                     if self._events.enabled:
@@ -208,6 +218,8 @@ class StaleCache(Generic[K, V]):
         task = loop.create_task(self._load(key, loader, background), context=context)
         flight = _Flight(task, background)
         self._flights[key] = flight
+        if background:
+            self._refreshing += 1
         task.add_done_callback(lambda t: self._landed(key, flight, t))
         return flight
 
@@ -234,9 +246,15 @@ class StaleCache(Generic[K, V]):
         entries[key] = _Entry(value, loaded_at)
         entries.move_to_end(key)
         while len(entries) > self.max_entries:
-            entries.popitem(last=False)
+            evicted, _ = entries.popitem(last=False)
+            flight = self._flights.get(evicted)
+            if flight is not None and flight.background and not flight.waiters:
+                # Its result would go to a key nobody can read now: stop it (D5).
+                flight.task.cancel()
 
     def _landed(self, key: K, flight: _Flight[V], task: asyncio.Task[V]) -> None:
+        if flight.background:
+            self._refreshing -= 1
         if self._flights.get(key) is flight:
             del self._flights[key]
         if task.cancelled():

@@ -14,6 +14,7 @@ deduplicates by it; the reconciler is how you find out without resending.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -83,9 +84,14 @@ class OutcomeLedger(Protocol):
 
 
 class InMemoryOutcomeLedger:
-    """A bounded, process-local ledger (tests, single-process services)."""
+    """A bounded, process-local ledger (tests, single-process services).
 
-    __slots__ = ("_clock", "_entries", "evicted", "max_entries")
+    At most ``max_entries`` entries: past it, the oldest resolved entry is evicted, or the
+    oldest pending one when none is resolved (logged). Finding it costs O(log n), not a scan:
+    a ledger fills up during an outage, when every call records an unknown outcome.
+    """
+
+    __slots__ = ("_clock", "_entries", "_resolved", "_seq", "evicted", "max_entries")
 
     def __init__(self, max_entries: int = 10_000, *, clock: Clock | None = None) -> None:
         if max_entries < 1:
@@ -93,6 +99,10 @@ class InMemoryOutcomeLedger:
         self.max_entries = max_entries
         self._clock = clock or default_clock()
         self._entries: OrderedDict[str, OutcomeRecord] = OrderedDict()
+        # key -> when it was recorded (a counter), and a heap of the resolved ones by that
+        # order; entries leave only by eviction.
+        self._seq: dict[str, int] = {}
+        self._resolved: list[tuple[int, str]] = []
         self.evicted = 0
         """Entries dropped to stay within ``max_entries`` (pending ones are logged)."""
 
@@ -102,14 +112,22 @@ class InMemoryOutcomeLedger:
         self._entries[key] = OutcomeRecord(
             key, dependency, OutcomeState.PENDING, self._clock.now(), detail
         )
+        self._seq[key] = self.evicted + len(self._entries)  # grows with every new key
         while len(self._entries) > self.max_entries:
             self._evict_one()
 
     def _evict_one(self) -> None:
-        victim = next(
-            (k for k, r in self._entries.items() if r.state is not OutcomeState.PENDING),
-            next(iter(self._entries)),
-        )
+        entries = self._entries
+        victim = None
+        while self._resolved:
+            key = heapq.heappop(self._resolved)[1]
+            found = entries.get(key)
+            if found is not None and found.state is not OutcomeState.PENDING:
+                victim = key  # (a key set back to pending is skipped, as it was before)
+                break
+        if victim is None:
+            victim = next(iter(entries))
+        del self._seq[victim]
         record = self._entries.pop(victim)
         self.evicted += 1
         if record.state is OutcomeState.PENDING:
@@ -121,6 +139,18 @@ class InMemoryOutcomeLedger:
         record = self._entries.get(key)
         if record is not None:
             self._entries[key] = replace(record, state=state)
+            if record.state is OutcomeState.PENDING and state is not OutcomeState.PENDING:
+                resolved = self._resolved
+                heapq.heappush(resolved, (self._seq[key], key))
+                if len(resolved) > 2 * self.max_entries:
+                    # Keys resolved, set back to pending and resolved again leave stale
+                    # heap rows that only an eviction would pop: rebuild from what is here.
+                    resolved[:] = [
+                        (self._seq[k], k)
+                        for k, r in self._entries.items()
+                        if r.state is not OutcomeState.PENDING
+                    ]
+                    heapq.heapify(resolved)
 
     async def get(self, key: str) -> OutcomeRecord | None:
         return self._entries.get(key)

@@ -103,6 +103,10 @@ class Dependency:
         if not (0.0 <= reserve < math.inf and 0.0 <= min_useful < math.inf):  # (and NaN)
             # A negative reserve would give the call more time than the request has left.
             raise ValueError("reserve and min_useful must be finite and >= 0")
+        if timeout is not None and timeout < min_useful:
+            # Every call with a deadline would be refused (its budget is at most ``timeout``)
+            # and every call without one sent with less than it needs (D4).
+            raise ValueError("timeout must be >= min_useful")
         if max_active is not None and max_active < 0:
             raise ValueError("max_active must be >= 0 (or None)")
         self.name = name
@@ -191,7 +195,9 @@ class Dependency:
                 idempotent=idempotent,
                 idempotency_key=idempotency_key,
                 source=self.name,
-                reserve=self.reserve,
+                # What every attempt keeps back (see `_attempt`): a retry whose backoff leaves
+                # less than that would wait out the deadline and never be sent (R4).
+                reserve=self.reserve if self.reserve > _EDGE else _EDGE,
                 min_attempt_time=self.min_useful,
                 slots=self.retry_slots,
             )
@@ -265,12 +271,16 @@ class Dependency:
         else:
             # The attempt must expire strictly before the request does, or the request's
             # own cancellation wins the race and a mutation's unknown outcome goes unrecorded.
-            budget = call_budget(
-                _UNBOUNDED if self.timeout is None else self.timeout,
-                reserve=self.reserve if self.reserve > _EDGE else _EDGE,
-                min_useful=self.min_useful,
-                deadline=deadline,
-            )
+            try:
+                budget = call_budget(
+                    _UNBOUNDED if self.timeout is None else self.timeout,
+                    reserve=self.reserve if self.reserve > _EDGE else _EDGE,
+                    min_useful=self.min_useful,
+                    deadline=deadline,
+                )
+            except Rejected as refused:
+                # Counted as this dependency's shed, as its other local refusals are (O1).
+                raise self._refuse(refused.reason, f"{self.name}: {refused.detail}") from None
         if self.max_active is not None and self._active >= self.max_active:
             raise self._refuse(Reason.OVERLOADED, f"{self.name}: {self._active} calls in flight")
         breaker = self.breaker
@@ -290,11 +300,13 @@ class Dependency:
         token_ctx = enter_attempt(number, key)
         bulkhead = self.bulkhead
         admitted = bulkhead is None
+        scoped = budget is None and bulkhead is None
         try:
-            if budget is None and bulkhead is None:
+            if scoped:
                 result = await fn(*args, **kwargs)
             else:
                 async with DeadlineScope(budget, None):
+                    scoped = True
                     if bulkhead is None:
                         result = await fn(*args, **kwargs)
                     else:
@@ -302,6 +314,14 @@ class Dependency:
                             admitted = True
                             result = await fn(*args, **kwargs)
         except DeadlineExceeded as expired:
+            if not scoped:
+                # A budget below the clock's resolution (``left - reserve`` of 1e-16 s): the
+                # scope expired on entry. Nothing was sent, so no unknown outcome (D4, D6).
+                if breaker is not None:
+                    breaker.release(token, failed=None)
+                raise self._refuse(
+                    Reason.DEADLINE_TOO_SHORT, f"{self.name}: no usable time left"
+                ) from expired
             if not admitted:
                 # Expired while queued for the bulkhead: never sent, so not an unknown outcome.
                 if breaker is not None:

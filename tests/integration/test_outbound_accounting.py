@@ -343,11 +343,13 @@ def expected_ending(call: Call, sent: list[Sent]) -> tuple[str, ...] | None:
     if not sent:
         return None  # refused before anything was sent
     last = sent[-1].result
-    if last in ("200", "500"):
+    if last == "200":
         return ("status", last)
     mutation = call.method != "GET"
     if mutation and any(s.result == "lost" for s in sent):
-        return ("unknown",)
+        return ("unknown",)  # a 500 to the retry does not settle the lost attempt (D6)
+    if last == "500":
+        return ("status", last)
     return ("exhausted",)
 
 

@@ -531,12 +531,90 @@ async def test_dependency_records_it_in_the_ledger() -> None:
     assert [r.key for r in await ledger.pending()] == ["order-8"]
 
 
+async def test_an_error_answer_to_the_retry_does_not_settle_a_lost_attempt() -> None:
+    """D6: attempt 1 was sent and lost; the retry is answered 409 (the same key is still in
+    progress). Attempt 1 may have been applied: UnknownOutcome, and the key in the ledger."""
+    outcomes: list[Exception] = [
+        brownout.retry.TransientError("read timeout", sent=True),
+        ResponseError(409),
+    ]
+
+    async def charge() -> None:
+        raise outcomes.pop(0)
+
+    ledger = InMemoryOutcomeLedger()
+    shop = Dependency("shop", retry=_policy(2), ledger=ledger)
+    with pytest.raises(UnknownOutcome):
+        await shop.call(charge, idempotency_key="order-9")
+    assert [r.key for r in await ledger.pending()] == ["order-9"]
+
+
+async def test_a_budget_below_the_clocks_resolution_is_refused_not_an_unknown_outcome() -> None:
+    """D4/D6: at t=1.0 with 0.1 s left and a 0.1 s reserve, ``left - reserve`` is 8e-17 s:
+    positive, but ``now + budget == now``, so the attempt's scope expired before anything was
+    sent. That used to surface as a lost attempt: UnknownOutcome and a ledger entry for a
+    mutation that never left, and a failure counted against the breaker."""
+    sent: list[int] = []
+
+    async def charge() -> None:
+        sent.append(1)
+
+    ledger = InMemoryOutcomeLedger()
+    breaker = CircuitBreaker(failure_rate=0.5, window=1, minimum_calls=1)
+    shop = Dependency("shop", reserve=0.1, breaker=breaker, ledger=ledger)
+    await asyncio.sleep(1.0)
+    with pytest.raises(Rejected) as info:
+        async with brownout.deadline(0.1):
+            await shop.call(charge, idempotency_key="order-10")
+    assert not isinstance(info.value, UnknownOutcome)
+    assert info.value.reason is Reason.DEADLINE_TOO_SHORT
+    assert sent == [] and len(ledger) == 0
+    assert breaker.state is brownout.retry.BreakerState.CLOSED
+
+
+async def test_a_retry_is_not_decided_when_its_wait_leaves_no_time_to_send_it() -> None:
+    """R4: 50 ms left, the server says Retry-After 50 ms, attempts take no time (estimate 0)
+    and the reserve is 0. The policy used to accept ``0.05 + 0 + 0 <= 0.05`` and wait out
+    the whole deadline: the request's own expiry then ended the call (DeadlineExceeded, a 504
+    at the edge) instead of the policy giving up with the server's answer. The Dependency
+    keeps at least 1 ms back for every attempt, so the R4 check must count it too."""
+    sent: list[float] = []
+
+    async def busy() -> None:
+        sent.append(asyncio.get_running_loop().time())
+        await asyncio.sleep(0.05)
+        raise ResponseError(503, retry_after=0.05)
+
+    dep = Dependency(
+        "d",
+        retry=RetryPolicy(
+            2,
+            expected_attempt_time=0.0,
+            budget=RetryBudget(ratio=1.0, min_per_second=10),
+            backoff=ExponentialBackoff(0.0),
+        ),
+    )
+    with pytest.raises(RetriesExhausted) as info:
+        async with brownout.deadline(0.1):
+            await dep.call(busy, idempotent=True)
+    assert info.value.stopped_by is StopReason.DEADLINE
+    assert isinstance(info.value.error, ResponseError) and len(sent) == 1
+
+
 @pytest.mark.parametrize("timeout", [0.0, -1.0, float("nan")])
 def test_dependency_refuses_a_timeout_that_cannot_send_anything(timeout: float) -> None:
     # Without a deadline, timeout=0 used to cancel every attempt before it was sent and report
     # it as an unknown outcome (a pending ledger entry, a breaker failure) for nothing sent.
     with pytest.raises(ValueError):
         Dependency("shop", timeout=timeout)
+
+
+def test_dependency_refuses_a_timeout_shorter_than_what_a_call_needs() -> None:
+    # timeout 50 ms, min_useful 100 ms: every call with a deadline was refused
+    # (DEADLINE_TOO_SHORT) while every call without one was sent with 50 ms (D4).
+    with pytest.raises(ValueError):
+        Dependency("shop", timeout=0.05, min_useful=0.1)
+    Dependency("shop", timeout=0.1, min_useful=0.1)
 
 
 @pytest.mark.parametrize(
@@ -555,3 +633,53 @@ def test_dependency_refuses_reserves_that_would_add_time(kwargs: dict[str, float
     # gRPC interceptor passed it on unchecked); NaN made budgets NaN.
     with pytest.raises(ValueError):
         Dependency("shop", timeout=1.0, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_bounded_unknown_outcome_writes_leave_no_reference_behind(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An outage turns 10,000 mutations (each its own key) into unknown outcomes: the
+    shielded ledger writes are held only while they run, and the ledger keeps its bound
+    (10,000, not 100,000: each call runs the whole retry and deadline machinery)."""
+    from brownout.dependency import _LEDGER_WRITES
+
+    caplog.set_level(logging.ERROR, logger="brownout.retry")  # one warning per dropped key
+
+    async def hangs() -> None:
+        await asyncio.sleep(10)
+
+    ledger = InMemoryOutcomeLedger(max_entries=1000)
+    dep = Dependency("payments", ledger=ledger)
+    for i in range(10):
+        async with asyncio.TaskGroup() as tg:
+            for j in range(1000):
+
+                async def one(key: str) -> None:
+                    with contextlib.suppress(UnknownOutcome):
+                        async with brownout.deadline(0.05):
+                            await dep.call(hangs, idempotency_key=key)
+
+                tg.create_task(one(f"order-{i}-{j}"))
+        assert not _LEDGER_WRITES
+    assert len(ledger) == 1000 and ledger.evicted == 9_000
+
+
+async def test_calls_refused_for_lack_of_time_are_counted_as_shed() -> None:
+    # O1: the dependency's other local refusals (breaker open, throttled, overloaded) were
+    # counted; one refused because the request's time could not cover it was not.
+    hub = brownout.EventHub()
+    stats = brownout.Stats()
+    hub.subscribe(stats)
+    dep = Dependency("search", timeout=1.0, min_useful=0.1, retry=policy(), events=hub)
+    sent: list[int] = []
+
+    async def call() -> str:
+        sent.append(1)
+        return "ok"
+
+    async with brownout.deadline(0.03):  # 30 ms left, the call needs 100 ms
+        with pytest.raises(Rejected) as refused:
+            await dep.call(call, idempotent=True)
+    assert refused.value.reason is Reason.DEADLINE_TOO_SHORT
+    assert sent == []
+    assert stats.count("shed", source="search", reason="deadline_too_short") == 1

@@ -492,6 +492,9 @@ def test_retry_after_parser_never_raises_on_non_ascii_digits(value: str) -> None
     [
         brownout.retry.TransientError("refused", sent=False),  # never left: says nothing
         ResponseError(503),  # refused by the server: says nothing of attempt 1
+        ResponseError(409),  # "a request with this key is still in progress"
+        ResponseError(500),  # the retry failed: attempt 1 may still have been applied
+        ResponseError(422),  # an answer to the retry, not to attempt 1
     ],
 )
 async def test_a_mutation_sent_and_unanswered_once_stays_unknown_after_later_attempts(
@@ -505,3 +508,4 @@ async def test_a_mutation_sent_and_unanswered_once_stays_unknown_after_later_att
     with pytest.raises(UnknownOutcome) as info:
         await _policy(2).call(charge, idempotency_key="order-7")
     assert info.value.idempotency_key == "order-7"
+    assert info.value.__cause__ is later  # the caller still sees the last answer

@@ -29,7 +29,10 @@ What the caller sees: the response, for any answer this layer does not retry (a 
 a 503 from a dependency without retries); `brownout.retry.RetriesExhausted` when this layer
 retried and gave up (its ``response`` is the last answer). Raising is deliberate: an edge
 turns it into 503 + ``brownout-retry: never``, so the layers above do not retry again (R1).
-``return_exhausted=True`` returns the last response instead.
+``return_exhausted=True`` returns the last response instead. A mutation one of whose earlier
+attempts was sent and never answered raises `brownout.UnknownOutcome` even when a later
+attempt got an answer this layer does not retry (a 409 or a 500 says nothing of whether the
+lost attempt was applied, D6).
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ answered by the ``fallback``). The open period is ``open_for`` stretched by a ra
 ``[1 - open_jitter, 1 + open_jitter]``, drawn per opening, so a fleet of clients that opened
 together does not probe together.
 
-Half-open: at most ``half_open_probes`` calls are let through at a time; the first failure
-reopens (with a new jittered period), ``half_open_probes`` successes close it. The limited
-probe count and the per-instance jitter are what keep recovery from being a synchronized wave.
+Half-open: at most ``half_open_probes`` calls are let through; the first failure reopens
+(with a new jittered period), ``half_open_probes`` successes close it. An ignored probe
+(``failed=None``: refused locally, or cancelled) frees its place, so at most that many are
+in flight at once. The limited probe count and the per-instance jitter are what keep recovery
+from being a synchronized wave.
 
 Hot path (closed): ``acquire`` reads the state; ``release`` updates O(1) counters. No locks:
 the breaker lives on one event loop.

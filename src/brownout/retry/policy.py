@@ -3,7 +3,8 @@
 For each failed attempt the policy asks, in order:
 
 1. Is the failure transient (`classify` or the user's classifier)? If not, the original error
-   is raised unchanged (validation errors, FAILED_PRECONDITION, local refusals).
+   is raised unchanged (validation errors, FAILED_PRECONDITION, local refusals), unless an
+   earlier attempt of a mutation was sent and never answered: then `UnknownOutcome` (D6).
 2. Did the dependency say "do not retry" (``brownout-retry: never``, negative gRPC pushback,
    or a lower layer's `RetriesExhausted`)? Then stop.
 3. Is resending safe? Idempotent calls, calls carrying an idempotency key, and requests that
@@ -308,6 +309,10 @@ class RetryPolicy:
                 if failure.do_not_retry:
                     budget.record_failure()
                     raise stop(StopReason.DO_NOT_RETRY) from error
+                if unknown and not idempotent:
+                    # An error answer to a retry (409 "still in progress", a 500) is not an
+                    # answer to the attempt that was lost: that one may have been applied (D6).
+                    raise self._unknown(key, source) from error
                 raise error
             budget.record_failure()
             last_error, last_failure = error, failure

@@ -244,3 +244,40 @@ async def test_through_a_real_dependency_with_breaker_and_timeout() -> None:
     src.failure = "hangs"
     with pytest.raises(FailClosed):
         await guard.call(hung.call, src, "ann", idempotent=True)
+
+
+@pytest.mark.looptime
+async def test_every_refusal_is_counted_even_when_it_comes_from_inside() -> None:
+    """O2/G4: a guard whose source fails closed itself (it reads another guarded source that
+    is down, or wrongly reads through a StaleCache, which refuses) also refuses: that
+    refusal is counted for it. It used to be re-raised uncounted, so a 503
+    dependency_unavailable showed in no GuardFailedClosed (found by test_degrade_properties)."""
+    events: list[Event] = []
+    hub = EventHub()
+    hub.subscribe(type("S", (), {"emit": staticmethod(events.append)})())
+    authorization = FailClosedGuard("authorization", events=hub)
+    payments = FailClosedGuard("payment-state", events=hub)
+    cache: StaleCache[str, str] = StaleCache(max_entries=10, fresh_for=60, max_staleness=3600)
+
+    async def payments_down() -> str:
+        raise ConnectionError
+
+    async def reads_payments() -> str:
+        return await payments.call(payments_down)
+
+    async def reads_a_cache() -> str:
+        async def load() -> str:
+            return "allow"
+
+        return (await cache.get("authz", load)).value
+
+    for source in (reads_payments, reads_a_cache):
+        with pytest.raises(FailClosed):
+            await authorization.call(source)
+    counted = [(e.what, e.cause) for e in events if isinstance(e, GuardFailedClosed)]
+    assert counted == [
+        ("payment-state", "ConnectionError"),
+        ("authorization", "FailClosed"),
+        ("authorization", "FailClosed"),
+    ]
+    assert len(cache) == 0

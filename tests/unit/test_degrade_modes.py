@@ -454,3 +454,41 @@ async def test_discarded_modes_registry_stops_polling_and_announcing() -> None:
     await asyncio.sleep(1.0)
     assert len(calls) == seen
     assert rec.events == []
+
+
+def test_a_drill_does_not_restart_a_mode_that_reached_max_duration() -> None:
+    """G2: at max_duration a mode leaves and stays out until its trigger clears once. A drill
+    (or an operator) that forces it on and then releases it must not leave it on: it used
+    to stay active, silently, for another max_duration (found by test_degrade_properties)."""
+    modes, clock, rec = make(RECS)
+    modes.set_level(2)
+    clock.advance(600)
+    assert not modes.active("recommendations")  # max_duration: out, latched
+    modes.force("recommendations", on=True, trigger="drill")
+    assert modes.active("recommendations")
+    clock.advance(5)
+    modes.release("recommendations")  # the level still asks, but the latch holds it out
+    assert not modes.active("recommendations")
+    assert rec.changes()[-2:] == [
+        ("recommendations", True, "drill"),
+        ("recommendations", False, "manual"),
+    ]
+    modes.set_level(0)
+    modes.set_level(1)  # the trigger cleared once: the mode may enter again
+    assert modes.active("recommendations")
+
+
+def test_a_trigger_that_clears_during_an_override_lets_go_of_the_latch() -> None:
+    """G2: "stays out until its trigger has cleared once" holds while a mode is forced off
+    too: the level fell and rose again during the override, so on release the mode enters.
+    It used to stay out, the clearing unseen because the override skipped the latch."""
+    modes, clock, rec = make(RECS)
+    modes.set_level(2)
+    clock.advance(600)
+    assert not modes.active("recommendations")  # latched out
+    modes.force("recommendations", on=False, trigger="operator")
+    modes.set_level(0)
+    modes.set_level(2)
+    modes.release("recommendations")
+    assert modes.active("recommendations")
+    assert rec.changes()[-1] == ("recommendations", True, "level 2")

@@ -362,3 +362,36 @@ async def test_bounded_refreshes_in_flight_even_when_keys_are_invalidated() -> N
     assert len(c._flights) <= 10
     value, _age = await c.get("new", ok)  # still answered (a foreground load)
     assert value.startswith("v")
+
+
+async def test_a_slow_load_answer_older_than_fresh_for_is_counted_stale() -> None:
+    """O2/G1: a caller that waited for a load slower than ``fresh_for`` gets content that old
+    (its age counts from when the load began, and `stale_headers` says so): StaleServed
+    counts it like a stale answer from memory (found by test_degrade_properties)."""
+    events: list[Event] = []
+    hub = EventHub()
+    hub.subscribe(type("S", (), {"emit": staticmethod(events.append)})())
+    c: StaleCache[str, str] = StaleCache(
+        max_entries=10, fresh_for=1, max_staleness=10, name="home", events=hub
+    )
+    value, age = await c.get("k", Source(delay=3.0))
+    assert (value, age) == ("v1", pytest.approx(3.0))
+    stale = [e for e in events if isinstance(e, StaleServed)]
+    assert [(e.source, e.age, e.refreshing) for e in stale] == [("home", 3.0, False)]
+    await c.get("fast", Source(delay=0.5))  # within fresh_for: not stale
+    assert len([e for e in events if isinstance(e, StaleServed)]) == 1
+
+
+async def test_joined_load_reports_its_age_even_if_the_entry_is_gone_when_it_lands() -> None:
+    """G1: a caller that joined a load reports the age of that load's content, even if the
+    entry was evicted (or invalidated) before the caller resumed. It used to fall back to
+    the time the caller arrived: 2 s instead of 5 s, under-reporting stale content."""
+    c = cache(max_entries=1, fresh_for=1.0)
+    first = asyncio.create_task(c.get("a", Source(delay=5.0)))
+    await asyncio.sleep(3)
+    joined = asyncio.create_task(c.get("a", Source(delay=5.0)))  # joins the load begun at 0
+    other = asyncio.create_task(c.get("b", Source(delay=2.0)))  # lands at 5 too: evicts "a"
+    assert await first == ("v1", pytest.approx(5.0))
+    assert await joined == ("v1", pytest.approx(5.0))
+    assert await other == ("v1", pytest.approx(2.0))
+    assert "a" not in c

@@ -73,6 +73,10 @@ class FailClosedGuard:
             async with asyncio.timeout(self.timeout):
                 return await source(*args, **kwargs)
         except FailClosed:
+            # A refusal from inside (another guard whose source is down, or a StaleCache
+            # read that refuses to serve guarded data) refuses this answer too: counted here
+            # as well, so every FailClosed a guard ends with shows in GuardFailedClosed.
+            self._count("FailClosed")
             raise
         except Exception as error:  # every failure mode of the source, including timeouts
             raise self._closed(type(error).__name__, "", error) from error
@@ -89,13 +93,16 @@ class FailClosedGuard:
         return guarded
 
     def _closed(self, cause: str, detail: str, error: BaseException | None) -> FailClosed:
+        self._count(cause)
+        return FailClosed(self.what, detail or f"{self.what} is unavailable ({cause})")
+
+    def _count(self, cause: str) -> None:
         if self._events.enabled:
             self._events.emit(
                 GuardFailedClosed(
                     at=self._clock.now(), source=self.what, what=self.what, cause=cause
                 )
             )
-        return FailClosed(self.what, detail or f"{self.what} is unavailable ({cause})")
 
     def __repr__(self) -> str:
         return f"FailClosedGuard({self.what!r}, timeout={self.timeout!r})"

@@ -376,6 +376,11 @@ class DegradedModes:
 
     def _settle(self, state: _State, now: float) -> bool:
         decl = state.decl
+        demand = state.level_demand or state.signal_demand
+        if not demand:
+            # The trigger cleared: the max_duration latch lets go, even during an override,
+            # so a mode released after it is back under its trigger.
+            state.latched_out = False
         if state.forced is not None:
             if now < state.force_until:
                 if state.forced != state.active:
@@ -385,9 +390,6 @@ class DegradedModes:
             state.forced = None
             state.force_until = math.inf
             return self._after_release(state, now, "force_expired")
-        demand = state.level_demand or state.signal_demand
-        if not demand:
-            state.latched_out = False
         if state.active:
             if decl.max_duration is not None and now - state.since >= decl.max_duration:
                 state.latched_out = demand
@@ -403,10 +405,13 @@ class DegradedModes:
 
     def _after_release(self, state: _State, now: float, trigger: str) -> bool:
         # Back to automatic control. The dwell protects against flapping triggers, not
-        # against a person: a released drill ends now unless a trigger still asks for it.
+        # against a person: a released drill ends now unless a trigger still asks for it,
+        # and a mode that reached max_duration stays out until its trigger clears once,
+        # however often it was forced on since (a drill must not restart it silently).
         demand = state.level_demand or state.signal_demand
-        if state.active and not demand:
+        if not demand:
             state.latched_out = False
+        if state.active and (not demand or state.latched_out):
             self._change(state, now, False, trigger)
             return True
         return self._settle(state, now)

@@ -74,7 +74,7 @@ class _Entry(Generic[V]):
 class _Flight(Generic[V]):
     __slots__ = ("background", "task", "waiters")
 
-    def __init__(self, task: asyncio.Task[V], background: bool) -> None:
+    def __init__(self, task: asyncio.Task[tuple[V, float]], background: bool) -> None:
         self.task = task
         self.background = background
         self.waiters = 0
@@ -190,12 +190,19 @@ class StaleCache(Generic[K, V]):
         flight = self._flights.get(key)
         if flight is None:
             flight = self._start(key, loader, background=False)
-        value = await self._join(key, flight)
-        stored = self._entries.get(key)
-        loaded_at = stored.loaded_at if stored is not None else now
-        return Served(value, max(0.0, self._clock.now() - loaded_at))
+        # The age counts from when this load began, whatever happened to the entry since it
+        # landed (evicted or invalidated before this caller resumed).
+        value, loaded_at = await self._join(key, flight)
+        age = max(0.0, self._clock.now() - loaded_at)
+        if age > fresh and self._events.enabled:
+            # A load slower than the freshness bound answers with content already that old:
+            # the caller is told so (`stale_headers`), and it is counted like any stale answer.
+            self._events.emit(
+                StaleServed(at=self._clock.now(), source=self.name, age=age, refreshing=False)
+            )
+        return Served(value, age)
 
-    async def _join(self, key: K, flight: _Flight[V]) -> V:
+    async def _join(self, key: K, flight: _Flight[V]) -> tuple[V, float]:
         flight.waiters += 1
         try:
             return await asyncio.shield(flight.task)
@@ -223,7 +230,9 @@ class StaleCache(Generic[K, V]):
         task.add_done_callback(lambda t: self._landed(key, flight, t))
         return flight
 
-    async def _load(self, key: K, loader: Callable[[], Awaitable[V]], background: bool) -> V:
+    async def _load(
+        self, key: K, loader: Callable[[], Awaitable[V]], background: bool
+    ) -> tuple[V, float]:
         cache_loading.set(self.name)  # the task has its own context copy: nothing leaks
         started = self._clock.now()
         if background:
@@ -239,7 +248,7 @@ class StaleCache(Generic[K, V]):
         else:
             value = await loader()
         self._store(key, value, started)
-        return value
+        return value, started
 
     def _store(self, key: K, value: V, loaded_at: float) -> None:
         entries = self._entries
@@ -252,7 +261,7 @@ class StaleCache(Generic[K, V]):
                 # Its result would go to a key nobody can read now: stop it (D5).
                 flight.task.cancel()
 
-    def _landed(self, key: K, flight: _Flight[V], task: asyncio.Task[V]) -> None:
+    def _landed(self, key: K, flight: _Flight[V], task: asyncio.Task[tuple[V, float]]) -> None:
         if flight.background:
             self._refreshing -= 1
         if self._flights.get(key) is flight:

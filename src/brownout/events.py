@@ -295,7 +295,10 @@ class EventHub:
     def __init__(self) -> None:
         self._sinks: tuple[Sink, ...] = ()
         self._complained: set[type] = set()
-        self._ledgers: weakref.WeakSet[Flushable] = weakref.WeakSet()
+        # Not a WeakSet: iterating one is Python code, and a bulkhead made on the loop while
+        # a scrape thread flushes would raise "Set changed size during iteration". Copying a
+        # dict's keys with `list()` is one C call, atomic under the GIL.
+        self._ledgers: dict[weakref.ref[Flushable], None] = {}
         self.enabled = False
         self.tallying = False
 
@@ -326,12 +329,19 @@ class EventHub:
 
     def register_ledger(self, ledger: Flushable) -> None:
         """Remember a ledger that emits here, so `flush` reaches it (held weakly)."""
-        self._ledgers.add(ledger)
+        ledgers = self._ledgers
+
+        def gone(ref: weakref.ref[Flushable]) -> None:
+            ledgers.pop(ref, None)
+
+        ledgers[weakref.ref(ledger, gone)] = None
 
     def flush(self) -> None:
         """Ask every ledger emitting on this hub to emit what it has counted."""
-        for ledger in list(self._ledgers):
-            ledger.flush()
+        for ref in list(self._ledgers):
+            ledger = ref()
+            if ledger is not None:
+                ledger.flush()
 
     def emit(self, event: Event) -> None:
         for sink in self._sinks:

@@ -455,6 +455,8 @@ class Stats:
         self._hubs: list[weakref.ref[EventHub]] = []
         self._syncing = threading.Lock()
         self._recording = threading.Lock()
+        # Taken by watch/unwatch and by `gauges` to copy and prune the list, never per event.
+        self._watching = threading.Lock()
         self._dispatch: dict[type, Callable[[Any], None]] = {
             RequestsTallied: self._tallied,
             RequestOffered: self._offered,
@@ -747,7 +749,8 @@ class Stats:
             def ref() -> Observable:
                 return observable
 
-        self._watched.append(ref)
+        with self._watching:
+            self._watched.append(ref)
         return observable
 
     def watch_gauge(
@@ -757,7 +760,8 @@ class Stats:
         return self.watch(_GaugeFn(name, labels, fn))
 
     def unwatch(self, observable: Observable) -> None:
-        self._watched = [r for r in self._watched if r() is not observable and r() is not None]
+        with self._watching:
+            self._watched = [r for r in self._watched if r() is not observable and r() is not None]
 
     def declare_degraded_mode(self, mode: str, max_duration: float) -> None:
         """Record a degraded mode's declared maximum duration (G2), exported so an alert can
@@ -796,12 +800,17 @@ class Stats:
         for source, fallback in list(self.quota_fallback.items()):
             put("quota_fallback_active", {"source": source}, 1.0 if fallback else 0.0)
 
-        alive: list[Callable[[], Observable | None]] = []
-        for ref in self._watched:
+        # Read from a copy and prune under `_watching`: with two reader threads (a Prometheus
+        # server and the OTel reader), replacing the list with the survivors one reader saw
+        # dropped what the loop had watched meanwhile, for good.
+        with self._watching:
+            refs = list(self._watched)
+        dead = False
+        for ref in refs:
             obj = ref()
             if obj is None:
+                dead = True
                 continue
-            alive.append(ref)
             try:
                 for name, labels, value in obj.gauges():
                     put(name, labels, float(value))
@@ -809,18 +818,26 @@ class Stats:
                 if id(obj) not in self._complained:
                     self._complained.add(id(obj))
                     _log.exception("observable %r raised; skipped", obj)
-        self._watched = alive
+        if dead:
+            with self._watching:
+                self._watched = [r for r in self._watched if r() is not None]
         return list(out.values())
 
     # -- reading ----------------------------------------------------------------------------
+    def _copy_rows(self) -> list[tuple[tuple[str, _Labels, str], int]]:
+        # Evicting a caller moves its counts into "other" (pop, then add) under `_recording`;
+        # a copy taken between the two misses them and sums over callers go back. The copy is
+        # one C call; the loop already takes this lock per event, so readers add nothing to
+        # its path, only an occasional wait of one copy.
+        with self._recording:
+            return list(self._rows.items())
+
     @property
     def rows(self) -> dict[Row, int]:
         """Counter values by (kind, source, operation, priority, caller, reason): what
         exporters read. A fresh dict."""
         self.sync()
-        return {
-            (kind, *labels, reason): n for (kind, labels, reason), n in list(self._rows.items())
-        }
+        return {(kind, *labels, reason): n for (kind, labels, reason), n in self._copy_rows()}
 
     @property
     def counters(self) -> dict[Key, int]:
@@ -828,7 +845,7 @@ class Stats:
         reason). A fresh dict: read it, do not write to it."""
         self.sync()
         out: dict[Key, int] = {}
-        for (kind, (_src, op, pr, ca), re), n in list(self._rows.items()):
+        for (kind, (_src, op, pr, ca), re), n in self._copy_rows():
             key = (kind, op, pr, ca, re)
             out[key] = out.get(key, 0) + n
         return out
@@ -848,7 +865,7 @@ class Stats:
             raise ValueError(f"unknown counter {kind!r}; one of {COUNTER_KINDS}")
         self.sync()
         total = 0
-        for (k, (src, op, pr, ca), re), n in list(self._rows.items()):
+        for (k, (src, op, pr, ca), re), n in self._copy_rows():
             if (
                 k == kind
                 and (source is None or src == source)
@@ -890,7 +907,7 @@ class Stats:
         self.sync()
         totals: dict[str, int] = dict.fromkeys(COUNTER_KINDS, 0)
         shed_by_reason: dict[str, int] = {}
-        for (kind, _labels, reason), n in list(self._rows.items()):
+        for (kind, _labels, reason), n in self._copy_rows():
             totals[kind] += n
             if kind == "shed":
                 shed_by_reason[reason] = shed_by_reason.get(reason, 0) + n

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 from typing import Any
 
 import pytest
@@ -492,3 +493,30 @@ def test_a_trigger_that_clears_during_an_override_lets_go_of_the_latch() -> None
     modes.release("recommendations")
     assert modes.active("recommendations")
     assert rec.changes()[-1] == ("recommendations", True, "level 2")
+
+
+def test_a_reader_on_another_thread_only_reads() -> None:
+    # A Prometheus server thread reads gauges while the loop drives the modes: it ran
+    # evaluate() there, polling predicates and switching modes (emitting events) off the loop.
+    polled_on: set[int] = set()
+    flag = {"on": False}
+
+    def signal() -> bool:
+        polled_on.add(threading.get_ident())
+        return flag["on"]
+
+    modes, clock, rec = make(DegradedMode("m", "x", enter_when=signal, poll_interval=0.1))
+    list(modes.gauges())  # the owner's thread: evaluates (polls) as before
+    assert polled_on == {threading.get_ident()}
+    flag["on"] = True
+    clock.advance(1.0)
+    seen: list[Any] = []
+    reader = threading.Thread(target=lambda: seen.append((list(modes.gauges()), modes.snapshot())))
+    reader.start()
+    reader.join(10)
+    assert polled_on == {threading.get_ident()}, "a predicate was polled on the reader's thread"
+    gauges, snapshot = seen[0]
+    assert ("degraded_mode_active", {"mode": "m"}, 0.0) in gauges  # as last evaluated
+    assert snapshot["m"]["active"] is False and rec.events == []
+    modes.evaluate()  # the loop's turn: now it switches
+    assert modes.active("m")

@@ -20,6 +20,7 @@ import inspect
 import logging
 import math
 import re
+import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -175,6 +176,9 @@ class DegradedModes:
         self._unsubscribe: Callable[[], Any] | None = None
         self._timer: asyncio.Handle | None = None
         self._timer_at = math.inf
+        # The thread that drives the modes (the event loop's). Exporters may read `gauges`
+        # and `snapshot` from another (a Prometheus server thread): there they only read.
+        self._owner = threading.get_ident()
         self._reschedule(self._clock.now())
 
     # -- declarations -----------------------------------------------------------------------
@@ -232,8 +236,13 @@ class DegradedModes:
         return self._state(name).forced
 
     def gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
-        """Per mode: active (0/1), seconds active, and the declared maximum, for exporters."""
-        self.evaluate()
+        """Per mode: active (0/1), seconds active, and the declared maximum, for exporters.
+
+        On the modes' own thread it evaluates what is due first; on another thread (a
+        Prometheus server's) it only reads: evaluating switches modes and emits events, which
+        is the loop's to do (its timer does it when due)."""
+        if threading.get_ident() == self._owner:
+            self.evaluate()
         now = self._clock.now()
         for name, s in self._states.items():
             labels = {"mode": name}
@@ -243,8 +252,10 @@ class DegradedModes:
                 yield ("degraded_mode_max_seconds", labels, s.decl.max_duration)
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
-        """Every mode's declaration and state (JSON-able), for reports, runbooks and debugging."""
-        self.evaluate()
+        """Every mode's declaration and state (JSON-able), for reports, runbooks and debugging.
+        Read-only from another thread, as `gauges` is."""
+        if threading.get_ident() == self._owner:
+            self.evaluate()
         return {
             n: {
                 "active": s.active,

@@ -1119,3 +1119,38 @@ async def test_bounded_100k_cancelled_waiters_leave_nothing_behind() -> None:
     hold.success()
     assert b.in_flight == 0
     assert stats.count("abandoned") == 100_000
+
+
+@pytest.mark.parametrize("leaves", ["ages_out", "deadline", "caller_cancels"])
+async def test_waiters_behind_a_held_back_waiter_get_the_slot_when_it_leaves(leaves: str) -> None:
+    """S8, work conservation: a waiter held back by its share keeps the free slot from the
+    waiters behind it; when it leaves the queue by any way other than a grant (aged out, its
+    deadline, its caller gone) they are served at once, not at the next release."""
+    b, rec = make(4, FifoQueue(4, max_wait=0.03), shares={Priority.CRITICAL: 0.5})
+    held = [b.try_admit(priority=Priority.CRITICAL) for _ in range(2)]
+    health = b.try_admit(priority=Priority.CRITICAL_PLUS)  # higher work is active
+    deadline = Deadline.after(0.02) if leaves == "deadline" else None
+    blocked = asyncio.create_task(
+        b.admit(priority=Priority.CRITICAL, deadline=deadline).__aenter__()
+    )
+    await asyncio.sleep(0.01)
+    behind = asyncio.create_task(b.admit(priority=Priority.SHEDDABLE_PLUS).__aenter__())
+    await asyncio.sleep(0.005)
+    assert b.in_flight == 3 and b.queue_depth == 2  # the free slot is kept for CRITICAL
+    if leaves == "caller_cancels":
+        blocked.cancel()
+    await asyncio.sleep(0.02)  # `blocked` has left (t=0.015, 0.02 or 0.03), `behind` may wait
+    left = (await asyncio.gather(blocked, return_exceptions=True))[0]
+    assert isinstance(left, Rejected | asyncio.CancelledError)
+    served = behind.done()
+    if not served:  # (without the fix it waits for the next release, or ages out)
+        for p in held:
+            p.success()
+        await asyncio.gather(behind, return_exceptions=True)
+    assert served, "a slot stayed free while work waited for it"
+    assert b.in_flight == 4 and b.queue_depth == 0
+    (await behind).success()
+    for p in (*held, health):
+        p.success()
+    assert b.in_flight == 0
+    assert not [e for e in rec.of(RequestShed) if e.false_positive]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from brownout import AIMDLimit, FixedLimit, Gradient2Limit, VegasLimit
 from brownout.admission.limits import Limit
@@ -318,3 +320,56 @@ def test_probing_limits_take_zero_rtt_samples(make: type, warm_rtt: float) -> No
     for i in range(200):
         n = lim.on_sample(1.0 + i * 0.01, 0.0, lim.limit, False)
         assert 2 <= n <= 50
+
+
+SAMPLES = st.lists(
+    st.tuples(
+        st.floats(0.0, 0.05),  # time since the previous sample started
+        st.floats(0.0, 0.5),  # rtt
+        st.integers(1, 40),  # in flight at admission
+        st.booleans(),  # dropped
+    ),
+    min_size=1,
+    max_size=300,
+)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(
+    kind=st.sampled_from(["aimd", "gradient2", "vegas"]),
+    lo=st.integers(1, 5),
+    span=st.integers(0, 5),
+    top=st.integers(0, 30),
+    samples=SAMPLES,
+)
+def test_adaptive_limits_stay_in_bounds_and_react_as_documented(
+    kind: str, lo: int, span: int, top: int, samples: list[tuple[float, float, int, bool]]
+) -> None:
+    """A5 on arbitrary sample streams: the limit stays within [min_limit, max_limit] (probes
+    included); a drop never raises it; an app-limited success (in flight < limit / 2) never
+    raises it, except the probe that ends on it restoring the limit it pinned."""
+    initial, hi = lo + span, lo + span + top
+    if kind == "aimd":
+        lim: Limit = AIMDLimit(initial, min_limit=lo, max_limit=hi, timeout=0.3)
+    else:
+        make = Gradient2Limit if kind == "gradient2" else VegasLimit
+        lim = make(
+            initial,
+            min_limit=lo,
+            max_limit=hi,
+            short_window=2,
+            probe_interval=0.5,
+            probe_samples=3,
+            rng=random.Random(3),
+        )
+    t = 0.0
+    for gap, rtt, in_flight, dropped in samples:
+        t += gap
+        before = lim.limit
+        probing = getattr(lim, "probing", False)
+        after = lim.on_sample(t, rtt, in_flight, dropped)
+        assert after == lim.limit
+        assert lo <= after <= hi
+        ended_probe = probing and not getattr(lim, "probing", False)
+        if dropped or (in_flight * 2 < before and not ended_probe):
+            assert after <= before

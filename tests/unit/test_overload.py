@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from brownout import (
     Bulkhead,
@@ -255,3 +258,46 @@ async def test_stopped_overload_manager_stops_shedding() -> None:
         pass
     changes = [(e.old, e.new) for e in rec.events if isinstance(e, OverloadLevelChanged)]
     assert changes[-1] == (3, 0)
+
+
+DOC_TABLE = {0: set(), 1: {Priority.SHEDDABLE}, 2: {Priority.SHEDDABLE, Priority.SHEDDABLE_PLUS}}
+DOC_TABLE[3] = DOC_TABLE[2] | {Priority.CRITICAL}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    dwell=st.sampled_from([0.0, 0.5]),
+    steps=st.lists(
+        st.tuples(st.floats(0.0, 1.2), st.sampled_from([0.0, 0.1, 0.3, 0.6])), max_size=40
+    ),
+)
+def test_levels_follow_the_documented_thresholds_and_shed_the_table(
+    dwell: float, steps: list[tuple[float, float]]
+) -> None:
+    """A7/S1 on random pressure: up at once to the highest level entered; down only below
+    the exit thresholds and not before ``min_dwell``; each level sheds exactly the priorities
+    of the table in docs/admission.md, and every change is one event."""
+    values = {"x": 0.0}
+    clock = ManualClock()
+    m, rec = make_manager(values, clock=clock, min_dwell=dwell)
+    levels = m.levels
+    changed_at = -math.inf
+    changes = 0
+    for pressure, gap in steps:
+        clock.advance(gap)
+        values["x"] = pressure
+        old = m.level
+        new = m.update()
+        if new > old:
+            assert pressure >= levels[new - 1].enter
+        if new < old:
+            assert clock.now() - changed_at >= dwell
+            assert all(pressure < levels[i].exit for i in range(new, old))
+        if new > 0 and new <= old:
+            assert pressure >= levels[new - 1].exit or clock.now() - changed_at < dwell
+        assert new == len(levels) or pressure < levels[new].enter
+        if new != old:
+            changed_at = clock.now()
+            changes += 1
+        assert {p for p in Priority if m.sheds(p)} == DOC_TABLE[new]
+    assert len([e for e in rec.events if isinstance(e, OverloadLevelChanged)]) == changes

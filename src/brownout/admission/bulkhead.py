@@ -839,6 +839,7 @@ class Bulkhead:
                 later = self._clock.now()
                 q.remove(p, later)
                 self._left_queue(p, later, later - now, later >= d_at)
+                self._refill()
             elif p._state == _ADMITTED:  # granted, but cancelled before it could run
                 self._release(p, _IGNORED, None)  # it never ran: nothing for the limit
                 if events.enabled:  # admitted, so it ends: abandoned, or expired (O1)
@@ -867,6 +868,7 @@ class Bulkhead:
             p: Permit = item  # type: ignore[assignment]
             if p._state == _QUEUED:
                 self._settle_refused(p, Reason.QUEUE_TIMEOUT, now)
+        self._refill()
         self._schedule_sweep(loop, now)
 
     def _expire(self, p: Permit) -> None:
@@ -877,6 +879,14 @@ class Bulkhead:
         now = self._clock.now()
         self._queue.remove(p, now, Reason.DEADLINE_EXPIRED)
         self._settle_refused(p, Reason.DEADLINE_EXPIRED, now)
+        self._refill()
+
+    def _refill(self) -> None:
+        """A waiter left the queue without a grant (aged out, expired, its caller gone). If
+        it was held back by its share, it kept a free slot from the waiters behind it: hand
+        that slot on now, not at the next release (S8: no waiter while a slot is free)."""
+        if self._queue.size and self._in_flight < self._limit_value + self._reserve:
+            self._drain()
 
     def _settle_refused(self, p: Permit, reason: Reason, now: float) -> None:
         p._state = _DONE

@@ -1154,3 +1154,36 @@ async def test_waiters_behind_a_held_back_waiter_get_the_slot_when_it_leaves(lea
         p.success()
     assert b.in_flight == 0
     assert not [e for e in rec.of(RequestShed) if e.false_positive]
+
+
+async def test_gauges_read_without_tidying_the_queue() -> None:
+    # Exporters read gauges from another thread (prometheus_client.start_http_server):
+    # the oldest-waiter gauge popped cancelled waiters off the queue's deques there, racing
+    # the loop's own pops (a live waiter could be popped, the item count could drift).
+    b = Bulkhead("g", FixedLimit(1), queue=brownout.FifoQueue(max_size=8, max_wait=5.0))
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        async with b.admit():
+            await gate.wait()
+
+    holder = asyncio.create_task(hold())
+    await asyncio.sleep(0)
+    first = asyncio.create_task(hold())
+    await asyncio.sleep(1.0)
+    second = asyncio.create_task(hold())
+    await asyncio.sleep(1.0)
+    q = b._queue
+    (head,) = [d[0] for d in q._classes if d]
+    # The first waiter leaves (as its timer or its caller makes it): its item stays at the
+    # head of its deque, marked not queued, until the loop tidies it.
+    q.remove(head, b._clock.now())
+    lengths = [len(d) for d in q._classes]
+    gauges = {name: value for name, _labels, value in b.gauges()}
+    assert [len(d) for d in q._classes] == lengths, "reading the gauges changed the queue"
+    assert gauges["queue_depth"] == 1.0
+    assert gauges["queue_oldest_age"] == pytest.approx(1.0, abs=0.01)  # the second waiter
+    assert b.oldest_queue_age() == pytest.approx(1.0, abs=0.01)  # the loop's own read agrees
+    first.cancel()
+    gate.set()
+    await asyncio.gather(holder, first, second, return_exceptions=True)

@@ -398,7 +398,9 @@ class Bulkhead:
         yield ("in_flight", labels, float(self._in_flight))
         yield ("limit", labels, float(self._limit_value))
         yield ("queue_depth", labels, float(self._queue.size))
-        yield ("queue_oldest_age", labels, self.oldest_queue_age())
+        # Read-only (exporters may call this from another thread): no tidying of the queue.
+        oldest = self._queue.peek_oldest_enqueued()
+        yield ("queue_oldest_age", labels, 0.0 if oldest is None else self._clock.now() - oldest)
 
     def utilization(self) -> float:
         """In-flight over limit (may exceed 1.0 with the CRITICAL_PLUS reserve)."""

@@ -395,6 +395,19 @@ class WaitQueue:
                 oldest = d[0].enqueued_at
         return None if oldest == math.inf else oldest
 
+    def peek_oldest_enqueued(self) -> float | None:
+        """`oldest_enqueued` without tidying the queue: for exporters, which may read from
+        another thread (a Prometheus server's) while the loop works the queue. Each deque is
+        copied in one C call, atomic against the loop under the GIL; queues are small."""
+        oldest = math.inf
+        for d in list(self._classes):
+            for item in list(d):
+                if item.queued:
+                    if item.enqueued_at < oldest:
+                        oldest = item.enqueued_at
+                    break
+        return None if oldest == math.inf else oldest
+
     def next_expiry(self, now: float) -> float | None:
         """Earliest time at which some waiting item may exceed the age bound (``None``: empty).
 

@@ -168,7 +168,8 @@ class OverloadManager:
     def gauges(self) -> Iterator[tuple[str, Mapping[str, str], float]]:
         """Live state for exporters: the level and each signal's latest pressure."""
         yield ("overload_level", {"source": self.name}, float(self.level))
-        for signal, value in self.pressures.items():
+        # A C-level copy: exporters read from other threads while the loop adds signals.
+        for signal, value in list(self.pressures.items()):
             yield ("overload_pressure", {"source": self.name, "signal": signal}, value)
 
     def sheds(self, priority: Priority) -> bool:

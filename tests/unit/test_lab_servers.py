@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import os
 import resource
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -87,3 +92,40 @@ def test_demo_servers_make_room_for_a_flood_of_connections() -> None:
         assert _soft_nofile(server.proc.pid) >= 4096
     finally:
         server.stop()
+
+
+def test_the_uvicorn_comparator_does_not_log_each_refusal() -> None:
+    # uvicorn --limit-concurrency logged "Exceeded concurrency limit." for every connection it
+    # refused: 32,503 lines over the lab's console in one default run.
+    backend = spawn_server(["backend", "--latency", "0.2"])
+    args = ["front", "--backend-url", backend.url, "--limit-concurrency", "2"]
+    front = subprocess.Popen(
+        [sys.executable, "-m", "brownout.lab.demo", *args, "--parent-pid", str(os.getpid())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert front.stdout is not None and front.stderr is not None
+        port = int(front.stdout.readline().split()[1])
+        url = f"http://127.0.0.1:{port}/api/interactive"
+
+        def get(_: int) -> int:
+            try:
+                with urllib.request.urlopen(url, timeout=10) as r:
+                    return int(r.status)
+            except urllib.error.HTTPError as e:
+                return e.code
+            except OSError:
+                return 0
+
+        give_up = time.monotonic() + 20
+        while get(0) == 0 and time.monotonic() < give_up:
+            time.sleep(0.05)  # until uvicorn serves
+        with ThreadPoolExecutor(16) as pool:
+            statuses = list(pool.map(get, range(32)))
+        assert 503 in statuses, statuses  # the comparator did refuse
+    finally:
+        front.kill()
+        _, err = front.communicate(timeout=10)
+        backend.stop()
+    assert b"Exceeded concurrency limit" not in err, err[-500:]

@@ -465,7 +465,9 @@ def main(argv: list[str] | None = None) -> int:
         loop="uvloop",
         http="auto",  # httptools when installed (the lab extra brings it): h11 is 3x slower
         lifespan=lifespan,
-        log_level="warning",
+        # uvicorn logs each connection its --limit-concurrency refuses at warning level: tens
+        # of thousands of lines over the lab's console, for refusals the lab counts anyway.
+        log_level="error" if args.limit_concurrency is not None else "warning",
         access_log=False,
         timeout_keep_alive=60,
         backlog=4096,

@@ -509,3 +509,21 @@ async def test_a_mutation_sent_and_unanswered_once_stays_unknown_after_later_att
         await _policy(2).call(charge, idempotency_key="order-7")
     assert info.value.idempotency_key == "order-7"
     assert info.value.__cause__ is later  # the caller still sees the last answer
+
+
+@pytest.mark.looptime
+async def test_originals_refused_locally_deposit_nothing_in_the_budget() -> None:
+    # R3: while a breaker is open, 100 originals are refused before reaching the dependency.
+    # They deposited 100 tokens (10 retries at ratio 0.1), which paid for a wave of retries
+    # against the dependency as it came back.
+    budget = RetryBudget(ratio=0.1, min_per_second=0.0, window=10.0)
+    policy = fast_policy(budget=budget)
+    for _ in range(100):
+        fn, _ = script(Rejected(Reason.BREAKER_OPEN, "open"))
+        with pytest.raises(Rejected):
+            await policy.call(fn, idempotent=True)
+    assert not budget.try_acquire_retry()  # nothing was earned
+    for _ in range(10):
+        fn, _ = script("ok")
+        assert await policy.call(fn, idempotent=True) == "ok"
+    assert budget.try_acquire_retry()  # ten originals that were tried: one retry

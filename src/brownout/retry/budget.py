@@ -3,7 +3,8 @@
 Two rules are offered behind one small protocol, `RetryAllowance`:
 
 * `RetryBudget` (the Finagle / tower "TPS budget"): over a sliding window, every original
-  request deposits a token and every retry withdraws ``1 / ratio`` tokens, on top of a fixed
+  request that was tried (not refused locally) deposits a token and every retry withdraws
+  ``1 / ratio`` tokens, on top of a fixed
   reserve of ``min_per_second * window`` retries. So within any window::
 
       retries <= ratio * originals + min_per_second * window

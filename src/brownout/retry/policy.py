@@ -243,13 +243,17 @@ class RetryPolicy:
         if key is None and not idempotent and self.idempotency_keys:
             key = new_idempotency_key()
         budget = self.budget
-        budget.record_request()
         clock = self._clock
         started = clock.now()
         try:
             result = await attempt_fn(1, key)
         except Exception as error:
-            if not isinstance(error, Rejected):  # local refusals say nothing of attempt time
+            if not isinstance(error, Rejected):
+                # An original deposits in the budget once it was tried: one refused here (an
+                # open breaker, a throttle, no time left) never reached the dependency, and
+                # counting it would leave retry tokens for the wave after the outage (R3).
+                # Local refusals say nothing of attempt time either.
+                budget.record_request()
                 self._observe(clock.now() - started)
             return await self._retry(
                 attempt_fn,
@@ -261,6 +265,7 @@ class RetryPolicy:
                 floor=min_attempt_time,
                 slots=slots if slots is not None else self.slots,
             )
+        budget.record_request()
         self._observe(clock.now() - started)
         budget.record_success()
         return result

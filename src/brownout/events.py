@@ -15,8 +15,11 @@ are seconds; ``remaining`` is the time left on the request's deadline (``None``:
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol, TypeVar, dataclass_transform, runtime_checkable
 
@@ -277,6 +280,10 @@ class Sink(Protocol):
     def emit(self, event: Event) -> None: ...
 
 
+_MAX_ORPHANS = 64
+"""Ledgers of discarded owners held for the next flush before one is forced."""
+
+
 class EventHub:
     """Fans events out to subscribed sinks.
 
@@ -290,7 +297,17 @@ class EventHub:
     feed it so it can.
     """
 
-    __slots__ = ("__weakref__", "_complained", "_ledgers", "_sinks", "enabled", "tallying")
+    __slots__ = (
+        "__weakref__",
+        "_complained",
+        "_ledgers",
+        "_orphan_lock",
+        "_orphan_seq",
+        "_orphans",
+        "_sinks",
+        "enabled",
+        "tallying",
+    )
 
     def __init__(self) -> None:
         self._sinks: tuple[Sink, ...] = ()
@@ -299,6 +316,12 @@ class EventHub:
         # a scrape thread flushes would raise "Set changed size during iteration". Copying a
         # dict's keys with `list()` is one C call, atomic under the GIL.
         self._ledgers: dict[weakref.ref[Flushable], None] = {}
+        # Ledgers whose owner (a bulkhead) is gone, kept until a flush emits what they hold:
+        # (sequence, ledger), appended by finalizers without a lock (a deque's append and
+        # popleft are atomic), removed only under `_orphan_lock` by the flush that emitted them.
+        self._orphans: deque[tuple[int, Flushable]] = deque()
+        self._orphan_seq = itertools.count()
+        self._orphan_lock = threading.Lock()
         self.enabled = False
         self.tallying = False
 
@@ -335,13 +358,34 @@ class EventHub:
             ledgers.pop(ref, None)
 
         ledgers[weakref.ref(ledger, gone)] = None
+        if len(self._orphans) > _MAX_ORPHANS:
+            # Nobody has read for a while and owners keep going: emit their counts now (on
+            # the loop, where a new ledger is made), so the orphans stay bounded.
+            self.flush()
+
+    def adopt(self, ledger: Flushable) -> None:
+        """Keep ``ledger`` until the next flush: its owner is gone, and what it counted since
+        the last flush must still be emitted (O1). Called by a finalizer, at any point of
+        any thread: it only appends."""
+        self._orphans.append((next(self._orphan_seq), ledger))
 
     def flush(self) -> None:
         """Ask every ledger emitting on this hub to emit what it has counted."""
+        orphans = self._orphans
+        # Orphans adopted before this point are still registered, so flushed below; the
+        # ones adopted later wait for the next flush.
+        try:
+            upto = orphans[-1][0]
+        except IndexError:  # none (or another thread's flush just took them)
+            upto = -1
         for ref in list(self._ledgers):
             ledger = ref()
             if ledger is not None:
                 ledger.flush()
+        if upto >= 0:
+            with self._orphan_lock:
+                while orphans and orphans[0][0] <= upto:
+                    orphans.popleft()
 
     def emit(self, event: Event) -> None:
         for sink in self._sinks:

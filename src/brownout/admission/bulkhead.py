@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from types import TracebackType
 from typing import ParamSpec, Protocol, TypeVar
@@ -768,6 +769,9 @@ class Bulkhead:
     def _new_ledger(self) -> Ledger:
         ledger = self._ledger = Ledger(self.name, self._events, self._clock)
         self._ledger_index = ledger.index  # the same dict for the ledger's life
+        # A bulkhead discarded between two flushes took its uncounted requests with it: its
+        # hub now keeps the ledger until the next flush emits them (O1).
+        weakref.finalize(self, self._events.adopt, ledger).atexit = False
         return ledger
 
     @property

@@ -11,7 +11,9 @@ objects, no sink calls. The ledger turns the counts into one `RequestsTallied` e
 - when it holds ``max_rows`` rows (distinct operation, priority and caller), after which
   rows no permit still uses are dropped, so memory stays bounded however many callers come;
 - at most every ``flush_interval`` seconds while traffic flows (for sinks that never read,
-  such as an OpenTelemetry histogram sink).
+  such as an OpenTelemetry histogram sink);
+- after its bulkhead is discarded: the hub adopts the ledger until its next flush
+  (`EventHub.adopt`), so nothing counted is lost.
 
 Counters are cumulative and a flush emits the difference from the previous flush, so a flush
 from another thread (a Prometheus HTTP server thread) never loses an increment made

@@ -197,7 +197,7 @@ class Dependency:
                 source=self.name,
                 # What every attempt keeps back (see `_attempt`): a retry whose backoff leaves
                 # less than that would wait out the deadline and never be sent (R4).
-                reserve=self.reserve if self.reserve > _EDGE else _EDGE,
+                reserve=self._kept_back(),
                 min_attempt_time=self.min_useful,
                 slots=self.retry_slots,
             )
@@ -274,7 +274,7 @@ class Dependency:
             try:
                 budget = call_budget(
                     _UNBOUNDED if self.timeout is None else self.timeout,
-                    reserve=self.reserve if self.reserve > _EDGE else _EDGE,
+                    reserve=self._kept_back(),
                     min_useful=self.min_useful,
                     deadline=deadline,
                 )
@@ -365,6 +365,11 @@ class Dependency:
         if breaker is not None:
             duration = self._clock.now() - started if timed else 0.0
             breaker.release(token, failed=breaker.is_failure(error), duration=duration)
+
+    def _kept_back(self) -> float:
+        """What every attempt keeps back from the request's time: the reserve, at least
+        ``_EDGE`` (an attempt always ends before its request)."""
+        return self.reserve if self.reserve > _EDGE else _EDGE
 
     def _refuse(self, reason: Reason, detail: str) -> Rejected:
         if self._events.enabled:

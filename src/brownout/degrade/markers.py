@@ -31,6 +31,7 @@ the adaptive limit's latency samples: a fallback's speed says nothing about the 
 # Bound once for other modules' hot paths (see `brownout.context._get_current`).
 _set_fallback_marks = served_by_fallback.set
 _reset_fallback_marks = served_by_fallback.reset
+_fallback_marks = served_by_fallback.get
 
 
 def note_fallback_served(mode: str) -> None:

@@ -387,11 +387,7 @@ class DegradedModes:
 
     def _settle(self, state: _State, now: float) -> bool:
         decl = state.decl
-        demand = state.level_demand or state.signal_demand
-        if not demand:
-            # The trigger cleared: the max_duration latch lets go, even during an override,
-            # so a mode released after it is back under its trigger.
-            state.latched_out = False
+        demand = self._demand(state)
         if state.forced is not None:
             if now < state.force_until:
                 if state.forced != state.active:
@@ -414,14 +410,22 @@ class DegradedModes:
             return True
         return False
 
+    @staticmethod
+    def _demand(state: _State) -> bool:
+        """Whether a trigger asks for the mode now. When none does, the max_duration latch
+        lets go, even during an override, so a mode released later is back under its
+        trigger."""
+        demand = state.level_demand or state.signal_demand
+        if not demand:
+            state.latched_out = False
+        return demand
+
     def _after_release(self, state: _State, now: float, trigger: str) -> bool:
         # Back to automatic control. The dwell protects against flapping triggers, not
         # against a person: a released drill ends now unless a trigger still asks for it,
         # and a mode that reached max_duration stays out until its trigger clears once,
         # however often it was forced on since (a drill must not restart it silently).
-        demand = state.level_demand or state.signal_demand
-        if not demand:
-            state.latched_out = False
+        demand = self._demand(state)
         if state.active and (not demand or state.latched_out):
             self._change(state, now, False, trigger)
             return True

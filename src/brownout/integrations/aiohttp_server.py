@@ -41,7 +41,7 @@ from ..admission.bulkhead import Permit, Untracked
 from ..clock import loop_and_time
 from ..context import _EMPTY as _NO_REQUEST
 from ..context import _get_current
-from ..degrade.markers import served_by_fallback
+from ..degrade.markers import _fallback_marks
 from ..degrade.modes import DEGRADED_HEADER
 from ..edge import (
     ABANDONED,
@@ -60,7 +60,6 @@ from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
 __all__ = ["BrownoutAiohttpMiddleware", "announce_degraded", "brownout_middleware"]
 
-_fallback_marks = served_by_fallback.get
 
 _log = logging.getLogger("brownout.edge")
 

@@ -47,7 +47,7 @@ from ..clock import current_task_of as _current_task
 from ..clock import loop_and_time
 from ..context import _EMPTY as _NO_REQUEST
 from ..context import _get_current, _inbound_context, _reset_current, _set_current
-from ..degrade.markers import _reset_fallback_marks, _set_fallback_marks, served_by_fallback
+from ..degrade.markers import _fallback_marks, _reset_fallback_marks, _set_fallback_marks
 from ..edge import (
     EXPRESS_HEADERS,
     DegradedModes,
@@ -91,7 +91,6 @@ _ENCODED: dict[str, bytes] = {}
 _claims_nothing = EXPRESS_HEADERS.isdisjoint
 _header_name = itemgetter(0)
 _NEW = object.__new__
-_fallback_marks = served_by_fallback.get
 
 
 _Path = tuple[ResolvedRoute, "Express | None"]
@@ -259,9 +258,7 @@ class _Exchange(Flight):
                 self.body_done = True
                 if self.resume_watch:
                     self.resume_watch = False
-                    self.watcher = asyncio.get_running_loop().create_task(
-                        self._watch(self._disconnected)
-                    )
+                    self._start_watch()
         elif kind == "http.disconnect":
             self.disconnected = True
         return msg
@@ -285,9 +282,12 @@ class _Exchange(Flight):
             self._disconnected()
             return True
         if not self.reading and (self.body_done or _declares_no_body(self.scope)):
-            self.watcher = asyncio.get_running_loop().create_task(self._watch(self._disconnected))
+            self._start_watch()
             return True
         return False  # the application is still reading the body: try again next sweep
+
+    def _start_watch(self) -> None:
+        self.watcher = asyncio.get_running_loop().create_task(self._watch(self._disconnected))
 
     def _disconnected(self) -> None:
         if self.abandoned:

@@ -50,7 +50,7 @@ from ..admission.bulkhead import Permit, Untracked
 from ..clock import current_task_of, loop_and_time
 from ..context import _EMPTY as _NO_REQUEST
 from ..context import _get_current
-from ..degrade.markers import served_by_fallback
+from ..degrade.markers import _fallback_marks
 from ..edge import (
     ABANDONED,
     EXPRESS_HEADERS,
@@ -70,7 +70,6 @@ from ..propagation import GRPC_PUSHBACK_KEY, REFUSAL_REASON_KEY, HeaderGetter
 __all__ = ["BrownoutServerInterceptor", "GrpcCall", "status_code_for"]
 
 HEALTH_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
-_fallback_marks = served_by_fallback.get
 
 
 class GrpcCall(NamedTuple):

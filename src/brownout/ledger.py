@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from ._snapshot import items_of
 from .events import EventHub, RequestsTallied, TallyRow
 from .priority import Priority
 
@@ -133,8 +134,8 @@ class Ledger:
 
     def _rows(self) -> list[tuple[str, Priority, str, list[int]]]:
         out = []
-        for caller, by_operation in list(self.index.items()):
-            for operation, by_priority in list(by_operation.items()):
+        for caller, by_operation in items_of(self.index):
+            for operation, by_priority in items_of(by_operation):
                 for priority, row in zip(_BY_VALUE, list(by_priority)):
                     if row is not None:
                         out.append((operation, priority, caller, row))

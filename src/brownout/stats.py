@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from ._snapshot import items_of
 from .clock import Clock, default_clock
 from .events import (
     AttemptRetried,
@@ -583,7 +584,7 @@ class Stats:
         if not isinstance(callers, TopKLabels):
             return
         totals: dict[str, int] = {}
-        for (_kind, labels, _reason), n in list(self._rows.items()):
+        for (_kind, labels, _reason), n in items_of(self._rows):
             totals[labels[3]] = totals.get(labels[3], 0) + n
         base = self._activity_base
         activity = {c: n - base.get(c, 0) for c, n in totals.items()}
@@ -779,15 +780,15 @@ class Stats:
         def put(name: str, labels: Mapping[str, str], value: float) -> None:
             out[(name, tuple(sorted(labels.items())))] = (name, labels, value)
 
-        for source, limit in list(self.limits.items()):
+        for source, limit in items_of(self.limits):
             put("limit", {"source": source}, float(limit))
-        for source, state in list(self.breakers.items()):
+        for source, state in items_of(self.breakers):
             for s in BREAKER_STATES:
                 put("breaker_state", {"source": source, "state": s}, 1.0 if s == state else 0.0)
-        for source, level in list(self.overload_levels.items()):
+        for source, level in items_of(self.overload_levels):
             put("overload_level", {"source": source}, float(level))
         now = self._clock.now()
-        for mode, active in list(self.degraded_modes.items()):
+        for mode, active in items_of(self.degraded_modes):
             put("degraded_mode_active", {"mode": mode}, 1.0 if active else 0.0)
             since = self.degraded_since.get(mode)
             put(
@@ -795,9 +796,9 @@ class Stats:
                 {"mode": mode},
                 max(0.0, now - since) if active and since is not None else 0.0,
             )
-        for mode, limit_s in list(self.degraded_max.items()):
+        for mode, limit_s in items_of(self.degraded_max):
             put("degraded_mode_max_seconds", {"mode": mode}, limit_s)
-        for source, fallback in list(self.quota_fallback.items()):
+        for source, fallback in items_of(self.quota_fallback):
             put("quota_fallback_active", {"source": source}, 1.0 if fallback else 0.0)
 
         # Read from a copy and prune under `_watching`: with two reader threads (a Prometheus
@@ -830,7 +831,7 @@ class Stats:
         # one C call; the loop already takes this lock per event, so readers add nothing to
         # its path, only an occasional wait of one copy.
         with self._recording:
-            return list(self._rows.items())
+            return items_of(self._rows)
 
     @property
     def rows(self) -> dict[Row, int]:
@@ -883,14 +884,14 @@ class Stats:
         """Merged success-latency histogram for the matching operation/priority."""
         self.sync()
         out = LatencyHistogram()
-        for (op, pr), h in list(self.success_latency.items()):
+        for (op, pr), h in items_of(self.success_latency):
             if (operation is None or op == operation) and (priority is None or pr == priority):
                 out.merge(h)
         return out
 
     def series(self) -> Iterable[tuple[Key, int]]:
         """Every (labels, value) counter pair summed over sources (see `rows` for per-hop)."""
-        return list(self.counters.items())
+        return items_of(self.counters)
 
     def series_count(self) -> int:
         """How many counter and histogram series exist: what the label caps bound."""
@@ -920,11 +921,11 @@ class Stats:
                 "p50": lat.quantile(0.5) if lat.count else None,
                 "p99": lat.quantile(0.99) if lat.count else None,
             },
-            "limits": dict(self.limits),
-            "breakers": dict(self.breakers),
+            "limits": dict(items_of(self.limits)),
+            "breakers": dict(items_of(self.breakers)),
             "overload_level": self.overload_level,
-            "degraded_modes": dict(self.degraded_modes),
-            "quota_fallback": dict(self.quota_fallback),
+            "degraded_modes": dict(items_of(self.degraded_modes)),
+            "quota_fallback": dict(items_of(self.quota_fallback)),
             "series": self.series_count(),
         }
 

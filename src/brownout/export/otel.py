@@ -24,6 +24,7 @@ except ModuleNotFoundError as e:  # the extra is not installed
 
     raise missing_extra(__name__, "otel", e) from e
 
+from .._snapshot import items_of
 from ..clock import Clock, default_clock
 from ..events import Event, RequestAdmitted, RequestCompleted, RequestOffered, RequestsTallied
 from ..stats import Gauge, LabelCap, LatencyHistogram, Stats
@@ -101,7 +102,7 @@ class OtelMetrics:
     def _counter_callback(self, kind: str, reason_label: str | None) -> _Callback:
         def observe(_options: CallbackOptions) -> Iterable[Observation]:
             sums: dict[tuple[tuple[str, str], ...], int] = {}
-            for (k, src, op, pr, ca, reason), n in list(self.stats.rows.items()):
+            for (k, src, op, pr, ca, reason), n in items_of(self.stats.rows):
                 if k != kind:
                     continue
                 attrs: tuple[tuple[str, str], ...] = (
@@ -122,7 +123,7 @@ class OtelMetrics:
         def observe(_options: CallbackOptions) -> Iterable[Observation]:
             table: dict[Any, int] = getattr(self.stats, attr)
             out = []
-            for key, n in list(table.items()):
+            for key, n in items_of(table):
                 values = key if isinstance(key, tuple) else (key,)
                 out.append(Observation(n, dict(zip(labels, values))))
             return out
@@ -156,7 +157,7 @@ class OtelMetrics:
         self.stats.sync()
         htable: dict[Any, LatencyHistogram] = getattr(self.stats, table)
         out: list[tuple[Mapping[str, str], LatencyHistogram]] = []
-        for key, hist in list(htable.items()):
+        for key, hist in items_of(htable):
             values = key if isinstance(key, tuple) else (key,)
             out.append((dict(zip(labels, values)), hist))
         return out

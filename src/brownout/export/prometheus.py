@@ -34,6 +34,7 @@ except ModuleNotFoundError as e:  # the extra is not installed
 
     raise missing_extra(__name__, "prometheus", e) from e
 
+from .._snapshot import items_of
 from ..stats import LatencyHistogram, Stats
 from .catalog import COUNTERS, GAUGES, HISTOGRAMS, STATE_COUNTERS, CounterSpec, GaugeSpec
 
@@ -122,7 +123,7 @@ class BrownoutCollector(Collector):
         stats.sync()  # one flush of the ledgers for the whole scrape
         families = self._counter_families()
         sums: dict[tuple[str, tuple[str, ...]], int] = {}
-        for (kind, src, op, pr, ca, reason), n in list(stats.rows.items()):
+        for (kind, src, op, pr, ca, reason), n in items_of(stats.rows):
             spec = families[kind][0]
             values: tuple[str, ...] = (src, op, pr)
             if self.caller_label:
@@ -138,14 +139,14 @@ class BrownoutCollector(Collector):
         for attr, prom_name, _otel, label_names, help_text in STATE_COUNTERS:
             fam = CounterMetricFamily(prom_name, help_text, labels=list(label_names))
             table: dict[Any, int] = getattr(stats, attr)
-            for row, count in list(table.items()):
+            for row, count in items_of(table):
                 fam.add_metric(list(row) if isinstance(row, tuple) else [row], count)
             yield fam
 
         for h in HISTOGRAMS:
             hfam = HistogramMetricFamily(h.prom, h.help, labels=list(h.labels))
             htable: dict[Any, LatencyHistogram] = getattr(stats, h.table)
-            for hkey, hist in list(htable.items()):
+            for hkey, hist in items_of(htable):
                 hlabels = list(hkey) if isinstance(hkey, tuple) else [hkey]
                 hfam.add_metric(hlabels, self._buckets(hist), sum_value=hist.sum)
             yield hfam

@@ -203,7 +203,8 @@ async def test_bounded_100k_forged_callers_paths_and_headers_through_the_middlew
     layer: Any = app.middleware_stack
     while not isinstance(layer, BrownoutMiddleware):
         layer = layer.app
-    assert len(layer._paths) <= PATH_CACHE
+    assert len(layer._paths) <= PATH_CACHE and len(layer._previous) <= PATH_CACHE
+    assert len(layer._templates) <= 2 and len(layer._indexes) == 1
     assert len(policy._resolved) <= 1024 + 1 and len(policy._plain) <= 1024
     assert not policy._sweeper.pending
     assert bulkhead.in_flight == 0

@@ -96,23 +96,90 @@ _NEW = object.__new__
 _Path = tuple[ResolvedRoute, "Express | None"]
 """What the middleware caches per request path: the route, and its express plan if any."""
 
+_MAX_TEMPLATES = 1024  # templates come from the router and the policy's routes: few
 
-def _template_in(routes: Any, path: str, prefix: str, depth: int = 0) -> str | None:
+
+_Candidate = tuple[Callable[[str], Any], Any, bool]
+"""A route with a path regex: its regex's ``match``, the route, and whether it is a mount."""
+
+
+class _RouteIndex:
+    """One router's routes that have a path regex, in order, grouped by the literal first
+    path segment they require. A route whose path starts with a literal segment
+    (``/items/{id}`` requires ``items``) can only match a path with that first segment; the
+    others (``/{slug}``, a mount at the root, routes without a plain ``path``) are candidates
+    for every path. `candidates` keeps the router's order, so the first match is the one a
+    walk of every route would find, after trying a few regexes instead of all of them: a
+    service with ids in its paths misses the path cache on nearly every request."""
+
+    __slots__ = ("by_segment", "dynamic", "routes", "size")
+
+    def __init__(self, routes: Any) -> None:
+        self.routes = routes
+        """The router's own list (held, so the index's key, its ``id``, stays valid)."""
+        self.size = len(routes)
+        if _effective_routes is not None and not all(hasattr(r, "path_regex") for r in routes):
+            routes = _effective_routes(routes)
+        found: list[tuple[_Candidate, str | None]] = []
+        for route in routes:
+            regex = getattr(route, "path_regex", None)
+            if regex is None:
+                continue
+            mount = _Mount is not None and isinstance(
+                getattr(route, "original_route", route), _Mount
+            )
+            found.append(((regex.match, route, mount), _literal_head(getattr(route, "path", None))))
+        self.dynamic: list[_Candidate] = [c for c, head in found if head is None]
+        self.by_segment: dict[str, list[_Candidate]] = {
+            segment: [c for c, head in found if head is None or head == segment]
+            for segment in {head for _, head in found if head is not None}
+        }
+
+    def candidates(self, path: str) -> list[_Candidate]:
+        """The routes that can match ``path``, in the router's order."""
+        if path[:1] != "/":
+            return self.dynamic  # a literal head needs the leading slash
+        return self.by_segment.get(path.split("/", 2)[1], self.dynamic)
+
+
+def _literal_head(path: object) -> str | None:
+    """The literal first segment a route path requires (``/items/{id}``: ``items``), or None
+    when it has none (a parameter there, a mount at the root, no plain path)."""
+    if not isinstance(path, str) or path[:1] != "/":
+        return None
+    head = path[1:].split("/", 1)[0]
+    return None if "{" in head else head
+
+
+_MAX_INDEXES = 64
+
+
+def _index_of(indexes: dict[int, _RouteIndex], routes: Any) -> _RouteIndex:
+    """The index of ``routes`` (a router's list), rebuilt when the list grew or shrank (routes
+    added at run time); bounded, as mounts are few."""
+    index = indexes.get(id(routes))
+    if index is None or index.routes is not routes or index.size != len(routes):
+        if len(indexes) >= _MAX_INDEXES:
+            indexes.clear()
+        index = indexes[id(routes)] = _RouteIndex(routes)
+    return index
+
+
+def _template_in(
+    indexes: dict[int, _RouteIndex], routes: Any, path: str, prefix: str, depth: int = 0
+) -> str | None:
     """The template of the first Starlette route whose path matches (method ignored, as
     Starlette's partial matches do), looking into mounts and FastAPI's included routers."""
-    if _effective_routes is not None and not all(hasattr(r, "path_regex") for r in routes):
-        routes = _effective_routes(routes)
-    for route in routes:
-        regex = getattr(route, "path_regex", None)
-        if regex is None:
-            continue
-        m = regex.match(path)
+    for match, route, mount in _index_of(indexes, routes).candidates(path):
+        m = match(path)
         if m is None:
             continue
-        if _Mount is not None and isinstance(getattr(route, "original_route", route), _Mount):
+        if mount:
             inner = route.routes
             if inner and depth < 8:
-                found = _template_in(inner, "/" + m.group("path"), prefix + route.path, depth + 1)
+                found = _template_in(
+                    indexes, inner, "/" + m.group("path"), prefix + route.path, depth + 1
+                )
                 if found is not None:
                     return found
         fmt: str = route.path_format
@@ -359,27 +426,43 @@ class BrownoutMiddleware:
         self.app = app
         self.policy = policy
         self.watch_disconnects = watch_disconnects
+        if path_cache_size < 1:
+            raise ValueError("path_cache_size must be at least 1")
         self._paths: dict[str, _Path] = {}
+        self._previous: dict[str, _Path] = {}
         self._path_cache_size = path_cache_size
+        self._templates: dict[str | None, _Path] = {}
+        self._indexes: dict[int, _RouteIndex] = {}
 
     def _route(self, scope: Scope, path: str) -> _Path:
+        """A path cache miss: the path's route and express plan, cached for the path.
+
+        The cache has two generations: when the current one is full it becomes the previous
+        one and a new one starts, and a miss looks in the previous generation before walking
+        the router. Paths in use survive the swap (a flood of distinct paths, ids in URLs,
+        cannot push them out for good) and memory stays bounded at twice ``path_cache_size``.
+        Entries are shared per template: a miss allocates nothing for a known route."""
+        entry = self._previous.get(path)
+        if entry is None:
+            template: str | None = None
+            app = scope.get("app")
+            router = getattr(app, "router", None)
+            routes = getattr(router, "routes", None) if router is not None else None
+            if routes is not None:
+                template = _template_in(self._indexes, routes, path, "")
+            if template is None:
+                template = self.policy.match(path)
+            entry = self._templates.get(template)
+            if entry is None:
+                route = self.policy.route(template)
+                entry = (route, self.policy.express(route))
+                if len(self._templates) < _MAX_TEMPLATES:
+                    self._templates[template] = entry
         cache = self._paths
-        try:
-            return cache[path]
-        except KeyError:
-            pass
-        template: str | None = None
-        app = scope.get("app")
-        router = getattr(app, "router", None)
-        routes = getattr(router, "routes", None) if router is not None else None
-        if routes is not None:
-            template = _template_in(routes, path, "")
-        if template is None:
-            template = self.policy.match(path)
-        route = self.policy.route(template)
         if len(cache) >= self._path_cache_size:
-            cache.clear()  # crude but bounded; ids in paths would otherwise grow it forever
-        entry = cache[path] = (route, self.policy.express(route))
+            self._previous = cache
+            self._paths = cache = {}
+        cache[path] = entry
         return entry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -50,6 +50,37 @@ def test_operations_are_bounded() -> None:
         LatencyEstimator(alpha=0)
 
 
+@pytest.mark.parametrize("min_samples", [1, 5])
+def test_bounded_one_off_operations_cannot_push_out_the_estimates_in_use(min_samples: int) -> None:
+    """D7 under input-derived operation names: 100,000 operations seen once each (a scan of
+    distinct URLs labelled by raw path) churn among themselves; the operations the service
+    keeps serving keep their estimates, and memory stays at ``max_operations``."""
+    e = LatencyEstimator(min_samples=min_samples, max_operations=16)
+    for _ in range(10):
+        e.observe("/orders/{id}", 0.2)
+        e.observe("/search", 0.05)
+    for i in range(100_000):
+        e.observe(f"/scan/{i}", 0.01)
+        if i % 1000 == 0:
+            e.observe("/search", 0.05)  # still in use, now and then
+        assert len(e) <= 16 and len(e.estimates) <= 16
+    assert e.estimate("/orders/{id}") == pytest.approx(0.2)
+    assert e.estimate("/search") == pytest.approx(0.05)
+    assert set(e.estimates) <= set(e.operations())
+
+
+def test_established_operations_go_least_recently_observed_first() -> None:
+    e = LatencyEstimator(min_samples=1, max_operations=3)
+    for op in ("a", "b", "c", "a", "b", "c"):
+        e.observe(op, 0.1)  # all three established (two samples each)
+    e.observe("a", 0.1)  # a is now the most recently observed
+    e.observe("d", 0.1)  # no operation on trial: the least recently observed (b) goes
+    assert e.operations() == ["c", "a", "d"]
+    assert e.estimate("b") is None and e.estimate("d") == pytest.approx(0.1)
+    e.observe("e", 0.1)  # d is on trial: it goes first
+    assert e.operations() == ["c", "a", "e"]
+
+
 @pytest.mark.looptime
 async def test_bulkhead_decisions_are_counted_in_stats() -> None:
     events = EventHub()

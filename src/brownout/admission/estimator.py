@@ -6,8 +6,12 @@ service time of successful runs and of its mean absolute deviation. ``estimate(o
 refusal), so a `Bulkhead` can refuse at entry work whose remaining time cannot cover the
 expected queue wait plus service time, and re-check when it leaves the queue.
 
-Memory is bounded: at most ``max_operations`` operations are tracked; a new operation beyond
-that evicts the least recently *added* one (an unbounded label set must not grow memory).
+Memory is bounded: at most ``max_operations`` operations are tracked. An operation seen once
+is on trial; its second sample makes it established. A new operation beyond the bound evicts
+the oldest operation on trial, and only when none is on trial the established operation
+observed least recently. So operations named from input (a classifier that labels by raw
+path, a scan of distinct URLs) churn among themselves and cannot push out the estimates of
+the operations a service really serves.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ class LatencyEstimator:
     0 refuses only work that would be late *on average*, which keeps false refusals rare).
     """
 
-    __slots__ = ("_ops", "alpha", "estimates", "k", "max_operations", "min_samples")
+    __slots__ = ("_ops", "_trial", "alpha", "estimates", "k", "max_operations", "min_samples")
 
     def __init__(
         self,
@@ -50,36 +54,50 @@ class LatencyEstimator:
         self.k = k
         self.min_samples = min_samples
         self.max_operations = max_operations
+        self._trial: dict[str, _Ewma] = {}
+        """Operations with one sample, oldest first: the first to go when a new one comes."""
         self._ops: dict[str, _Ewma] = {}
+        """Operations with two samples or more, least recently observed first."""
         self.estimates: dict[str, float] = {}
         """Current estimate per operation that has ``min_samples``: what `estimate` answers,
         kept ready so the admission hot path pays one dict lookup. Read-only for callers."""
 
     def observe(self, operation: str, seconds: float) -> None:
         """Record the service time of one successful run of ``operation``."""
-        e = self._ops.get(operation)
+        ops = self._ops
+        e = ops.pop(operation, None)
         if e is None:
-            if len(self._ops) >= self.max_operations:
-                oldest = next(iter(self._ops))
-                del self._ops[oldest]
-                self.estimates.pop(oldest, None)
-            e = self._ops[operation] = _Ewma(seconds)
-        else:
-            a = self.alpha
-            diff = seconds - e.mean
-            e.mean += a * diff
-            e.dev += a * ((diff if diff >= 0 else -diff) - e.dev)
-            e.count += 1
+            e = self._trial.pop(operation, None)
+            if e is None:
+                if len(ops) + len(self._trial) >= self.max_operations:
+                    self._evict()
+                e = self._trial[operation] = _Ewma(seconds)
+                if e.count >= self.min_samples:
+                    self.estimates[operation] = e.mean
+                return
+        a = self.alpha
+        diff = seconds - e.mean
+        e.mean += a * diff
+        e.dev += a * ((diff if diff >= 0 else -diff) - e.dev)
+        e.count += 1
+        ops[operation] = e  # (re)inserted last: the most recently observed
         if e.count >= self.min_samples:
             self.estimates[operation] = e.mean + self.k * e.dev
+
+    def _evict(self) -> None:
+        victims = self._trial or self._ops
+        oldest = next(iter(victims))
+        del victims[oldest]
+        self.estimates.pop(oldest, None)
 
     def estimate(self, operation: str) -> float | None:
         """Expected service time of ``operation`` in seconds, or ``None`` when unknown."""
         return self.estimates.get(operation)
 
     def operations(self) -> list[str]:
-        """Operations currently tracked."""
-        return list(self._ops)
+        """Operations currently tracked: established ones (least recently observed first),
+        then those on trial (oldest first)."""
+        return [*self._ops, *self._trial]
 
     def __len__(self) -> int:
-        return len(self._ops)
+        return len(self._ops) + len(self._trial)

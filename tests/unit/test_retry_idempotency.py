@@ -33,6 +33,7 @@ async def test_bounded_evicting_resolved_entries_first() -> None:
     assert len(ledger) == 3 and await ledger.get("b") is None
     await ledger.record_unknown("e", dependency="d")  # all pending: the oldest goes
     assert await ledger.get("a") is None and ledger.evicted == 2
+    assert ledger.dropped_pending == 1  # b was resolved; a was still pending
     assert [r.key for r in await ledger.pending()] == ["c", "d", "e"]
 
 
@@ -80,6 +81,8 @@ async def test_bounded_100k_unknown_outcomes_keep_max_entries_at_a_small_cost_ea
     assert ledger.evicted == 90_000
     pending = await ledger.pending(limit=10_000)
     assert len(pending) >= 9_999  # the resolved ones went first
+    resolved_evicted = 33_334 - (10_000 - len(pending))
+    assert ledger.dropped_pending == 90_000 - resolved_evicted
     assert pending[-1].key == "order-99998"  # (99,999 was resolved)
     assert len(ledger._resolved) <= 2 * ledger.max_entries
 

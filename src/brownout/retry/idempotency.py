@@ -91,7 +91,15 @@ class InMemoryOutcomeLedger:
     a ledger fills up during an outage, when every call records an unknown outcome.
     """
 
-    __slots__ = ("_clock", "_entries", "_resolved", "_seq", "evicted", "max_entries")
+    __slots__ = (
+        "_clock",
+        "_entries",
+        "_resolved",
+        "_seq",
+        "dropped_pending",
+        "evicted",
+        "max_entries",
+    )
 
     def __init__(self, max_entries: int = 10_000, *, clock: Clock | None = None) -> None:
         if max_entries < 1:
@@ -105,6 +113,9 @@ class InMemoryOutcomeLedger:
         self._resolved: list[tuple[int, str]] = []
         self.evicted = 0
         """Entries dropped to stay within ``max_entries`` (pending ones are logged)."""
+        self.dropped_pending = 0
+        """Of those, entries still pending: unknown outcomes nobody can reconcile any more
+        (D6). Alarm on it growing, and size ``max_entries`` for an outage's worth of keys."""
 
     async def record_unknown(self, key: str, *, dependency: str, detail: str = "") -> None:
         if key in self._entries:
@@ -131,6 +142,7 @@ class InMemoryOutcomeLedger:
         record = self._entries.pop(victim)
         self.evicted += 1
         if record.state is OutcomeState.PENDING:
+            self.dropped_pending += 1
             _log.warning(
                 "outcome ledger full: dropped pending key %r (%s)", victim, record.dependency
             )

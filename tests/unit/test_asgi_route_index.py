@@ -186,6 +186,40 @@ def test_known_paths_get_their_templates() -> None:
     assert _template_in(indexes, fastapi_routes, "/v1/ping", "") == "/v1/ping"
 
 
+def test_the_index_groups_routes_by_their_literal_first_segment() -> None:
+    index = _RouteIndex(APPS["starlette"].router.routes)
+    dynamic = [route.path for _, route, _ in index.dynamic]
+    assert dynamic == ["/{slug}", "/{slug}/items", ""]  # in the router's order
+    items = [route.path for _, route, _ in index.candidates("/items/7")]
+    assert items == [
+        "/items",
+        "/items/{item_id:int}",
+        "/items/{item_id}/parts/{part}",
+        "/{slug}",
+        "/{slug}/items",
+        "",
+    ]
+    assert "items.json" in index.by_segment and "a.b" in index.by_segment
+    assert index.candidates("no-leading-slash") == index.dynamic
+
+
+def test_a_route_whose_path_and_regex_disagree_is_tried_for_every_path() -> None:
+    """A route class of the application's own: the index trusts a literal head only when
+    the route's regex starts with it, as Starlette compiles it."""
+    import re
+
+    class Odd(Route):
+        def __init__(self) -> None:
+            super().__init__("/a", ok)
+            self.path_regex = re.compile("^/b/(?P<n>[0-9]+)$")
+            self.path_format = "/b/{n}"
+
+    routes = [Route("/c", ok), Odd()]
+    assert linear_template(routes, "/b/1") == "/b/{n}"
+    assert _template_in({}, routes, "/b/1", "") == "/b/{n}"
+    assert _template_in({}, tuple(routes), "/b/1", "") == "/b/{n}"
+
+
 def test_routes_added_at_run_time_are_found() -> None:
     app = Starlette(routes=[Route("/a", ok)])
     indexes: dict[int, _RouteIndex] = {}

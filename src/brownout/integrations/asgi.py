@@ -37,6 +37,7 @@ outermost), so that ``scope["user"]`` is set when the classifier runs.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from operator import itemgetter
@@ -128,7 +129,7 @@ class _RouteIndex:
             mount = _Mount is not None and isinstance(
                 getattr(route, "original_route", route), _Mount
             )
-            found.append(((regex.match, route, mount), _literal_head(getattr(route, "path", None))))
+            found.append(((regex.match, route, mount), _literal_head(route, regex)))
         self.dynamic: list[_Candidate] = [c for c, head in found if head is None]
         self.by_segment: dict[str, list[_Candidate]] = {
             segment: [c for c, head in found if head is None or head == segment]
@@ -142,13 +143,22 @@ class _RouteIndex:
         return self.by_segment.get(path.split("/", 2)[1], self.dynamic)
 
 
-def _literal_head(path: object) -> str | None:
-    """The literal first segment a route path requires (``/items/{id}``: ``items``), or None
-    when it has none (a parameter there, a mount at the root, no plain path)."""
-    if not isinstance(path, str) or path[:1] != "/":
+def _literal_head(route: Any, regex: Any) -> str | None:
+    """The literal first segment a route requires (``/items/{id}``: ``items``), or None when
+    it has none (a parameter there, a mount at the root, no plain path). Only when its regex
+    says so too, as Starlette compiles it (``^/items/...``): a route class of its own whose
+    ``path`` and regex disagree is tried for every path."""
+    path = getattr(route, "path", None)
+    pattern = getattr(regex, "pattern", None)
+    if not isinstance(path, str) or path[:1] != "/" or not isinstance(pattern, str):
         return None
     head = path[1:].split("/", 1)[0]
-    return None if "{" in head else head
+    if "{" in head:
+        return None
+    start = "^" + re.escape("/" + head)
+    if not pattern.startswith(start) or pattern[len(start) : len(start) + 1] not in ("/", "$"):
+        return None
+    return head
 
 
 _MAX_INDEXES = 64
@@ -170,6 +180,8 @@ def _template_in(
 ) -> str | None:
     """The template of the first Starlette route whose path matches (method ignored, as
     Starlette's partial matches do), looking into mounts and FastAPI's included routers."""
+    if not isinstance(routes, list | tuple):
+        routes = list(routes)  # (a router of its own kind: indexed anew, correct if slow)
     for match, route, mount in _index_of(indexes, routes).candidates(path):
         m = match(path)
         if m is None:

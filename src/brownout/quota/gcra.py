@@ -19,6 +19,28 @@ from typing import NamedTuple
 
 __all__ = ["GcraOutcome", "GcraPolicy", "decide"]
 
+MAX_TIME = 1e10
+"""The largest time (``|now|``, and a policy's ``burst / rate``) GCRA accepts, in seconds:
+317 years, beyond any monotonic or epoch clock. Further out, a float's spacing (2e-6 s here)
+starts to swallow emission intervals and the ``rate * t + burst`` bound silently stops
+holding (at 1e20 s every request is allowed), so such a time is an error, not a decision."""
+
+_MAX_BURST = 2**53
+"""The largest burst a float counts exactly."""
+
+
+def invalid_cost(cost: float, burst: int) -> ValueError:
+    """The error for a cost outside ``1..burst``: every store and `Quota` raise this one, so a
+    caller's mistake reads the same whichever backend decides (NaN reads as "not >= 1")."""
+    if cost > burst:
+        return ValueError(f"cost {cost!r} exceeds burst {burst}: it could never be allowed")
+    return ValueError(f"cost must be >= 1, got {cost!r}")
+
+
+def invalid_time(now: float) -> ValueError:
+    """The error for a ``now`` that is not a usable clock reading (see `MAX_TIME`)."""
+    return ValueError(f"now must be a finite time within +-{MAX_TIME:g} s, got {now!r}")
+
 
 @dataclass(frozen=True, slots=True)
 class GcraPolicy:
@@ -38,11 +60,18 @@ class GcraPolicy:
     def __post_init__(self) -> None:
         if not (self.rate > 0 and math.isfinite(self.rate)):
             raise ValueError(f"rate must be a positive finite number, got {self.rate!r}")
-        if self.burst < 1:
-            raise ValueError(f"burst must be >= 1, got {self.burst!r}")
+        # Chained: a NaN burst fails it too; bounded: a huge int would overflow a float below.
+        if not 1 <= self.burst <= _MAX_BURST:
+            raise ValueError(f"burst must be >= 1 (and <= 2**53), got {self.burst!r}")
+        tolerance = self.burst * (1.0 / self.rate)
+        if not tolerance <= MAX_TIME:
+            raise ValueError(
+                f"burst / rate must be <= {MAX_TIME:g} s (a window beyond any clock), "
+                f"got {tolerance!r}"
+            )
         # Computed once: decide() runs per request.
         object.__setattr__(self, "interval", 1.0 / self.rate)
-        object.__setattr__(self, "tolerance", self.burst * (1.0 / self.rate))
+        object.__setattr__(self, "tolerance", tolerance)
 
     def scaled(self, share: int) -> GcraPolicy:
         """This policy divided among ``share`` instances (the local fail-open fallback)."""
@@ -72,13 +101,16 @@ def decide(policy: GcraPolicy, tat: float | None, now: float, cost: int = 1) -> 
     """Decide one request of ``cost`` units for a key whose state is ``tat`` (None: new key).
 
     Pure: no clock is read. A refused request does not change the state, so a caller that
-    keeps hammering while refused does not push its own recovery further away.
+    keeps hammering while refused does not push its own recovery further away. A cost outside
+    ``1..burst`` or a ``now`` beyond `MAX_TIME` (NaN and infinities included) is a
+    ``ValueError``: no decision, no state.
     """
     burst = policy.burst
     if not 1 <= cost <= burst:
-        if cost < 1:
-            raise ValueError(f"cost must be >= 1, got {cost!r}")
-        raise ValueError(f"cost {cost} exceeds burst {burst}: it could never be allowed")
+        raise invalid_cost(cost, burst)
+    # Chained comparisons: NaN fails them, and they cost less than a math.isfinite call.
+    if not -MAX_TIME <= now <= MAX_TIME:
+        raise invalid_time(now)
     interval = policy.interval
     tolerance = policy.tolerance
     base = now if tat is None or tat < now else tat

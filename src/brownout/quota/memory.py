@@ -3,14 +3,16 @@
 State is one float per key, kept in least-recently-used order. A key whose bucket is full
 again (its TAT has passed) carries no information, so it is *idle* and dropped: a few idle
 keys are swept every few decisions, and all idle keys at the LRU end are swept before a new key
-is stored. When ``max_keys`` active keys are all still draining, the least recently used one
-is evicted anyway (that caller gets a fresh burst); `evicted_active` counts those, so an
-undersized store shows up in metrics instead of in memory.
+is stored, then the first idle key among the ``_SWEEP_LIMIT`` least recently used. When those
+are all still draining, the least recently used one is evicted anyway (that caller gets a fresh
+burst); `evicted_active` counts those, so an undersized store shows up in metrics instead of in
+memory.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 
 from ..clock import Clock, default_clock
 from .gcra import GcraOutcome, GcraPolicy, decide
@@ -96,6 +98,14 @@ class InMemoryQuotaStore:
 
     def _make_room(self, now: float) -> None:
         self._sweep(now, len(self._tats))
-        if len(self._tats) >= self.max_keys:
-            self._tats.popitem(last=False)
+        tats = self._tats
+        if len(tats) >= self.max_keys:
+            # Recency is not TAT order (costs differ): an idle key may sit right behind a
+            # draining one at the LRU end. Look a bounded way past it before forgiving a debt.
+            for key, tat in islice(tats.items(), _SWEEP_LIMIT):
+                if tat <= now:
+                    del tats[key]
+                    self.evicted_idle += 1
+                    return
+            tats.popitem(last=False)
             self.evicted_active += 1

@@ -31,7 +31,7 @@ from ..clock import Clock, default_clock
 from ..context import remaining as deadline_remaining
 from ..errors import Reason, Rejected
 from ..events import EventHub, QuotaBackendChanged, hub
-from .gcra import GcraOutcome, GcraPolicy
+from .gcra import GcraOutcome, GcraPolicy, invalid_cost
 from .memory import InMemoryQuotaStore
 from .store import QuotaStore, QuotaStoreUnavailable
 
@@ -207,7 +207,8 @@ class Quota:
         return self._fallback_policy
 
     async def check(self, key: str, cost: int = 1) -> QuotaDecision:
-        """Decide one request of ``cost`` units for ``key``. Never raises for a store failure."""
+        """Decide one request of ``cost`` units for ``key``. Never raises for a store failure;
+        a cost outside ``1..burst`` is a ``ValueError`` whichever backend decides."""
         local = self._local
         if local is not None:
             return self._decision(local.decide_now(key, self.policy, cost), "local", self.policy)
@@ -264,6 +265,11 @@ class Quota:
 
     # -- failure policy ---------------------------------------------------------------------
     def _on_failure(self, key: str, cost: int, now: float) -> QuotaDecision:
+        # A caller's impossible cost is its error, as with a healthy store: not a request
+        # admitted at the clamped cost below (fail-open), nor a 503 (fail-closed).
+        burst = self.policy.burst
+        if not 1 <= cost <= burst:
+            raise invalid_cost(cost, burst)
         if self.on_store_failure == "open":
             self.fallback_decisions += 1
             policy = self._fallback_policy

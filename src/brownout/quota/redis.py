@@ -20,7 +20,7 @@ import asyncio
 import hashlib
 from typing import Any, Protocol
 
-from .gcra import GcraOutcome, GcraPolicy
+from .gcra import MAX_TIME, GcraOutcome, GcraPolicy, invalid_cost, invalid_time
 from .store import QuotaKeyUnusable, QuotaStoreUnavailable
 
 __all__ = ["GCRA_SCRIPT", "RedisQuotaStore"]
@@ -114,7 +114,7 @@ class RedisQuotaStore:
         self, key: str, policy: GcraPolicy, cost: int = 1, budget: float | None = None
     ) -> GcraOutcome:
         """Decide one request on the server's clock, in one round trip, within the timeout."""
-        return await self._run(key, policy, cost, budget, "")
+        return await self._run(key, policy, cost, budget, None)
 
     async def decide_at(
         self, key: str, policy: GcraPolicy, cost: int, now: float, budget: float | None = None
@@ -122,17 +122,24 @@ class RedisQuotaStore:
         """Decide at an explicit ``now`` (seconds) instead of the server's clock.
 
         For tests that check the script against `brownout.quota.gcra.decide` step by step;
-        production code uses `decide`.
+        production code uses `decide`. ``now`` is checked as `brownout.quota.gcra.decide`
+        checks it (the script would fail on it as a store error, or overflow).
         """
-        return await self._run(key, policy, cost, budget, repr(now * _US))
+        return await self._run(key, policy, cost, budget, now)
 
     async def _run(
-        self, key: str, policy: GcraPolicy, cost: int, budget: float | None, now_us: str
+        self, key: str, policy: GcraPolicy, cost: int, budget: float | None, now: float | None
     ) -> GcraOutcome:
-        if cost < 1:
-            raise ValueError(f"cost must be >= 1, got {cost!r}")
-        if cost > policy.burst:
-            raise ValueError(f"cost {cost} exceeds burst {policy.burst}: it could never be allowed")
+        # The same check and error as the pure GCRA: a NaN cost must not reach the script,
+        # whose error would read as a store failure and switch every key to the fallback.
+        if not 1 <= cost <= policy.burst:
+            raise invalid_cost(cost, policy.burst)
+        if now is None:
+            now_us = ""  # the script reads the server's TIME
+        elif -MAX_TIME <= now <= MAX_TIME:
+            now_us = repr(now * _US)
+        else:
+            raise invalid_time(now)
         budget = self.timeout if budget is None else min(budget, self.timeout)
         if budget <= 0:
             raise QuotaStoreUnavailable("no time left to ask Redis", timed_out=True)

@@ -86,7 +86,8 @@ class StaleCache(Generic[K, V]):
     ``fresh_for``: age up to which a value is served without refreshing it.
     ``max_staleness``: age past which a value is never served (the caller waits for a load).
     ``max_entries``: the LRU bound. ``load_timeout``: the longest one load may take.
-    ``failure_backoff``: after a failed background refresh, wait this long before the next.
+    ``failure_backoff``: after a failed load of a key still in memory, wait this long before
+    refreshing it in the background (a caller with nothing servable still loads at once).
     Background refreshes run as low-priority work (``Priority.SHEDDABLE``, S3), detached from
     the request that noticed the staleness.
     """
@@ -109,7 +110,9 @@ class StaleCache(Generic[K, V]):
             raise ValueError("need 0 <= fresh_for <= max_staleness")
         if load_timeout is not None and not load_timeout > 0:
             raise ValueError("load_timeout must be > 0")
-        if failure_backoff < 0:
+        # (written so NaN fails too: with a NaN backoff ``now >= retry_at`` is never true, and
+        # one failed refresh would stop the key being refreshed again)
+        if not failure_backoff >= 0:
             raise ValueError("failure_backoff must be >= 0")
         self.max_entries = max_entries
         self.fresh_for = fresh_for

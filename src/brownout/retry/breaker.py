@@ -245,9 +245,15 @@ class CircuitBreaker:
             window.add(failed, slow)
             totals = window.sums()
             calls = totals[_CALLS]
+            # Rates are compared as quotients: ``rate * calls`` can round up past the count
+            # that reaches the rate (0.07 * 100 = 7.000000000000001, one failure late). Both
+            # rates are checked on every outcome: a fast call that brings the window to
+            # ``minimum_calls``, or one recorded after older fast calls left a time window,
+            # can be the one that finds the slow-call rate reached, as a success can for the
+            # failure rate.
             if calls >= self.minimum_calls and (
-                totals[_FAILURES] >= self.failure_rate * calls
-                or (slow and totals[_SLOW] >= self.slow_call_rate * calls)
+                totals[_FAILURES] / calls >= self.failure_rate
+                or totals[_SLOW] / calls >= self.slow_call_rate
             ):
                 self._open()
             return

@@ -48,7 +48,7 @@ class ClientThrottle:
         clock: Clock | None = None,
         events: EventHub = hub,
     ) -> None:
-        if k < 1.0:
+        if not k >= 1.0:  # also refuses NaN, which would switch the throttle off silently
             raise ValueError("K must be >= 1 (K < 1 refuses traffic the dependency accepts)")
         self.k = k
         self.name = name

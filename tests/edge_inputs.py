@@ -326,10 +326,14 @@ def judge(policy: EdgePolicy, trust: Trust, path: str, headers: Headers, answer:
     elif answer.status == 404:
         assert not matches_the_route(path)
     else:
-        # The only refusal an idle service gives: a deadline that passed before the answer (a
-        # budget spent on arrival, or one too short for the trip to the handler).
+        # The only refusals an idle service gives: a deadline that passed before the answer (a
+        # budget spent on arrival, or one too short for the trip to the handler), or one the
+        # bulkhead's latency estimate says cannot cover the work (D7: on a slow machine the
+        # estimate of even this trivial handler can exceed a budget of a few milliseconds).
         assert expected < SLACK, (answer.status, expected)
-        assert answer.status == policy.expired_status
         assert answer.content_type == "application/problem+json"
         problem = json.loads(answer.body)
         assert problem["status"] == answer.status and problem["reason"]
+        assert answer.status == policy.expired_status or (
+            answer.status == 503 and problem["reason"] == "deadline_too_short"
+        ), (answer.status, problem["reason"], expected)

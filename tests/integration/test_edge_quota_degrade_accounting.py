@@ -496,7 +496,14 @@ async def test_quota_laws_under_concurrency(
             backends = Counter(d.backend for d in svc.decided)
             assert set(backends) == {"local" if store == "memory" else "shared"}, backends
             summary = check_quota_laws(svc, seen, demote, slack=0 if store == "memory" else 1)
-    assert summary["/work 429"] > 20 and summary["/export 429"] >= 5, summary
+    # The laws were exercised: many over-quota requests. With demotion one runs whenever the
+    # bulkhead has an idle permit, which on a slow machine (fewer requests in the run) is
+    # most of the time: the demotions show it, and the 429s that remain may be few (the
+    # test below pins a demotion without idle capacity to a 429).
+    if demote:
+        assert summary["demoted"] > 20, summary
+    else:
+        assert summary["/work 429"] > 20 and summary["/export 429"] >= 5, summary
     print(server, store, "demote" if demote else "reject", dict(summary))
 
 

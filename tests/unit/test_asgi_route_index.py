@@ -152,7 +152,7 @@ paths = st.lists(st.sampled_from(SEGMENTS), min_size=0, max_size=6).map(
 ) | st.text(max_size=20)
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(name=st.sampled_from(sorted(APPS)), path=paths)
 def test_the_index_names_the_route_the_walk_of_every_route_names(name: str, path: str) -> None:
     routes = APPS[name].router.routes

@@ -487,6 +487,7 @@ async def test_concurrent_faulty_calls_are_accounted_and_bounded(
     problems: list[str] = []
 
     retried_total = 0
+    never_arrived = 0
     lost_mutations: set[str | None] = set()  # keys of mutations that must be reconciled
     raced: list[int] = []
     for call in calls:
@@ -499,8 +500,15 @@ async def test_concurrent_faulty_calls_are_accounted_and_bounded(
         # R5: 1..n without gaps, the server saw exactly those attempts
         if numbers != list(range(1, len(sent) + 1)):
             problems.append(f"call {call.id}: attempts sent {numbers}")
-        if [h.attempt for h in hits] != numbers:
-            problems.append(f"call {call.id}: server saw {[h.attempt for h in hits]} of {numbers}")
+        # An attempt that timed out unanswered ("lost") may never have reached the server: its
+        # time ran out while its connection was still being set up (seen on a slow machine as
+        # the run started). It is an unknown outcome all the same (D6). Every other attempt
+        # must have been seen, in order.
+        seen = [h.attempt for h in hits]
+        unseen = [s for s in sent if s.attempt not in seen]
+        if seen != [a for a in numbers if a in seen] or any(u.result != "lost" for u in unseen):
+            problems.append(f"call {call.id}: server saw {seen} of {numbers}")
+        never_arrived += len(unseen)
         keys = {h.key for h in hits}
         if call.method == "GET":
             if keys - {None}:
@@ -517,8 +525,13 @@ async def test_concurrent_faulty_calls_are_accounted_and_bounded(
         expect = expected_ending(call, sent)
         got = call.ending
         if expect == ("unknown",):
-            lost_mutations.add(hits[0].key if hits else "?")
-            expect = ("unknown", hits[0].key if hits else "?")
+            # The key the server saw; when no attempt arrived, the one the caller gave, else
+            # whatever key the library raised (nothing to compare it with).
+            key = hits[0].key if hits else call.key
+            if key is None and not hits and got[:1] == ("unknown",):
+                key = got[1]
+            lost_mutations.add(key if key is not None else "?")
+            expect = ("unknown", key if key is not None else "?")
         if expect is None:
             ok = got[:1] == ("rejected",)
         elif got[:2] == ("other", "DeadlineExceeded") and call.ended >= call.deadline_at:
@@ -546,8 +559,11 @@ async def test_concurrent_faulty_calls_are_accounted_and_bounded(
                 h.received + h.budget_ms / 1000 > call.deadline_at - max(reserve, 0.001) + MARGIN
             ):
                 problems.append(f"call {call.id}: attempt {h.attempt} budget {h.budget_ms}")
-    if len(log.hits) != len(recorder.sent):
-        problems.append(f"server saw {len(log.hits)} attempts, library sent {len(recorder.sent)}")
+    if len(log.hits) + never_arrived != len(recorder.sent):
+        problems.append(
+            f"server saw {len(log.hits)} attempts ({never_arrived} lost before arriving), "
+            f"library sent {len(recorder.sent)}"
+        )
 
     # R3: the budget's bound (the run is far shorter than its window, so nothing slid out)
     bound = ratio * len(calls) + MIN_PER_SECOND * WINDOW

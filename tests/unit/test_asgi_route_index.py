@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Host, Mount, Route, WebSocketRoute
+from tests.edge_inputs import asgi_scope
 
 from brownout import Bulkhead, FixedLimit
 from brownout.edge import EdgePolicy
@@ -236,20 +237,7 @@ def middleware_of(app: Any) -> BrownoutMiddleware:
 
 
 async def get(app: Any, path: str) -> int:
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"host", b"test")],
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-    }
+    scope = asgi_scope(path, [])
     status = 0
 
     async def receive() -> dict[str, Any]:

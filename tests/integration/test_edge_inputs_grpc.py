@@ -37,8 +37,9 @@ from tests.edge_inputs import (
 from tests.integration.servers import LoopThread
 
 import brownout
-from brownout import Priority, Trust
+from brownout import Priority, Reason, Trust
 from brownout.integrations.grpc_server import BrownoutServerInterceptor
+from brownout.propagation import REFUSAL_REASON_KEY
 
 pytestmark = pytest.mark.integration
 
@@ -101,14 +102,22 @@ async def run_cases(
             reply = await asyncio.wait_for(call(b"", metadata=sent, timeout=timeout), 30)
         except grpc.aio.AioRpcError as e:
             code = e.code()
+            trailers = dict(e.trailing_metadata() or ())
         else:
             remaining, priority = json.loads(reply)
             judge_seen(trust, metadata, expected, remaining, Priority(priority), rounding)
             continue
         # A deadline too short for the trip to the handler: the server's DEADLINE_EXCEEDED,
-        # or the client's own timer.
-        assert code is grpc.StatusCode.DEADLINE_EXCEEDED, code
-        assert expected < SLACK, expected
+        # or the client's own timer; or, with a bulkhead, its latency estimate saying the
+        # budget cannot cover the work (D7: on a slow machine the estimate of even this
+        # trivial handler can exceed a budget of a few milliseconds), as the HTTP judge allows.
+        assert expected < SLACK, (code, expected)
+        too_short = (
+            code is grpc.StatusCode.UNAVAILABLE
+            and policy.bulkhead is not None
+            and trailers.get(REFUSAL_REASON_KEY) == Reason.DEADLINE_TOO_SHORT.value
+        )
+        assert code is grpc.StatusCode.DEADLINE_EXCEEDED or too_short, (code, trailers)
     bulkhead = policy.bulkhead
     if bulkhead is not None:
         for _ in range(100):  # settled just after the last message left

@@ -300,11 +300,11 @@ def test_time_window_breaker_follows_its_documented_rules(
     seed = int(cfg["seed"])  # type: ignore[call-overload]
     probes = int(cfg["probes"])  # type: ignore[call-overload]
     minimum = int(cfg["minimum_calls"])  # type: ignore[call-overload]
-    open_for = float(cfg["open_for"])  # type: ignore[arg-type]
-    jitter = float(cfg["open_jitter"])  # type: ignore[arg-type]
+    open_for = float(cfg["open_for"])
+    jitter = float(cfg["open_jitter"])
     slow_d = cfg["slow_call_duration"]
     assert slow_d is None or isinstance(slow_d, float)
-    clock = ManualClock(float(cfg["start"]))  # type: ignore[arg-type]
+    clock = ManualClock(float(cfg["start"]))
     breaker = CircuitBreaker(
         failure_pct / 100,
         window=window,
@@ -606,9 +606,10 @@ def test_throttle_history_ages_out_after_one_window(
 @settings(max_examples=200, deadline=None)
 @given(k=st.floats(allow_nan=True, allow_infinity=True))
 def test_throttle_refuses_a_k_it_cannot_use(k: float) -> None:
-    """K must be at least 1; NaN would silently switch the throttle off (every comparison
-    with it is false), so it must be refused like any other K below 1."""
-    if k >= 1.0:
+    """K must be finite and at least 1; NaN or inf would silently switch the throttle off
+    (every comparison with NaN is false, and inf * 0 accepts is NaN), so they are refused
+    like any K below 1."""
+    if 1.0 <= k < math.inf:
         ClientThrottle(k, clock=ManualClock())
     else:
         with pytest.raises(ValueError):
@@ -721,3 +722,71 @@ def test_exponential_ceiling_grows_to_the_cap_and_bounds_every_jittered_delay(
         assert again.delay(n) == d
         assert plain.delay(n) == top
         last = top
+
+
+# -- arguments no primitive can use ---------------------------------------------------------
+
+NAN, INF = math.nan, math.inf
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(
+            lambda: ExponentialBackoff(0.0, multiplier=INF),
+            id="ExponentialBackoff-0.0-multiplier=INF",
+        ),  # 0 * inf: NaN delays
+        pytest.param(lambda: ExponentialBackoff(NAN), id="ExponentialBackoff-NAN"),
+        pytest.param(lambda: ExponentialBackoff(INF), id="ExponentialBackoff-INF"),
+        pytest.param(
+            lambda: ExponentialBackoff(0.1, cap=INF), id="ExponentialBackoff-0.1-cap=INF"
+        ),  # a delay that could sleep forever
+        pytest.param(
+            lambda: ExponentialBackoff(0.1, multiplier=NAN),
+            id="ExponentialBackoff-0.1-multiplier=NAN",
+        ),
+        pytest.param(
+            lambda: DecorrelatedJitterBackoff(0.1, cap=INF),
+            id="DecorrelatedJitterBackoff-0.1-cap=INF",
+        ),
+        pytest.param(lambda: DecorrelatedJitterBackoff(NAN), id="DecorrelatedJitterBackoff-NAN"),
+        pytest.param(
+            lambda: CircuitBreaker(open_for=NAN, clock=ManualClock()),
+            id="CircuitBreaker-open-for=NAN",
+        ),  # never reopens
+        pytest.param(
+            lambda: CircuitBreaker(open_for=INF, clock=ManualClock()),
+            id="CircuitBreaker-open-for=INF",
+        ),
+        pytest.param(
+            lambda: CircuitBreaker(open_jitter=NAN, clock=ManualClock()),
+            id="CircuitBreaker-open-jitter=NAN",
+        ),
+        pytest.param(
+            lambda: CircuitBreaker(slow_call_duration=NAN, clock=ManualClock()),
+            id="CircuitBreaker-slow-call-duration=NAN",
+        ),  # never slow
+        pytest.param(
+            lambda: CircuitBreaker(slow_call_duration=-1.0, clock=ManualClock()),
+            id="CircuitBreaker-slow-call-duration=-1.0",
+        ),
+        pytest.param(
+            lambda: CircuitBreaker(window_type="time", window=NAN, clock=ManualClock()),
+            id="CircuitBreaker-window-type=-time-window=NAN",
+        ),
+        pytest.param(
+            lambda: GrpcRetryThrottle(max_tokens=INF), id="GrpcRetryThrottle-max-tokens=INF"
+        ),  # was OverflowError
+        pytest.param(
+            lambda: GrpcRetryThrottle(max_tokens=NAN), id="GrpcRetryThrottle-max-tokens=NAN"
+        ),
+        pytest.param(
+            lambda: GrpcRetryThrottle(token_ratio=INF), id="GrpcRetryThrottle-token-ratio=INF"
+        ),
+    ],
+)
+def test_retry_primitives_refuse_nan_and_infinite_settings(build: Callable[[], object]) -> None:
+    """A NaN or infinite setting compares false everywhere or overflows later; each
+    constructor refuses it with ValueError, not a silent switch-off or another error type."""
+    with pytest.raises(ValueError):
+        build()

@@ -7,6 +7,7 @@ deterministic. Backoffs are stateless and can be shared: the previous delay is p
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Protocol
 
@@ -43,8 +44,9 @@ class ExponentialBackoff:
         jitter: bool = True,
         rng: random.Random | None = None,
     ) -> None:
-        if not (base >= 0 and cap >= 0 and multiplier >= 1):  # also refuses NaN
-            raise ValueError("base and cap must be >= 0 and multiplier >= 1")
+        # Also refuses NaN and inf: 0 * inf is NaN, and an infinite delay would sleep forever.
+        if not (0 <= base < math.inf and 0 <= cap < math.inf and 1 <= multiplier < math.inf):
+            raise ValueError("base and cap must be finite and >= 0, multiplier finite and >= 1")
         self.base = base
         self.multiplier = multiplier
         self.cap = cap
@@ -86,8 +88,8 @@ class DecorrelatedJitterBackoff:
     def __init__(
         self, base: float = 0.05, *, cap: float = 2.0, rng: random.Random | None = None
     ) -> None:
-        if not 0 <= base <= cap:  # also refuses NaN
-            raise ValueError("need 0 <= base <= cap")
+        if not 0 <= base <= cap < math.inf:  # also refuses NaN and an infinite sleep
+            raise ValueError("need 0 <= base <= cap < inf")
         self.base = base
         self.cap = cap
         self.rng = rng or random.Random()

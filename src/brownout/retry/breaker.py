@@ -23,6 +23,7 @@ the breaker lives on one event loop.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Awaitable, Callable, Iterator
 from enum import StrEnum
@@ -186,8 +187,17 @@ class CircuitBreaker:
     ) -> None:
         if not 0.0 < failure_rate <= 1.0 or not 0.0 < slow_call_rate <= 1.0:
             raise ValueError("rates must be within (0, 1]")
-        if window < 1 or half_open_probes < 1 or open_for < 0 or not 0 <= open_jitter < 1:
-            raise ValueError("window, half_open_probes >= 1; open_for >= 0; 0 <= jitter < 1")
+        # Written as "not (valid)" so NaN is refused too: a NaN open_for or window would
+        # compare false everywhere and leave the breaker stuck or blind.
+        if not (
+            window >= 1
+            and half_open_probes >= 1
+            and 0 <= open_for < math.inf
+            and 0 <= open_jitter < 1
+        ):
+            raise ValueError("window, half_open_probes >= 1; 0 <= open_for < inf; 0 <= jitter < 1")
+        if slow_call_duration is not None and not 0 <= slow_call_duration < math.inf:
+            raise ValueError("slow_call_duration must be None or within [0, inf)")
         self.failure_rate = failure_rate
         self.slow_call_rate = slow_call_rate
         self.slow_call_duration = slow_call_duration

@@ -136,8 +136,8 @@ class GrpcRetryThrottle:
     __slots__ = ("_max", "_ratio", "_tokens")
 
     def __init__(self, max_tokens: float = 10.0, token_ratio: float = 0.1) -> None:
-        if not max_tokens > 0 or not token_ratio > 0:
-            raise ValueError("max_tokens and token_ratio must be > 0")
+        if not (0 < max_tokens < math.inf and 0 < token_ratio < math.inf):  # NaN, inf too
+            raise ValueError("max_tokens and token_ratio must be finite and > 0")
         self._max = round(max_tokens * _SCALE)
         self._ratio = int(token_ratio * _SCALE + 1e-9)  # gRPC keeps 3 decimals
         self._tokens = self._max

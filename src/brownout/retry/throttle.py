@@ -14,6 +14,7 @@ while the dependency stays down and falls as accepts come back.
 
 from __future__ import annotations
 
+import math
 import random
 
 from ..clock import Clock, default_clock
@@ -48,8 +49,12 @@ class ClientThrottle:
         clock: Clock | None = None,
         events: EventHub = hub,
     ) -> None:
-        if not k >= 1.0:  # also refuses NaN, which would switch the throttle off silently
-            raise ValueError("K must be >= 1 (K < 1 refuses traffic the dependency accepts)")
+        # Also refuses NaN and inf, which would switch the throttle off silently (inf * 0 is
+        # NaN); a caller who wants no throttle passes none.
+        if not 1.0 <= k < math.inf:
+            raise ValueError(
+                "K must be finite and >= 1 (K < 1 refuses traffic the dependency accepts)"
+            )
         self.k = k
         self.name = name
         self.rng = rng or random.Random()

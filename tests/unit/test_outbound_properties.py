@@ -557,10 +557,13 @@ def check(run: Run) -> list[str]:
 def check_budget(run: Run) -> list[str]:
     """R3: in every window of the budget (its slices, as documented), retries <= ratio x
     originals + min_per_second x window. Retries are counted when the budget pays for them
-    (`AttemptRetried`), originals when each call starts."""
+    (`AttemptRetried`), originals when they deposit: when the first attempt, having reached
+    the transport, ends (`RetryPolicy` deposits once an original was tried, so a first attempt
+    that spans a slice boundary pays into the later slice; one refused locally never reached
+    the transport and deposits nothing)."""
     cfg = run.config
     width = cfg.window / cfg.buckets
-    starts = sorted(o.start for o in run.outcomes if not math.isnan(o.start))
+    starts = sorted(a.end for a in run.attempts if a.number == 1 and not math.isnan(a.end))
     paid = [e.at for e in run.events if isinstance(e, AttemptRetried)]
     bad = []
     for j, at in enumerate(paid):

@@ -66,12 +66,26 @@ __all__ = [
     "Observable",
     "Stats",
     "TopKLabels",
+    "label_value",
 ]
 
 _log = logging.getLogger("brownout.stats")
 
 OTHER = "other"
 """The label value that stands for every value beyond a cap."""
+
+
+def label_value(value: str) -> str:
+    """``value`` as a capped label shows it: unchanged, except that ``"other"`` and the values
+    ``"_other"``, ``"__other"``, ... gain one leading underscore.
+
+    So a real caller (or operation, source) named ``"other"`` shows as ``"_other"`` and is
+    never merged with the overflow row `OTHER`; the shift keeps every value distinct.
+    """
+    if value.endswith(OTHER) and value.lstrip("_") == OTHER:
+        return "_" + value
+    return value
+
 
 COUNTER_KINDS = (
     "offered",
@@ -128,7 +142,8 @@ class LabelCap:
     """Maps label values to themselves until ``max_values`` are known, then to ``"other"``.
 
     First come, first served: cheap, and right for labels whose values are declared in code
-    (operations, sources). For callers prefer `TopKLabels`.
+    (operations, sources). For callers prefer `TopKLabels`. A value that would read as the
+    overflow label is shown shifted (`label_value`).
     """
 
     __slots__ = ("_known", "max_values")
@@ -140,6 +155,7 @@ class LabelCap:
         self._known: set[str] = set()
 
     def __call__(self, value: str, weight: int = 1) -> str:
+        value = label_value(value)
         known = self._known
         if value in known:
             return value
@@ -200,8 +216,9 @@ class TopKLabels:
         self._seen = 0
 
     def __call__(self, value: str, weight: int = 1) -> str:
-        """The label for ``value``; ``weight``: how many hits this lookup stands for (a
-        tally of several requests is looked up once)."""
+        """The label for ``value`` (shifted as `label_value` says); ``weight``: how many hits
+        this lookup stands for (a tally of several requests is looked up once)."""
+        value = label_value(value)
         self._seen += weight
         if self._seen >= self.epoch:
             self._rebalance()
@@ -861,7 +878,9 @@ class Stats:
         reason: str | None = None,
         source: str | None = None,
     ) -> int:
-        """Sum of one counter over every label set matching the given labels."""
+        """Sum of one counter over every label set matching the given labels: label values
+        as exported, so ``caller="other"`` is the overflow row and a real caller named
+        "other" is ``"_other"`` (`label_value`)."""
         if kind not in COUNTER_KINDS:
             raise ValueError(f"unknown counter {kind!r}; one of {COUNTER_KINDS}")
         self.sync()

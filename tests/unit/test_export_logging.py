@@ -135,3 +135,17 @@ def test_bounded_summary_tables_under_100k_distinct_callers_and_operations(caplo
     assert log.logged <= 20 + 5
     log.flush()
     assert log.by_caller == {} and log.by_operation == {}
+
+
+def test_a_shed_caller_named_other_is_not_the_summary_overflow(caplog):
+    """O4: past the summary's 1,000 callers, the rest count as "other"; a real caller named
+    "other" keeps its own count, as "_other" (`brownout.stats.label_value`)."""
+    caplog.set_level(logging.INFO, logger="brownout.shed")
+    log = ShedLog(rate=5.0, burst=20, interval=100.0)
+    log.emit(shed(0.0, caller="other"))
+    for i in range(1_200):
+        log.emit(shed(i / 1_000, caller=f"tenant-{i}"))
+    log.emit(shed(1.5, caller="other"))
+    assert log.by_caller["_other"] == 2
+    assert log.by_caller["other"] == 1_200 - 999  # the tenants beyond the 1,000 slots
+    assert sum(log.by_caller.values()) == log.shed == 1_202

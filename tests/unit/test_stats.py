@@ -39,6 +39,7 @@ from brownout.stats import (
     LatencyHistogram,
     Stats,
     TopKLabels,
+    label_value,
 )
 
 CRIT = Priority.CRITICAL
@@ -151,6 +152,39 @@ def test_label_cap_first_come():
     assert len(cap) == 2
     with pytest.raises(ValueError):
         LabelCap(0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(["other", "_other", "__other", "x", "x_other", "othe"]) | st.text())
+)
+def test_label_value_keeps_every_value_distinct_and_none_reads_as_the_overflow(
+    values: list[str],
+) -> None:
+    """O1: the shift is one-to-one and never yields `OTHER`, so a real "other" cannot merge
+    with the overflow row; a value outside the ``_*other`` family is unchanged."""
+    shown = [label_value(v) for v in values]
+    assert OTHER not in shown
+    assert len(set(shown)) == len(set(values))
+    for v, out in zip(values, shown, strict=True):
+        assert out == v or (v.lstrip("_") == OTHER and out == "_" + v)
+
+
+@pytest.mark.parametrize("caller_policy", ["top", "first"])
+def test_a_caller_named_other_is_not_merged_with_the_overflow(caller_policy: str) -> None:
+    """A real caller "other" (and "_other") keep rows of their own beside the overflow row,
+    through a top-k rebalance that evicts neither, and every request is still counted."""
+    s = Stats(max_callers=3, caller_policy=caller_policy, caller_epoch=50)
+    for caller in ("other", "_other", "a"):
+        s.emit(req(RequestOffered, caller=caller, remaining=None))
+    for i in range(300):
+        s.emit(req(RequestOffered, caller=("other", "_other")[i % 2], remaining=None))
+        s.emit(req(RequestOffered, caller=f"newcomer{i}", remaining=None))  # the overflow
+    assert s.count("offered") == 603
+    assert s.count("offered", caller="_other") == 151
+    assert s.count("offered", caller="__other") == 151
+    assert s.count("offered", caller=OTHER) == 300
+    assert {c for (_k, _s, _o, _p, c, _r) in s.rows} == {"_other", "__other", "a", OTHER}
 
 
 def test_top_k_gives_a_heavy_newcomer_a_slot_and_folds_the_evicted():

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..clock import Clock, default_clock
 from ..events import Event, RequestShed
+from ..stats import OTHER, label_value
 
 __all__ = ["ShedLog"]
 
@@ -27,10 +28,11 @@ _MAX_TRACKED = 1000  # distinct callers/operations counted per interval before "
 
 
 def _bump(table: dict[str, int], key: str) -> None:
+    key = label_value(key)  # a caller named "other" is not the overflow count
     if key in table or len(table) < _MAX_TRACKED:
         table[key] = table.get(key, 0) + 1
     else:
-        table["other"] = table.get("other", 0) + 1
+        table[OTHER] = table.get(OTHER, 0) + 1
 
 
 def _top(table: Mapping[str, int], n: int) -> dict[str, int]:

@@ -80,6 +80,8 @@ pytestmark = pytest.mark.integration
 
 CALL = contextvars.ContextVar[int]("CALL", default=-1)
 """The id of the logical call the running code belongs to (client side)."""
+ADMITTED = contextvars.ContextVar[tuple[str, int] | None]("ADMITTED", default=None)
+"""The breaker's state and generation when it admitted the attempt now running."""
 
 TIMEOUT = 0.3  # the dependency's per-attempt timeout
 RESERVE = 0.05
@@ -89,6 +91,10 @@ MARGIN = 0.15  # loop lag allowed between a send and the server's receive (2 sha
 RATIO, MIN_PER_SECOND, WINDOW = 0.05, 0.2, 30.0
 MAX_RETRIES_IN_FLIGHT = 2
 PROBES = 2
+DRIFT = 0.02
+"""How much later than the call's deadline less the reserve an attempt's deadline may end:
+the budget is a duration measured a few lines before the attempt's scope starts it (µs here;
+more when the thread is preempted in between)."""
 
 PHASES: dict[str, list[tuple[str, int]]] = {
     # action, weight
@@ -194,7 +200,9 @@ class Sent:
     call: int
     attempt: int
     at: float
-    breaker: tuple[str, int]
+    breaker: tuple[str, int]  # (state, generation) when the breaker admitted the attempt
+    budget_ms: int | None  # the budget header as sent
+    attempt_deadline_at: float | None  # the attempt's own deadline (its context's)
     result: str = "pending"  # a status code, or "lost"
 
 
@@ -208,15 +216,17 @@ class Recorder:
         self.max_retries_in_flight = 0
 
     @contextlib.contextmanager
-    def attempt(self) -> Any:
+    def attempt(self, budget: str | None) -> Any:
         ctx = brownout.current()
-        breaker = self.dep.breaker
-        assert breaker is not None
+        admitted = ADMITTED.get()
+        assert admitted is not None
         s = Sent(
             CALL.get(),
             ctx.attempt or 1,
             asyncio.get_running_loop().time(),
-            (breaker.state.value, breaker._generation),
+            admitted,
+            int(budget) if budget is not None else None,
+            None if ctx.deadline is None else ctx.deadline.at,
         )
         self.sent.append(s)
         retry = s.attempt > 1
@@ -233,13 +243,24 @@ class Recorder:
                 self.retries_in_flight -= 1
 
 
+class AdmissionRecordingBreaker(CircuitBreaker):
+    """Notes, for the attempt it admits, the state and generation that admitted it: an
+    attempt admitted while closed can reach the transport after the breaker has opened and
+    gone half-open (loop lag), and is not one of that half-open period's probes."""
+
+    def acquire(self) -> int:
+        token = super().acquire()
+        ADMITTED.set((self.state.value, token))
+        return token
+
+
 class RecordingTransport(httpx.AsyncBaseTransport):
     def __init__(self, inner: httpx.AsyncHTTPTransport, recorder: Recorder) -> None:
         self.inner = inner
         self.recorder = recorder
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        with self.recorder.attempt() as s:
+        with self.recorder.attempt(request.headers.get("brownout-budget-ms")) as s:
             response = await self.inner.handle_async_request(request)
             s.result = str(response.status_code)
             return response
@@ -250,7 +271,7 @@ class RecordingTransport(httpx.AsyncBaseTransport):
 
 def recording_middleware(recorder: Recorder) -> Any:
     async def middleware(request: ClientRequest, handler: ClientHandlerType) -> ClientResponse:
-        with recorder.attempt() as s:
+        with recorder.attempt(request.headers.get("brownout-budget-ms")) as s:
             response = await handler(request)
             s.result = str(response.status)
             return response
@@ -396,7 +417,7 @@ def instrumented_dependency(
     registry = CollectorRegistry()
     register(stats, registry)
     ledger = InMemoryOutcomeLedger()
-    breaker = CircuitBreaker(
+    breaker = AdmissionRecordingBreaker(
         failure_rate=0.75,
         window=20,
         minimum_calls=10,
@@ -547,18 +568,35 @@ async def test_concurrent_faulty_calls_are_accounted_and_bounded(
                 f"sent {[(s.attempt, s.result) for s in sent]}, "
                 f"server {[(h.attempt, h.action) for h in hits]}"
             )
-        # R4/D4: nothing sent after the deadline; no budget past it
+        # R4/D4: nothing sent after the deadline; no budget past it. The attempt's own
+        # deadline ends by the call's less the reserve (up to DRIFT: the budget is taken
+        # as a duration, then started a few lines later); the header is that deadline's
+        # remaining time when it was written, so at least what is left when the recorder
+        # sees it (less the ms rounding), and at most that plus what a preempted thread may
+        # lose between two lines (MARGIN). Loop lag in transit does not enter.
         for s in sent:
             if s.at > call.deadline_at - max(reserve, 0.001) + 0.001:
                 problems.append(f"call {call.id}: attempt {s.attempt} sent in the reserve")
+            at = s.attempt_deadline_at
+            if at is None or at > call.deadline_at - max(reserve, 0.001) + DRIFT:
+                problems.append(f"call {call.id}: attempt {s.attempt} deadline {at}")
+            elif s.budget_ms is None or not (
+                at - s.at - 0.0011 <= s.budget_ms / 1000 <= at - s.at + MARGIN
+            ):
+                problems.append(
+                    f"call {call.id}: attempt {s.attempt} sent budget {s.budget_ms} ms, "
+                    f"{(at - s.at) * 1000:.1f} ms left"
+                )
+        budgets_sent = {s.attempt: s.budget_ms for s in sent}
         for h in hits:
             if h.received > call.deadline_at + MARGIN:
                 late = h.received - call.deadline_at
                 problems.append(f"call {call.id}: attempt {h.attempt} arrived {late:.3f}s late")
-            if h.budget_ms is None or (
-                h.received + h.budget_ms / 1000 > call.deadline_at - max(reserve, 0.001) + MARGIN
-            ):
-                problems.append(f"call {call.id}: attempt {h.attempt} budget {h.budget_ms}")
+            if h.budget_ms is None or h.budget_ms != budgets_sent.get(h.attempt):
+                problems.append(
+                    f"call {call.id}: attempt {h.attempt} budget {h.budget_ms} arrived, "
+                    f"{budgets_sent.get(h.attempt)} sent"
+                )
     if len(log.hits) + never_arrived != len(recorder.sent):
         problems.append(
             f"server saw {len(log.hits)} attempts ({never_arrived} lost before arriving), "

@@ -186,6 +186,52 @@ def test_broken_signal_is_ignored() -> None:
     assert m.update() == 1
 
 
+def test_a_signal_reading_nan_is_ignored_like_a_broken_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A NaN reading is no reading (A7): it neither sheds nor hides a real signal, it is
+    logged once, and the pressure table keeps no NaN for the exporters."""
+    m = OverloadManager(
+        [FunctionSignal("nan", lambda: math.nan), FunctionSignal("ok", lambda: 0.85)]
+    )
+    assert m.update() == 1
+    assert m.update() == 1
+    assert m.pressures == {"ok": 0.85}
+    assert [r.getMessage() for r in caplog.records].count(
+        "overload signal nan read NaN; ignoring it"
+    ) == 1
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda: OverloadManager([], interval=0.0), id="interval-0"),
+        pytest.param(lambda: OverloadManager([], interval=math.nan), id="interval-nan"),
+        pytest.param(lambda: OverloadManager([], interval=math.inf), id="interval-inf"),
+        pytest.param(lambda: OverloadManager([], min_dwell=math.nan), id="dwell-nan"),
+        pytest.param(lambda: OverloadManager([], min_dwell=-1.0), id="dwell-negative"),
+        pytest.param(lambda: EventLoopLag(interval=math.nan), id="lag-interval-nan"),
+        pytest.param(lambda: EventLoopLag(max_lag=math.inf), id="lag-max-inf"),
+        pytest.param(lambda: EventLoopLag(half_life=math.nan), id="lag-half-life-nan"),
+        pytest.param(lambda: MemoryPressure(limit_bytes=math.nan), id="memory-nan"),  # type: ignore[arg-type]
+        pytest.param(lambda: FileDescriptors(limit=math.nan), id="fds-nan"),  # type: ignore[arg-type]
+        pytest.param(
+            lambda: QueueAge(Bulkhead("q", FixedLimit(1)), max_age=math.nan), id="age-nan"
+        ),
+        pytest.param(
+            lambda: QueueAge(Bulkhead("q", FixedLimit(1)), max_age=math.inf), id="age-inf"
+        ),
+    ],
+)
+def test_overload_settings_that_would_switch_shedding_off_or_on_for_good_are_refused(
+    build: object,
+) -> None:
+    """A NaN min_dwell never steps down (sheds for good); a zero or NaN interval spins the
+    loop or corrupts its timers; a NaN or infinite scale reads as no pressure, ever."""
+    with pytest.raises(ValueError):
+        build()  # type: ignore[operator]
+
+
 def test_subscribers_and_force() -> None:
     m, _ = make_manager({"x": 0.0})
     seen: list[tuple[int, int]] = []

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -77,6 +78,10 @@ class OverloadManager:
     ) -> None:
         if any(b.enter < a.enter for a, b in itertools.pairwise(levels)):
             raise ValueError("levels must be ordered by rising enter threshold")
+        # NaN compares false everywhere: a NaN min_dwell would never let the level step down
+        # (shedding for good), a NaN or zero interval would spin or corrupt the loop's timers.
+        if not (0 < interval < math.inf and 0 <= min_dwell < math.inf):
+            raise ValueError("interval must be finite and > 0, min_dwell finite and >= 0")
         self.signals = list(signals)
         self.levels = tuple(levels)
         self.interval = interval
@@ -107,6 +112,11 @@ class OverloadManager:
                 if s.name not in self._complained:
                     self._complained.add(s.name)
                     _log.exception("overload signal %s failed; ignoring it", s.name)
+                continue
+            if value != value:  # NaN: no reading at all, treated as a failed probe
+                if s.name not in self._complained:
+                    self._complained.add(s.name)
+                    _log.error("overload signal %s read NaN; ignoring it", s.name)
                 continue
             self.pressures[s.name] = value
             if value > top:

@@ -16,6 +16,7 @@ each takes the paths or callables it reads from as arguments, so tests can injec
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -71,8 +72,8 @@ class EventLoopLag:
     def __init__(
         self, *, interval: float = 0.05, max_lag: float = 0.1, half_life: float = 1.0
     ) -> None:
-        if interval <= 0 or max_lag <= 0 or half_life <= 0:
-            raise ValueError("interval, max_lag and half_life must be positive")
+        if not all(0 < x < math.inf for x in (interval, max_lag, half_life)):  # NaN too
+            raise ValueError("interval, max_lag and half_life must be positive and finite")
         self.interval = interval
         self.half_life = half_life
         self.max_lag = max_lag
@@ -199,7 +200,7 @@ class MemoryPressure:
         self._statm = Path(proc_root) / "self" / "statm"
         if limit_bytes is None:
             limit_bytes = cgroup_memory_limit(proc_root, cgroup_root) or _physical_memory()
-        if limit_bytes <= 0:
+        if not 0 < limit_bytes < math.inf:
             raise ValueError("no memory limit could be determined; pass limit_bytes")
         self.limit_bytes = limit_bytes
         self._usage = usage if usage is not None else self.resident_bytes
@@ -234,8 +235,8 @@ class FileDescriptors:
         self._fd_dir = Path(fd_dir)
         if limit is None:
             limit = self.soft_limit()
-        if limit <= 0:
-            raise ValueError("limit must be positive")
+        if not 0 < limit < math.inf:
+            raise ValueError("limit must be positive and finite")
         self.limit = limit
         self._count = count if count is not None else self.open_count
 
@@ -292,8 +293,8 @@ class QueueAge:
     """Age of a bulkhead's oldest waiter over ``max_age`` seconds."""
 
     def __init__(self, bulkhead: _BulkheadLike, max_age: float) -> None:
-        if max_age <= 0:
-            raise ValueError("max_age must be positive")
+        if not 0 < max_age < math.inf:  # NaN or inf would read as no pressure, ever
+            raise ValueError("max_age must be positive and finite")
         self._bulkhead = bulkhead
         self.max_age = max_age
         self.name = f"queue_age:{bulkhead.name}"

@@ -149,7 +149,7 @@ class LabelCap:
     __slots__ = ("_known", "max_values")
 
     def __init__(self, max_values: int = 100) -> None:
-        if max_values < 1:
+        if not 1 <= max_values < math.inf:  # (NaN too: label sets stay bounded)
             raise ValueError("max_values must be >= 1")
         self.max_values = max_values
         self._known: set[str] = set()
@@ -203,7 +203,7 @@ class TopKLabels:
         promote_ratio: float = 2.0,
         on_evict: Callable[[frozenset[str]], None] | None = None,
     ) -> None:
-        if max_values < 1:
+        if not 1 <= max_values < math.inf:  # (NaN too: label sets stay bounded)
             raise ValueError("max_values must be >= 1")
         self.max_values = max_values
         self.epoch = epoch if epoch is not None else max(10_000, 100 * max_values)
@@ -414,6 +414,8 @@ class Stats:
         caller_epoch: int | None = None,
         clock: Clock | None = None,
     ) -> None:
+        if not 1 <= max_series < math.inf:
+            raise ValueError("max_series must be a whole number of at least 1")
         if caller_policy not in ("top", "first"):
             raise ValueError("caller_policy is 'top' (TopKLabels) or 'first' (LabelCap)")
         self.operations = LabelCap(max_operations)

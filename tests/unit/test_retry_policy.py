@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -456,18 +457,23 @@ async def test_first_observed_attempt_time_is_the_estimate_not_a_fifth_of_it() -
 
 @pytest.mark.looptime
 async def test_nan_in_the_deadline_arithmetic_stops_rather_than_retrying() -> None:
-    """A NaN term must not make ``backoff + expected + reserve > left`` silently false (R4)."""
+    """A NaN term must not make ``backoff + expected + reserve > left`` silently false (R4):
+    the policy refuses a NaN reserve or attempt time when it is made, and a NaN reserve given
+    to one `execute` (the adapters' building block) stops rather than retries."""
     calls = 0
 
-    async def unavailable() -> None:
+    async def unavailable(attempt: int, key: str | None) -> None:
         nonlocal calls
         calls += 1
         raise ResponseError(503)
 
-    policy = _policy(expected_attempt_time=0.5, reserve=float("nan"))
+    for bad in ({"reserve": math.nan}, {"expected_attempt_time": math.nan}, {"reserve": -1.0}):
+        with pytest.raises(ValueError):
+            _policy(**bad)
+    policy = _policy(expected_attempt_time=0.5)
     with pytest.raises(RetriesExhausted) as info:
         async with brownout.deadline(0.3):
-            await policy.call(unavailable, idempotent=True)
+            await policy.execute(unavailable, idempotent=True, reserve=math.nan)
     assert info.value.stopped_by is StopReason.DEADLINE and calls == 1
 
 

@@ -16,6 +16,8 @@ the operations a service really serves.
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["LatencyEstimator"]
 
 
@@ -48,8 +50,11 @@ class LatencyEstimator:
     ) -> None:
         if not 0 < alpha <= 1:
             raise ValueError("alpha must be in (0, 1]")
-        if max_operations < 1:
-            raise ValueError("max_operations must be at least 1")
+        if not 1 <= max_operations < math.inf:
+            raise ValueError("max_operations must be a whole number of at least 1")
+        # A NaN or negative k makes NaN or too-low estimates: deadlines never refused (D7).
+        if not (0 <= k < math.inf and 1 <= min_samples < math.inf):
+            raise ValueError("k must be finite and >= 0, min_samples at least 1")
         self.alpha = alpha
         self.k = k
         self.min_samples = min_samples

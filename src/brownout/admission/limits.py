@@ -138,6 +138,10 @@ class AIMDLimit:
             raise ValueError("need 1 <= min_limit <= initial <= max_limit")
         if not 0 < backoff < 1:
             raise ValueError("backoff must be in (0, 1)")
+        if not 0 < increase < math.inf:  # (NaN too) the limit must be able to grow back
+            raise ValueError("increase must be positive and finite")
+        if timeout is not None and not 0 < timeout < math.inf:
+            raise ValueError("timeout must be None or positive and finite")
         self.min_limit = min_limit
         self.max_limit = max_limit
         self.backoff = backoff
@@ -224,6 +228,20 @@ class _ProbingLimit:
             raise ValueError("probe_ratio must be in (0, 1)")
         if early_probe_cut is not None and not 0 < early_probe_cut < 1:
             raise ValueError("early_probe_cut must be in (0, 1) or None")
+        # Written so NaN fails too: a NaN interval or gap never probes, a NaN backoff turns
+        # the limit itself into NaN.
+        if not (
+            short_window >= 1
+            and probe_samples >= 1
+            and 0 < probe_interval < math.inf
+            and 0 <= probe_jitter < 1
+            and 0 < drop_backoff < 1
+            and 0 <= early_probe_gap < math.inf
+        ):
+            raise ValueError(
+                "need short_window, probe_samples >= 1; probe_interval finite and > 0; "
+                "probe_jitter in [0, 1); drop_backoff in (0, 1); early_probe_gap finite, >= 0"
+            )
         self.early_probe_cut = early_probe_cut
         """Probe at once (not at the next scheduled probe) when the limit has been cut by
         this share since the last probe; ``None``: only scheduled probes."""
@@ -451,8 +469,12 @@ class Gradient2Limit(_ProbingLimit):
             early_probe_cut,
             early_probe_gap,
         )
-        if tolerance < 1.0:
-            raise ValueError("tolerance must be >= 1.0")
+        if not 1.0 <= tolerance < math.inf:
+            raise ValueError("tolerance must be finite and >= 1.0")
+        if not 0 < smoothing <= 1:
+            raise ValueError("smoothing must be in (0, 1]")
+        if queue_size is not None and not 0 <= queue_size < math.inf:
+            raise ValueError("queue_size must be None or finite and >= 0")
         self.tolerance = tolerance
         self.queue_size = queue_size
         """Standing queue allowed past the knee; ``None``: ``clamp(limit / 10, 1, 4)``."""
@@ -518,6 +540,8 @@ class VegasLimit(_ProbingLimit):
             early_probe_cut,
             early_probe_gap,
         )
+        if not 0 < smoothing <= 1:
+            raise ValueError("smoothing must be in (0, 1]")
         self.smoothing = smoothing
 
     def _update(self, limit: float, short_rtt: float, no_load_rtt: float) -> float:

@@ -102,10 +102,10 @@ class WaitQueue:
     """Serve the newest item of a class first."""
 
     def __init__(self, max_size: int = 64, max_wait: float = 1.0, *, caller_share: float = 1.0):
-        if max_size < 1:
-            raise ValueError("max_size must be at least 1")
-        if not max_wait > 0:
-            raise ValueError("max_wait must be positive")
+        if not 1 <= max_size < math.inf:
+            raise ValueError("max_size must be a whole number of at least 1")
+        if not 0 < max_wait < math.inf:  # A3: a queue is bounded in age too (NaN refused)
+            raise ValueError("max_wait must be positive and finite")
         if not 0 < caller_share <= 1:
             raise ValueError("caller_share must be in (0, 1]")
         self.max_size = int(max_size)
@@ -486,8 +486,8 @@ class _IntervalQueue(WaitQueue):
         caller_share: float,
     ) -> None:
         super().__init__(max_size, max_wait, caller_share=caller_share)
-        if not 0 < target <= interval:
-            raise ValueError("need 0 < target <= interval")
+        if not 0 < target <= interval < math.inf:
+            raise ValueError("need 0 < target <= interval < inf")
         self.target = target
         self.interval = interval
 
@@ -615,8 +615,8 @@ class PriorityCoDelQueue(WaitQueue):
         caller_share: float = 1.0,
     ) -> None:
         super().__init__(max_size, max_wait, caller_share=caller_share)
-        if not 0 < target <= interval:
-            raise ValueError("need 0 < target <= interval")
+        if not 0 < target <= interval < math.inf:
+            raise ValueError("need 0 < target <= interval < inf")
         self.target = target
         self.interval = interval
         self.lifo = lifo

@@ -11,6 +11,7 @@ memory.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from itertools import islice
 
@@ -39,7 +40,7 @@ class InMemoryQuotaStore:
     """Not shared between processes: each instance enforces its own limit."""
 
     def __init__(self, max_keys: int = 100_000, *, clock: Clock | None = None) -> None:
-        if max_keys < 1:
+        if not 1 <= max_keys < math.inf:  # (NaN too: memory stays bounded)
             raise ValueError("max_keys must be >= 1")
         self.max_keys = max_keys
         self._clock = clock if clock is not None else default_clock()

@@ -78,8 +78,10 @@ class RetryBudget:
     ) -> None:
         if not (0.0 <= ratio <= 1000.0) or math.isnan(ratio):
             raise ValueError("ratio must be within [0, 1000]")
-        if min_per_second < 0:
-            raise ValueError("min_per_second must be >= 0")
+        if not 0 <= min_per_second < math.inf:  # (NaN too; inf overflowed an int)
+            raise ValueError("min_per_second must be finite and >= 0")
+        if not 0 < window < math.inf:
+            raise ValueError("window must be finite and > 0")
         self.ratio = ratio
         self.min_per_second = min_per_second
         if ratio == 0.0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -102,7 +103,7 @@ class InMemoryOutcomeLedger:
     )
 
     def __init__(self, max_entries: int = 10_000, *, clock: Clock | None = None) -> None:
-        if max_entries < 1:
+        if not 1 <= max_entries < math.inf:  # (NaN too: memory stays bounded)
             raise ValueError("max_entries must be >= 1")
         self.max_entries = max_entries
         self._clock = clock or default_clock()

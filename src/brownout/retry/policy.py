@@ -25,6 +25,7 @@ import asyncio
 import contextvars
 import functools
 import itertools
+import math
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -157,6 +158,13 @@ class RetryPolicy:
             raise ValueError("attempts must be >= 1")
         if not max_pushback >= 0:  # also refuses NaN
             raise ValueError("max_pushback must be >= 0")
+        if not 1 <= attempts < math.inf:
+            raise ValueError("attempts must be a whole number of at least 1")
+        # A NaN would pass every "does the retry fit the deadline" check (R4).
+        if not 0 <= reserve < math.inf or (
+            expected_attempt_time is not None and not 0 <= expected_attempt_time < math.inf
+        ):
+            raise ValueError("reserve and expected_attempt_time must be finite and >= 0")
         self.attempts = attempts
         self.max_pushback = max_pushback
         self._clock = clock or default_clock()

@@ -7,6 +7,8 @@ Time comes from an injected `Clock`, so tests drive it with a `ManualClock`.
 
 from __future__ import annotations
 
+import math
+
 from ..clock import Clock, default_clock
 
 __all__ = ["SlidingCounters"]
@@ -29,8 +31,9 @@ class SlidingCounters:
         buckets: int = 10,
         clock: Clock | None = None,
     ) -> None:
-        if window <= 0 or buckets < 1 or width < 1:
-            raise ValueError("window must be > 0, buckets >= 1 and width >= 1")
+        # (NaN fails too; an infinite window would never slide: counts would never expire)
+        if not (0 < window < math.inf and 1 <= buckets < math.inf and width >= 1):
+            raise ValueError("window must be finite and > 0, buckets >= 1 and width >= 1")
         self._clock = clock or default_clock()
         self._n = buckets
         self._width = width

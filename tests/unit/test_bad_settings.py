@@ -30,12 +30,18 @@ from brownout import (
     Stats,
     VegasLimit,
 )
+from brownout.degrade import StaleCache
 from brownout.quota import InMemoryQuotaStore
 from brownout.retry import InMemoryOutcomeLedger
 from brownout.retry.window import SlidingCounters
 from brownout.stats import LabelCap, TopKLabels
 
 NAN, INF = math.nan, math.inf
+
+
+def stale_cache(*, max_entries: float = 8, max_staleness: float = 2.0) -> object:
+    return StaleCache(max_entries=max_entries, fresh_for=1.0, max_staleness=max_staleness)
+
 
 CASES: list[tuple[str, Callable[[], object]]] = [
     # queues (A3, A4)
@@ -83,6 +89,9 @@ CASES: list[tuple[str, Callable[[], object]]] = [
     ("top-k-nan", lambda: TopKLabels(NAN)),
     ("stats-max-series-negative", lambda: Stats(max_series=-1)),
     ("stats-max-series-nan", lambda: Stats(max_series=NAN)),
+    ("stale-cache-max-entries-nan", lambda: stale_cache(max_entries=NAN)),
+    # G2: how stale is declared and bounded
+    ("stale-cache-max-staleness-inf", lambda: stale_cache(max_staleness=INF)),
     ("stats-max-callers-nan", lambda: Stats(max_callers=NAN)),
 ]
 

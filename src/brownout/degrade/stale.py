@@ -104,10 +104,11 @@ class StaleCache(Generic[K, V]):
         clock: Clock = _CLOCK,
         events: EventHub = hub,
     ) -> None:
-        if max_entries < 1:
+        if not 1 <= max_entries < math.inf:  # (NaN too: memory stays bounded)
             raise ValueError("max_entries must be >= 1")
-        if not 0 <= fresh_for <= max_staleness:
-            raise ValueError("need 0 <= fresh_for <= max_staleness")
+        # G2: how stale a value may be is declared, and bounded (NaN and inf refused).
+        if not 0 <= fresh_for <= max_staleness < math.inf:
+            raise ValueError("need 0 <= fresh_for <= max_staleness < inf")
         if load_timeout is not None and not load_timeout > 0:
             raise ValueError("load_timeout must be > 0")
         # (written so NaN fails too: with a NaN backoff ``now >= retry_at`` is never true, and

@@ -21,8 +21,9 @@ event under the call that emitted it. Then the laws:
 - retries <= ratio * originals + min_per_second * window (R3, `RetryBudget`);
 - no attempt sent after its call's deadline, and none given a budget past it (R4, D4);
 - UnknownOutcome raised == OutcomeUnknown events == ledger entries == Stats (D6);
-- attempts > 1 in flight never exceed ``max_concurrent_retries`` (A6); half-open lets through
-  at most ``half_open_probes`` attempts per half-open period (R6);
+- attempts > 1 in flight never exceed ``max_concurrent_retries`` (A6); half-open has at most
+  ``half_open_probes`` attempts in flight at once (R6: a probe whose outcome is ignored, one
+  cancelled at its deadline, frees its place, as docs/circuit-breakers.md says);
 - afterwards no attempt is active and no retry slot is held;
 - Prometheus exports exactly the Stats counters (O1, O2).
 """
@@ -214,6 +215,8 @@ class Recorder:
         self.sent: list[Sent] = []
         self.retries_in_flight = 0
         self.max_retries_in_flight = 0
+        self.probes_in_flight: Counter[int] = Counter()  # by half-open generation
+        self.max_probes_in_flight: Counter[int] = Counter()
 
     @contextlib.contextmanager
     def attempt(self, budget: str | None) -> Any:
@@ -233,6 +236,13 @@ class Recorder:
         if retry:
             self.retries_in_flight += 1
             self.max_retries_in_flight = max(self.max_retries_in_flight, self.retries_in_flight)
+        state, generation = admitted
+        probe = state == "half_open"
+        if probe:
+            self.probes_in_flight[generation] += 1
+            self.max_probes_in_flight[generation] = max(
+                self.max_probes_in_flight[generation], self.probes_in_flight[generation]
+            )
         try:
             yield s
         except BaseException:
@@ -241,6 +251,8 @@ class Recorder:
         finally:
             if retry:
                 self.retries_in_flight -= 1
+            if probe:
+                self.probes_in_flight[generation] -= 1
 
 
 class AdmissionRecordingBreaker(CircuitBreaker):
@@ -630,8 +642,11 @@ async def test_concurrent_faulty_calls_are_accounted_and_bounded(
     half_open: Counter[int] = Counter(
         gen for s in recorder.sent for state, gen in [s.breaker] if state == "half_open"
     )
-    if any(n > PROBES for n in half_open.values()):
-        problems.append(f"half-open periods let through {dict(half_open)}")
+    if any(n > PROBES for n in recorder.max_probes_in_flight.values()):
+        problems.append(
+            f"half-open probes in flight at once {dict(recorder.max_probes_in_flight)} "
+            f"(sent {dict(half_open)})"
+        )
     if dep.active != 0 or (dep.retry_slots is not None and dep.retry_slots.in_use != 0):
         problems.append(f"active {dep.active}, retry slots {dep.retry_slots.in_use}")  # type: ignore[union-attr]
 

@@ -415,7 +415,7 @@ class Stats:
         clock: Clock | None = None,
     ) -> None:
         if not 1 <= max_series < math.inf:
-            raise ValueError("max_series must be a whole number of at least 1")
+            raise ValueError("max_series must be at least 1 (and finite)")
         if caller_policy not in ("top", "first"):
             raise ValueError("caller_policy is 'top' (TopKLabels) or 'first' (LabelCap)")
         self.operations = LabelCap(max_operations)

@@ -51,7 +51,7 @@ class LatencyEstimator:
         if not 0 < alpha <= 1:
             raise ValueError("alpha must be in (0, 1]")
         if not 1 <= max_operations < math.inf:
-            raise ValueError("max_operations must be a whole number of at least 1")
+            raise ValueError("max_operations must be at least 1 (and finite)")
         # A NaN or negative k makes NaN or too-low estimates: deadlines never refused (D7).
         if not (0 <= k < math.inf and 1 <= min_samples < math.inf):
             raise ValueError("k must be finite and >= 0, min_samples at least 1")

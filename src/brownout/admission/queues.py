@@ -103,7 +103,7 @@ class WaitQueue:
 
     def __init__(self, max_size: int = 64, max_wait: float = 1.0, *, caller_share: float = 1.0):
         if not 1 <= max_size < math.inf:
-            raise ValueError("max_size must be a whole number of at least 1")
+            raise ValueError("max_size must be at least 1 (and finite)")
         if not 0 < max_wait < math.inf:  # A3: a queue is bounded in age too (NaN refused)
             raise ValueError("max_wait must be positive and finite")
         if not 0 < caller_share <= 1:

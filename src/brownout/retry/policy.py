@@ -154,12 +154,10 @@ class RetryPolicy:
         clock: Clock | None = None,
         events: EventHub = hub,
     ) -> None:
-        if attempts < 1:
+        if not 1 <= attempts < math.inf:  # (NaN too)
             raise ValueError("attempts must be >= 1")
         if not max_pushback >= 0:  # also refuses NaN
             raise ValueError("max_pushback must be >= 0")
-        if not 1 <= attempts < math.inf:
-            raise ValueError("attempts must be a whole number of at least 1")
         # A NaN would pass every "does the retry fit the deadline" check (R4).
         if not 0 <= reserve < math.inf or (
             expected_attempt_time is not None and not 0 <= expected_attempt_time < math.inf

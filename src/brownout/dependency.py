@@ -266,11 +266,13 @@ class Dependency:
         dependency_call(self.name)  # a drill marks this dependency failed (G3); free otherwise
         budget: float | None
         deadline = current_deadline()
+        taken = 0.0
         if deadline is None:
             budget = self.timeout
         else:
             # The attempt must expire strictly before the request does, or the request's
             # own cancellation wins the race and a mutation's unknown outcome goes unrecorded.
+            taken = deadline.clock.now()  # read before the budget: never later than its own
             try:
                 budget = call_budget(
                     _UNBOUNDED if self.timeout is None else self.timeout,
@@ -298,6 +300,10 @@ class Dependency:
         started = clock.now() if timed else 0.0
         self._active += 1
         token_ctx = enter_attempt(number, key)
+        if deadline is not None and budget is not None:
+            # The scope below starts the budget as a duration: what the guards took since it
+            # was taken (a preempted thread, a slow guard) comes out of it (D4).
+            budget -= deadline.clock.now() - taken
         bulkhead = self.bulkhead
         admitted = bulkhead is None
         scoped = budget is None and bulkhead is None

@@ -88,6 +88,45 @@ async def test_per_attempt_budget_is_min_of_timeout_and_remaining_minus_reserve(
     assert got == [pytest.approx(0.45)]
 
 
+class _SlowBreaker(CircuitBreaker):
+    """A guard that takes time between the budget and the attempt (a preempted thread)."""
+
+    def __init__(self, clock: brownout.ManualClock) -> None:
+        super().__init__(clock=clock)
+        self.manual = clock
+
+    def acquire(self) -> int:
+        self.manual.advance(0.2)
+        return super().acquire()
+
+
+@pytest.mark.parametrize("timeout", [None, 0.7])
+async def test_time_spent_in_the_guards_comes_out_of_the_attempts_budget(
+    timeout: float | None,
+) -> None:
+    """D4: the attempt's deadline is fixed when its budget is taken, so time that passes
+    before the attempt starts (here 0.2 s in the breaker) is spent from it, and the attempt
+    still ends by the request's deadline less the reserve. A budget carried as a duration and
+    started after the guards ended 0.2 s late."""
+    clock = brownout.ManualClock(100.0)
+    request_ends = brownout.Deadline(101.0, clock)
+    seen: list[tuple[float, float]] = []
+
+    async def fn() -> None:
+        ctx = brownout.current()
+        assert ctx.deadline is not None
+        seen.append((ctx.deadline.remaining(), clock.now()))
+
+    dep = Dependency("d", timeout=timeout, reserve=0.1, breaker=_SlowBreaker(clock))
+    async with brownout.deadline(request_ends):
+        await dep.call(fn, idempotent=True)
+    [(remaining, at)] = seen
+    assert at == pytest.approx(100.2)
+    # min(timeout, 1.0 - 0.1) from when the budget was taken, less the 0.2 s since
+    assert remaining == pytest.approx(min(timeout or 10.0, 0.9) - 0.2)
+    assert at + remaining <= request_ends.at - 0.1 + 1e-9
+
+
 async def test_too_little_time_is_refused_before_sending() -> None:
     """D4: 40 ms left, the call needs 150 ms: refused, never sent."""
     sent = 0

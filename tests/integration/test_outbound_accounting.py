@@ -94,8 +94,9 @@ MAX_RETRIES_IN_FLIGHT = 2
 PROBES = 2
 DRIFT = 0.02
 """How much later than the call's deadline less the reserve an attempt's deadline may end:
-the budget is a duration measured a few lines before the attempt's scope starts it (µs here;
-more when the thread is preempted in between)."""
+the attempt's scope starts its budget as a duration, from a clock read just after the one
+the `Dependency` corrects the budget by (nanoseconds apart; more if the thread is preempted
+exactly there)."""
 
 PHASES: dict[str, list[tuple[str, int]]] = {
     # action, weight
@@ -581,11 +582,10 @@ async def test_concurrent_faulty_calls_are_accounted_and_bounded(
                 f"server {[(h.attempt, h.action) for h in hits]}"
             )
         # R4/D4: nothing sent after the deadline; no budget past it. The attempt's own
-        # deadline ends by the call's less the reserve (up to DRIFT: the budget is taken
-        # as a duration, then started a few lines later); the header is that deadline's
-        # remaining time when it was written, so at least what is left when the recorder
-        # sees it (less the ms rounding), and at most that plus what a preempted thread may
-        # lose between two lines (MARGIN). Loop lag in transit does not enter.
+        # deadline ends by the call's less the reserve (up to DRIFT); the header is that
+        # deadline's remaining time when it was written, so at least what is left when the
+        # recorder sees it (less the ms rounding), and at most that plus what a preempted
+        # thread may lose between two lines (MARGIN). Loop lag in transit does not enter.
         for s in sent:
             if s.at > call.deadline_at - max(reserve, 0.001) + 0.001:
                 problems.append(f"call {call.id}: attempt {s.attempt} sent in the reserve")

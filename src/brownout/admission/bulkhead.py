@@ -29,7 +29,7 @@ import math
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from types import TracebackType
-from typing import ParamSpec, Protocol, TypeVar
+from typing import Literal, ParamSpec, Protocol, TypeVar
 
 from ..clock import Clock, default_clock, running_loop
 from ..context import _get_current
@@ -63,6 +63,7 @@ from ..ledger import (
 from ..priority import Priority
 from .estimator import LatencyEstimator
 from .limits import Limit
+from .loop_lag import LoopLag, loop_lag
 from .queues import CRITICAL_PLUS_RANK, PriorityCoDelQueue, QueueItem, WaitQueue, rank_of
 
 __all__ = ["Bulkhead", "OverloadState", "Permit", "Untracked"]
@@ -204,6 +205,7 @@ class Permit(QueueItem):
                     b._time_sample(self)
                 return self
         if not b._admit_now(self):
+            b._refuse_if_lagging(self)
             await b._wait(self)
         return self
 
@@ -295,6 +297,14 @@ class Bulkhead:
       path.
     - ``overload``: an `OverloadManager` (anything with ``shed_below``): priorities below it
       are refused with `Reason.OVERLOADED`.
+    - ``loop_lag``: how late the event loop runs due callbacks (`LoopLag`). ``"auto"``
+      (default): the running loop's shared probe when the bulkhead keeps the loop's own clock,
+      none with another clock (virtual time: pass a `LoopLag` and drive it). With it, an
+      adaptive limit learns from each request's latency *less the loop's lag* (the loop's
+      delay is not queueing downstream, and cutting the limit for it only idles the slots);
+      and while the lag's mean is at least ``shed_lag`` (20 ms), work that cannot start at
+      once is refused at once (`Reason.OVERLOADED`) instead of queued: waiting on a lagging
+      loop costs a future and a timer and outlasts the queue's bound.
     - ``clock`` (default the loop's clock) and ``events`` (default ``brownout.hub``).
     """
 
@@ -312,6 +322,8 @@ class Bulkhead:
         deadline_aware: bool = True,
         estimate_every: int = 16,
         shares: Mapping[Priority, float] | None = None,
+        loop_lag: LoopLag | Literal["auto"] | None = "auto",
+        shed_lag: float = 0.020,
     ) -> None:
         if reserve < 0:
             raise ValueError("reserve must be >= 0")
@@ -330,6 +342,11 @@ class Bulkhead:
             else PriorityCoDelQueue(max_size=self._queue_size_for(self._limit_value))
         )
         self._reserve = reserve
+        if not 0 < shed_lag <= math.inf:  # NaN too; inf: never refuse for lag
+            raise ValueError("shed_lag must be positive (inf: never)")
+        self._shed_lag = shed_lag
+        self._lag: LoopLag | None = None if loop_lag == "auto" else loop_lag
+        self._lag_auto = loop_lag == "auto" and clock is None
         self._clock = clock if clock is not None else default_clock()
         self._events = events if events is not None else default_hub
         if estimator is None and deadline_aware:
@@ -779,6 +796,23 @@ class Bulkhead:
         """Routine outcomes counted while the hub tallies (`brownout.ledger`), else None."""
         return self._ledger
 
+    def _refuse_if_lagging(self, p: Permit) -> None:
+        """Refuse work that would queue while the loop lags (see the class docstring)."""
+        lag = self._lag
+        if lag is None:
+            if not self._lag_auto:
+                return
+            lag = self._lag = loop_lag()
+        late = lag.mean
+        if late >= self._shed_lag:
+            raise self._refuse(
+                p,
+                Reason.OVERLOADED,
+                f"not queued: the event loop runs {late * 1000:.0f} ms late",
+                0.0,
+                justified=True,
+            )
+
     async def _wait(self, p: Permit) -> None:
         q = self._queue
         now = self._clock.now()
@@ -1001,8 +1035,17 @@ class Bulkhead:
             now = self._clock.now()
             rtt = now - start
             if self._adaptive and outcome != _IGNORED:
+                lag = self._lag
+                if lag is None and self._lag_auto:
+                    lag = self._lag = loop_lag()
+                work = rtt
+                if lag is not None:
+                    # The loop's delay of the wakeup that ends the work is not the work's:
+                    # discounted (at most half the sample, so a lag burst cannot zero it).
+                    late = lag.mean
+                    work = rtt - late if late < rtt * 0.5 else rtt * 0.5
                 new = self._limit.on_sample(
-                    p.admitted_at, rtt, p.in_flight_at_admit, outcome == _DROPPED
+                    p.admitted_at, work, p.in_flight_at_admit, outcome == _DROPPED
                 )
                 if new != self._limit_value:
                     self._set_limit(new, now)

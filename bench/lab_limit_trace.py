@@ -89,15 +89,24 @@ def main() -> None:
         "--hog", default=None, help="BUSY/IDLE ms: a noisy neighbour on the front's core"
     )
     parser.add_argument("--hog-nice", type=int, default=0, help="the neighbour's nice level")
+    parser.add_argument(
+        "--latency", type=float, default=0.020, help="the dependency's service time, seconds"
+    )
+    parser.add_argument("--concurrency", type=int, default=8, help="the dependency's slots")
     args = parser.parse_args()
 
     gen_cpus, front_cpus, backend_cpus = cpu_layout()
+    shape = {"latency": args.latency, "concurrency": args.concurrency}
     with GeneratorProcess(gen_cpus) as gen:
-        with start_demo("unprotected", backend_cpus=backend_cpus, front_cpus=front_cpus) as demo:
+        with start_demo(
+            "unprotected", backend_cpus=backend_cpus, front_cpus=front_cpus, **shape
+        ) as demo:
             port = demo.front.port
             capacity = gen.calibrate(host="127.0.0.1", port=port, path="/api/interactive").capacity
         with (
-            start_demo(args.mode, backend_cpus=backend_cpus, front_cpus=front_cpus) as demo,
+            start_demo(
+                args.mode, backend_cpus=backend_cpus, front_cpus=front_cpus, **shape
+            ) as demo,
             noisy_neighbour(args.hog, front_cpus, 3.0 + args.seconds, args.hog_nice),
         ):
             result, polled = flood(gen, demo, capacity, args.load, args.seconds)
@@ -174,14 +183,20 @@ def report(
                 f"  limit during the flood: median {statistics.median(limits):g}, "
                 f"min {min(limits)}, max {max(limits)}"
             )
-    print("  t(s)  limit in_flight queued short_rtt(ms) no_load_rtt(ms) probing")
+    print("  t(s)  limit in_flight queued short_rtt(ms) no_load_rtt(ms) probing lag_mean/peak(ms)")
     for at, state, _, _ in polled[::5]:
         if "limit" not in state:
             print(f"  {at:4.1f}  {state}")
             continue
         print(
             f"  {at:4.1f}  {state['limit']:5d} {state['in_flight']:9d} {state['queue_depth']:6d} "
-            f"{_ms(state['short_rtt']):>13s} {_ms(state['no_load_rtt']):>15s} {state['probing']}"
+            f"{_ms(state['short_rtt']):>13s} {_ms(state['no_load_rtt']):>15s} "
+            f"{state['probing']!s:7s}"
+            + (
+                f" {_ms(state['loop_lag']['mean'])}/{_ms(state['loop_lag']['peak'])}"
+                if "loop_lag" in state
+                else ""
+            )
         )
 
 

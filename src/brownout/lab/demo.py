@@ -380,7 +380,10 @@ def create_front(backend_url: str, mode: str = "unprotected", drill: str | None 
         bulkhead = protect(app, mode, degraded=modes)
         algorithm = bulkhead.limit_algorithm
 
+        from brownout.admission.loop_lag import loop_lag
+
         async def bulkhead_state(request: Request) -> Response:
+            lag = loop_lag()  # the probe the bulkhead reads
             return JSONResponse(
                 {
                     "limit": bulkhead.limit,
@@ -393,6 +396,7 @@ def create_front(backend_url: str, mode: str = "unprotected", drill: str | None 
                     "no_load_rtt": getattr(algorithm, "no_load_rtt", None),
                     "probing": getattr(algorithm, "probing", False),
                     "queue_bound": getattr(bulkhead.queue, "short_bound", None),
+                    "loop_lag": {"mean": lag.mean, "peak": lag.peak},
                 }
             )
 

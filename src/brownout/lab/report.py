@@ -460,6 +460,20 @@ deadline; at 0.8x, refusals <= 0.1% (no false positives, S8); in the priority mi
 interactive goodput >= 99% of interactive demand (S3). `lab-report/` gets the plots, the raw
 JSON, an HTML page and this Markdown.
 
+**CPU-starved front** (`cpu-starved`, in the default run on uvicorn --limit-concurrency and
+both brownout configurations): 4x then 10x of capacity while a CPU hog, a pure spinner at nice
+0 in its own process, started and killed by the lab, is pinned to the front's core from the
+warm-up on (a noisy neighbour); brownout-adaptive must keep goodput >= 90% of capacity and
+>= uvicorn's in the same step (less 1% of capacity), and success p99 <= half the deadline.
+
+**Honest about its host**: every step reports the CPU used by the front, the dependency, the
+generator (and the hog), in % of one core from `/proc` over the step's steady state, and how
+busy the front's core was. A step is **host-bound** when the generator was late, the
+dependency used >= 90% of a core, or the front's core was >= 95% busy with >= 10% of it used
+by processes outside the lab; it is measured again once, and a check on it that would pass is
+reported HOST-BOUND, not PASS, and fails the lab. The generator's own CPU is shown, not
+judged: with sends under half a millisecond apart it spins between them, reading ~100%.
+
 **Outbound and degraded scenarios** (opt-in, about 12 s per configuration each, so the
 default run stays under five minutes; figures from such a run: [lab-outbound.md](lab-outbound.md)):
 
@@ -524,7 +538,10 @@ def markdown(
         "2xx answers that came after the deadline (late 2xx) and 504s; success latency and "
         "refusal latency are separate; conns opened = new TCP connections the client had to "
         "open; gen p99 late = how late the load generator itself "
-        "was (a step is suspect above 5 ms).",
+        "was (a step is suspect above 5 ms); CPU front/dep/gen % = CPU used by the front, "
+        "the dependency and the load generator in % of one core over the steady state (hog: "
+        "the CPU-starved scenario's spinner; core: how busy the front's core was); host = ok, "
+        "or host-bound and why.",
         "",
     ]
     for sc in _scenarios(lab):

@@ -38,7 +38,7 @@ from typing import Any
 
 from brownout.lab.generator import LoadPlan, LoadStep, PlanResult
 from brownout.lab.process import GeneratorProcess
-from brownout.lab.runner import Target, classes_for, cpu_layout, summarize_step
+from brownout.lab.runner import LabSettings, Target, classes_for, cpu_layout, summarize_step
 from brownout.lab.servers import DemoSystem, start_demo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -92,12 +92,26 @@ def main() -> None:
     args = parser.parse_args()
 
     gen_cpus, front_cpus, backend_cpus = cpu_layout()
+    settings = LabSettings()
+    slots, latency = settings.backend_concurrency, settings.backend_latency
     with GeneratorProcess(gen_cpus) as gen:
-        with start_demo("unprotected", backend_cpus=backend_cpus, front_cpus=front_cpus) as demo:
+        with start_demo(
+            "unprotected",
+            backend_cpus=backend_cpus,
+            front_cpus=front_cpus,
+            concurrency=slots,
+            latency=latency,
+        ) as demo:
             port = demo.front.port
             capacity = gen.calibrate(host="127.0.0.1", port=port, path="/api/interactive").capacity
         with (
-            start_demo(args.mode, backend_cpus=backend_cpus, front_cpus=front_cpus) as demo,
+            start_demo(
+                args.mode,
+                backend_cpus=backend_cpus,
+                front_cpus=front_cpus,
+                concurrency=slots,
+                latency=latency,
+            ) as demo,
             noisy_neighbour(args.hog, front_cpus, 3.0 + args.seconds, args.hog_nice),
         ):
             result, polled = flood(gen, demo, capacity, args.load, args.seconds)

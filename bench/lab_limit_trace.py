@@ -38,7 +38,7 @@ from typing import Any
 
 from brownout.lab.generator import LoadPlan, LoadStep, PlanResult
 from brownout.lab.process import GeneratorProcess
-from brownout.lab.runner import Target, classes_for, cpu_layout, summarize_step
+from brownout.lab.runner import LabSettings, Target, classes_for, cpu_layout, summarize_step
 from brownout.lab.servers import DemoSystem, start_demo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -89,14 +89,20 @@ def main() -> None:
         "--hog", default=None, help="BUSY/IDLE ms: a noisy neighbour on the front's core"
     )
     parser.add_argument("--hog-nice", type=int, default=0, help="the neighbour's nice level")
+    lab = LabSettings()
     parser.add_argument(
-        "--latency", type=float, default=0.020, help="the dependency's service time, seconds"
+        "--latency",
+        type=float,
+        default=lab.backend_latency,
+        help="the dependency's service time, seconds",
     )
-    parser.add_argument("--concurrency", type=int, default=8, help="the dependency's slots")
+    parser.add_argument(
+        "--concurrency", type=int, default=lab.backend_concurrency, help="the dependency's slots"
+    )
     args = parser.parse_args()
 
     gen_cpus, front_cpus, backend_cpus = cpu_layout()
-    shape = {"latency": args.latency, "concurrency": args.concurrency}
+    shape = {"latency": args.latency, "concurrency": args.concurrency}  # the lab's by default
     with GeneratorProcess(gen_cpus) as gen:
         with start_demo(
             "unprotected", backend_cpus=backend_cpus, front_cpus=front_cpus, **shape

@@ -60,13 +60,15 @@ def test_client_behaviour_becomes_generator_retries() -> None:
 
 
 def test_failures_are_part_of_every_dependency_change() -> None:
-    plan = plan_for(SCENARIOS["outage"], LabSettings(), 400.0, DEMO, BACKEND)
+    settings = LabSettings()
+    plan = plan_for(SCENARIOS["outage"], settings, 400.0, DEMO, BACKEND)
     bodies = [s.actions[0].body if s.actions else None for s in plan.steps]
+    shape = {"latency": settings.backend_latency, "concurrency": settings.backend_concurrency}
     assert bodies == [
         None,
         None,
-        {"latency": 0.02, "concurrency": 8, "down": True},
-        {"latency": 0.02, "concurrency": 8},  # the backend clears what a change omits
+        {**shape, "down": True},
+        shape,  # the backend clears what a change omits
     ]
     assert DependencyChange(error_rate=0.3).body(0.02, 8)["error_rate"] == 0.3
 

@@ -12,7 +12,14 @@ from rich.console import Console
 
 from brownout.cli import TargetError, conclude, main, parse_target
 from brownout.lab.generator import PlanResult, StepResult
-from brownout.lab.report import COLUMNS, markdown, scenario_rows, write_markdown, write_report
+from brownout.lab.report import (
+    COLUMNS,
+    markdown,
+    print_tables,
+    scenario_rows,
+    write_markdown,
+    write_report,
+)
 from brownout.lab.runner import CONFIGURATIONS, LabSettings, summarize_plan
 from brownout.lab.scenarios import SCENARIOS, quick_variant
 from brownout.lab.tally import Tally
@@ -49,7 +56,11 @@ def _step(label: str, load: float, classes: dict[str, Tally], late: bool = False
 
 
 def _ramp(
-    goodput_at_overload: float, p99: float, refused_at_08: int, timeouts_at_05: int = 0
+    goodput_at_overload: float,
+    p99: float,
+    refused_at_08: int,
+    timeouts_at_05: int = 0,
+    late_at: float | None = None,
 ) -> PlanResult:
     steps = []
     for phase in SCENARIOS["ramp"].phases:
@@ -62,7 +73,7 @@ def _ramp(
         else:
             ok = int(goodput_at_overload * 2)
             t = _tally(offered, ok, offered - ok, p99)
-        steps.append(_step(phase.label, phase.load, {"interactive": t}, late=phase.load == 10))
+        steps.append(_step(phase.label, phase.load, {"interactive": t}, late=phase.load == late_at))
     return PlanResult(steps, 0.5, [{"ok": 10, "refused": 0, "expired": 0, "failed": 0}], 30)
 
 
@@ -88,6 +99,7 @@ def make_lab(
     refused_at_08: int = 0,
     interactive: float = 1.0,
     timeouts_at_05: int = 0,
+    late_at: float | None = None,
 ) -> dict[str, Any]:
     configs = [CONFIGURATIONS["unprotected"], CONFIGURATIONS["brownout-adaptive"]]
     runs = []
@@ -98,6 +110,7 @@ def make_lab(
             p99 if protected else 0.9,
             refused_at_08,
             timeouts_at_05 if protected else 0,
+            late_at,
         )
         prio = _priority(interactive if protected else 0.1)
         for name, result in (("ramp", ramp), ("priority", prio)):
@@ -138,8 +151,19 @@ def test_healthy_protection_passes_every_invariant() -> None:
         "0.5x",
         "0.8x",
     }
-    # the generator was late at 10x: those checks say so
-    assert all(c["generator_late"] == (c["step"] == "10x") for c in checks)
+    assert all(c["status"] == "passed" and not c["host_bound"] for c in checks)
+
+
+def test_checks_on_a_step_where_the_generator_was_late_are_not_passes() -> None:
+    checks = evaluate(make_lab(late_at=10.0))
+    at_10x = [c for c in checks if c["step"] == "10x"]
+    assert at_10x and all(c["generator_late"] for c in at_10x)
+    assert all(c["status"] == "host-bound" and not c["passed"] for c in at_10x)
+    assert all(c["host_bound"] == ["generator late (p99 20.0 ms)"] for c in at_10x)
+    assert all(c["passed"] for c in checks if c["step"] != "10x")
+    # a value that fails on a host-bound step is a failure, not an excuse
+    failed = [c for c in evaluate(make_lab(goodput=300.0, late_at=10.0)) if c["step"] == "10x"]
+    assert {c["status"] for c in failed if "goodput" in c["check"]} == {"failed"}
 
 
 @pytest.mark.parametrize(
@@ -197,7 +221,11 @@ def test_rows_keep_success_and_refusal_latency_apart() -> None:
     assert adaptive_10x[COLUMNS.index("refusal p50 ms")] == "0.5"
     assert "queue_full" in adaptive_10x[COLUMNS.index("shed (reasons)")]
     assert adaptive_10x[COLUMNS.index("% cap")] == "98%"
-    assert "(late!)" in adaptive_10x[-1]
+    assert adaptive_10x[COLUMNS.index("gen late p99 ms")] == "1.0"
+    assert adaptive_10x[COLUMNS.index("host")] == "ok"
+    late = scenario_rows(make_lab(late_at=10.0), "ramp")[-1]
+    assert late[COLUMNS.index("gen late p99 ms")] == "20.0 (late!)"
+    assert late[COLUMNS.index("host")] == "host-bound: generator late (p99 20.0 ms)"
     prio = scenario_rows(lab, "priority")
     assert "interactive 200/200" in prio[1][COLUMNS.index("by class: goodput/offered per s")]
 
@@ -225,17 +253,41 @@ def test_write_report_produces_json_pngs_html_and_markdown(tmp_path: Path) -> No
     assert (tmp_path / "docs" / "lab" / "goodput.png").exists()
 
 
-def test_a_measurement_repeated_for_generator_lateness_says_so() -> None:
+def test_plots_mark_host_bound_steps(tmp_path: Path) -> None:
+    clean = {f.name: f.read_bytes() for f in write_report(make_lab(), tmp_path / "a")}
+    late = {f.name: f.read_bytes() for f in write_report(make_lab(late_at=10.0), tmp_path / "b")}
+    assert clean["goodput.png"] != late["goodput.png"]
+    assert clean["latency.png"] != late["latency.png"]
+    again = {f.name: f.read_bytes() for f in write_report(make_lab(), tmp_path / "c")}
+    assert clean["goodput.png"] == again["goodput.png"]  # the difference is the marking
+
+
+def test_a_measurement_repeated_for_a_host_bound_step_says_so() -> None:
     lab = make_lab()
     lab["runs"][0]["attempts"] = 2
     rows = scenario_rows(lab, "ramp")
-    assert rows[0][0] == "unprotected (measured 2x: generator was late)"
+    assert rows[0][0] == "unprotected (measured 2x: host-bound)"
     assert rows[-1][0] == "brownout Gradient2Limit()"
 
 
 def test_markdown_names_a_failure() -> None:
     md = markdown(make_lab(goodput=100.0), [])
     assert "**FAIL** brownout-adaptive / ramp / 2x" in md
+
+
+def test_markdown_and_console_name_a_host_bound_check_and_why() -> None:
+    lab = make_lab(late_at=10.0)
+    md = markdown(lab, [])
+    assert (
+        "- HOST-BOUND brownout-adaptive / ramp / 10x: goodput >= 90% of capacity: 390.0 req/s "
+        "(limit 360.0) (host-bound: generator late (p99 20.0 ms))"
+    ) in md
+    assert "PASS brownout-adaptive / ramp / 10x" not in md
+    console = Console(width=300, record=True)
+    print_tables(lab, console)
+    text = console.export_text()
+    assert "HOST-BOUND brownout-adaptive / ramp / 10x" in text
+    assert "check(s) host-bound: their values passed" in text
 
 
 @pytest.mark.parametrize(

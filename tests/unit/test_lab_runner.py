@@ -36,19 +36,21 @@ def test_plans_start_with_a_warm_up_and_scale_loads_by_capacity() -> None:
 
 
 def test_dependency_changes_become_admin_calls_on_the_demo_backend() -> None:
+    settings = LabSettings()
     plan = plan_for(
         SCENARIOS["slow-dependency"],
-        LabSettings(),
+        settings,
         400.0,
         Target("127.0.0.1", 1, ""),
         ("127.0.0.1", 2),
     )
     bodies = [s.actions[0].body if s.actions else None for s in plan.steps]
+    latency, slots = settings.backend_latency, settings.backend_concurrency
     assert bodies == [
         None,
         None,
-        {"latency": 0.08, "concurrency": 8},
-        {"latency": 0.02, "concurrency": 8},
+        {"latency": 4 * latency, "concurrency": slots},
+        {"latency": latency, "concurrency": slots},
     ]
     assert all(a.port == 2 and a.path == "/admin" for s in plan.steps for a in s.actions)
     assert DependencyChange(concurrency_factor=0.5).body(0.02, 8) == {

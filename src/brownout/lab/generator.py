@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import re
 import time
@@ -40,6 +41,7 @@ from typing import Any, cast
 
 from ..retry.budget import RetryBudget
 from .fds import fit_fd_limit
+from .hostcpu import CpuSample, read_sample
 from .http1 import Response, ResponseParseError, ResponseParser, encode_request
 from .tally import Tally, percentile
 
@@ -123,6 +125,11 @@ class LoadPlan:
     bin_seconds: float = 0.5
     send_budget: bool = True
     """Send the client deadline as ``brownout-budget-ms`` (as an internal caller would)."""
+    watch: tuple[tuple[str, int], ...] = ()
+    """(role, pid) of processes whose CPU use is read over each step's steady state (the
+    generator reads its own as ``generator``)."""
+    watch_core: int | None = None
+    """The core whose busy share is read with them (the front's), or None."""
 
 
 @dataclass
@@ -146,6 +153,8 @@ class StepResult:
     """Retried attempts of this step's steady-state originals."""
     retries_withheld: int = 0
     """Retries a budgeted client did not send (budget empty or ``brownout-retry: never``)."""
+    cpu: tuple[CpuSample, CpuSample] | None = None
+    """CPU counters when the steady state started and when the step ended (measured steps)."""
 
     @property
     def steady_seconds(self) -> float:
@@ -612,6 +621,7 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
     payloads = _payloads(plan)
     rng = random.Random(plan.seed)
     results: list[StepResult] = []
+    watched = (("generator", os.getpid()), *plan.watch)
     origin = clock()
     bin_width = plan.bin_seconds
     for index, step in enumerate(plan.steps):
@@ -659,8 +669,11 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
         single = payloads[names[0]] if len(names) == 1 else None
         next_progress = start
         deadline = plan.deadline
+        steady_cpu: CpuSample | None = None
         while True:
             now = clock()
+            if steady_cpu is None and step.measured and now >= steady_from:
+                steady_cpu = read_sample(watched, plan.watch_core)
             while next_t <= now and next_t < end and step.rate > 0:
                 if single is not None:
                     name = names[0]
@@ -704,6 +717,8 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
                 break
             delay = next_t - clock()
             await asyncio.sleep(delay if delay > 0 else 0)
+        if steady_cpu is not None:
+            result.cpu = (steady_cpu, read_sample(watched, plan.watch_core))
         result.connections_opened = pool.opened - opened_before
     if pool.outstanding > 0:  # every request has a deadline timer, so this ends
         pool.drained = asyncio.Event()

@@ -6,10 +6,11 @@ and re-rendered from the raw JSON without running anything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .generator import (
@@ -21,6 +22,8 @@ from .generator import (
     StepResult,
     TrafficClass,
 )
+from .hog import cpu_hog
+from .hostcpu import cpu_shares, host_bound
 from .process import GeneratorProcess, usable_cpus
 from .protect import FIXED_LIMIT
 from .scenarios import SCENARIOS, Phase, Scenario
@@ -32,6 +35,7 @@ __all__ = [
     "Configuration",
     "LabSettings",
     "Target",
+    "host_bound_steps",
     "plan_for",
     "run_lab",
     "summarize_plan",
@@ -86,7 +90,7 @@ class LabSettings:
     arrivals: str = "constant"
     max_connections: int = 1024
     reruns: int = 2
-    """Scenario runs measured again because the generator was late (per lab run)."""
+    """Scenario runs measured again because a step was host-bound (per lab run)."""
     backend_concurrency: int = 8
     backend_latency: float = 0.020
     seed: int = 1
@@ -179,12 +183,18 @@ def plan_for(
     )
 
 
-def summarize_step(step: StepResult, load: float) -> dict[str, Any]:
-    """A step as JSON: steady-state figures overall and per class, whole-step accounting."""
+def summarize_step(
+    step: StepResult, load: float, on_front_core: Sequence[str] = ()
+) -> dict[str, Any]:
+    """A step as JSON: steady-state figures overall and per class, whole-step accounting,
+    CPU shares over the steady state (``on_front_core``: the roles pinned to the front's
+    core, see `brownout.lab.hostcpu.cpu_shares`) and why the step is host-bound, if it is."""
     seconds = step.steady_seconds
     # Health checks are not work: they appear per class, never in goodput or % of capacity.
     steady = Tally.merged(t for name, t in step.steady.items() if name != HEALTH)
     whole = Tally.merged(t for name, t in step.whole.items() if name != HEALTH)
+    cpu = cpu_shares(*step.cpu, on_front_core) if step.cpu is not None else None
+    lateness_ms = round(step.lateness_p99 * 1000, 2)
     return {
         "label": step.label,
         "load": load,
@@ -194,7 +204,9 @@ def summarize_step(step: StepResult, load: float) -> dict[str, Any]:
         "start": round(step.start, 3),
         "steady_seconds": round(seconds, 3),
         "valid": step.valid,
-        "lateness_p99_ms": round(step.lateness_p99 * 1000, 2),
+        "lateness_p99_ms": lateness_ms,
+        "cpu": cpu,
+        "host_bound": host_bound(cpu, not step.valid, lateness_ms),
         "connections_opened": step.connections_opened,
         "steady": steady.summary(seconds),
         "classes": {name: t.summary(seconds) for name, t in sorted(step.steady.items())},
@@ -204,10 +216,12 @@ def summarize_step(step: StepResult, load: float) -> dict[str, Any]:
     }
 
 
-def summarize_plan(result: PlanResult, scenario: Scenario) -> dict[str, Any]:
+def summarize_plan(
+    result: PlanResult, scenario: Scenario, on_front_core: Sequence[str] = ()
+) -> dict[str, Any]:
     """The measured steps of a plan, each labelled with its load, plus the timeline."""
     measured = [s for s in result.steps if s.measured]
-    steps = [summarize_step(s, p.load) for s, p in zip(measured, scenario.phases)]
+    steps = [summarize_step(s, p.load, on_front_core) for s, p in zip(measured, scenario.phases)]
     return {
         "steps": steps,
         "timeline": result.timeline,
@@ -319,26 +333,42 @@ def _measure(bench: _Bench, config: Configuration, scenario: Scenario) -> dict[s
     """One scenario on one configuration, on fresh demo processes (or the user's target)."""
     settings = bench.settings
     backend_stats: dict[str, Any] = {}
+    on_front_core: list[str] = []
     if bench.target is not None:
         plan = plan_for(scenario, settings, bench.capacity, bench.target, None)
         result = _execute(bench, config, scenario, plan)
     else:
-        with start_demo(
-            config.mode,
-            limit_concurrency=config.limit_concurrency,
-            concurrency=settings.backend_concurrency,
-            latency=settings.backend_latency,
-            backend_cpus=bench.backend_cpus,
-            front_cpus=bench.front_cpus,
-            drill=settings.drill,
-        ) as demo:
+        with contextlib.ExitStack() as stack:
+            demo = stack.enter_context(
+                start_demo(
+                    config.mode,
+                    limit_concurrency=config.limit_concurrency,
+                    concurrency=settings.backend_concurrency,
+                    latency=settings.backend_latency,
+                    backend_cpus=bench.backend_cpus,
+                    front_cpus=bench.front_cpus,
+                    drill=settings.drill,
+                )
+            )
+            watch = [("front", demo.front.proc.pid), ("dependency", demo.backend.proc.pid)]
+            on_front_core = ["front"]
+            if bench.backend_cpus == bench.front_cpus:
+                on_front_core.append("dependency")
+            if scenario.hog:
+                # The hog is part of the scenario: its share counts with the lab's processes.
+                watch.append(("hog", stack.enter_context(cpu_hog(bench.front_cpus))))
+                on_front_core.append("hog")
             front = Target("127.0.0.1", demo.front.port, "")
             backend = ("127.0.0.1", demo.backend.port)
             plan = plan_for(scenario, settings, bench.capacity, front, backend)
+            # The core's busy share means one core: with several front cores it is not read.
+            core = bench.front_cpus[0] if len(bench.front_cpus) == 1 else None
+            plan = replace(plan, watch=tuple(watch), watch_core=core)
             result = _execute(bench, config, scenario, plan)
             backend_stats = _backend_stats(demo.backend.url)
     run: dict[str, Any] = {"configuration": config.name, "scenario": scenario.name}
-    run |= summarize_plan(result, scenario)
+    run |= summarize_plan(result, scenario, on_front_core)
+    run["on_front_core"] = on_front_core
     if scenario.outbound:
         add_dependency_figures(run, backend_stats)
     backend_stats.pop("arrivals", None)  # summarized above; raw bins would bloat the JSON
@@ -358,9 +388,10 @@ def run_lab(
     """Calibrate, run every scenario on every configuration, and return the raw results.
 
     With ``target`` (a user's service) there is one configuration, ``target``, and no demo.
-    A scenario whose steps the generator could not keep to schedule (a noisy machine) is
-    measured once more, up to ``settings.reruns`` times per lab run; the attempt the generator
-    measured better is kept and ``attempts`` says how many were made.
+    A scenario with a host-bound step (the generator late, or a process saturated: see
+    `brownout.lab.hostcpu`) is measured once more, up to ``settings.reruns`` times per lab
+    run; the attempt with fewer host-bound steps is kept and ``attempts`` says how many were
+    made. A scenario limited to some configurations (`Scenario.runs_on`) skips the others.
     """
     gen_cpus, front_cpus, backend_cpus = cpu_layout()
     stage = on_stage or (lambda _msg: None)
@@ -400,18 +431,20 @@ def run_lab(
         )
         for config in configurations:
             for scenario in scenarios:
+                if not scenario.runs_on(config.name):
+                    stage(f"{config.title}: {scenario.title}: not run on this configuration")
+                    continue
                 stage(f"{config.title}: {scenario.title}")
                 run = _measure(bench, config, scenario)
                 run["attempts"] = 1
-                late = _late_steps(run)
-                if late and reruns_left > 0:
-                    # The generator fell behind its schedule: the figures are suspect, not
-                    # the server. Measure once more on fresh processes and keep the attempt
-                    # the generator measured better.
+                bound = host_bound_steps(run)
+                if bound and reruns_left > 0:
+                    # The host, not the server, bounded these steps (see brownout.lab.hostcpu):
+                    # measure once more on fresh processes and keep the attempt with fewer.
                     reruns_left -= 1
-                    stage(f"generator late in {', '.join(late)}: measuring again")
+                    stage(f"host-bound: {'; '.join(bound)}: measuring again")
                     again = _measure(bench, config, scenario)
-                    if len(_late_steps(again)) < len(late):
+                    if len(host_bound_steps(again)) < len(bound):
                         run = again
                     run["attempts"] = 2
                 runs.append(run)
@@ -433,8 +466,9 @@ def run_lab(
     }
 
 
-def _late_steps(run: dict[str, Any]) -> list[str]:
-    return [s["label"] for s in run["steps"] if not s["valid"]]
+def host_bound_steps(run: dict[str, Any]) -> list[str]:
+    """The run's host-bound steps, each as "label (reasons)"."""
+    return [f"{s['label']} ({', '.join(s['host_bound'])})" for s in run["steps"] if s["host_bound"]]
 
 
 def _calibration_dict(c: Calibration) -> dict[str, Any]:

@@ -84,9 +84,18 @@ class Scenario:
     description: str
     phases: tuple[Phase, ...]
     needs_dependency: bool = False
-    """True when a phase changes the demo's dependency (not possible against ``--target``)."""
+    """True when the scenario needs the demo system (a phase changes its dependency, or a hog
+    shares its front's core): not possible against ``--target``."""
     outbound: bool = False
     """Report what reached the dependency (attempts per second, amplification, peak)."""
+    hog: bool = False
+    """A CPU hog shares the front's core for the whole run (`brownout.lab.hog`)."""
+    configurations: tuple[str, ...] | None = None
+    """The configurations it runs on (None: every one asked for)."""
+
+    def runs_on(self, configuration: str) -> bool:
+        """True when this scenario is measured on ``configuration``."""
+        return self.configurations is None or configuration in self.configurations
 
 
 SCENARIOS: dict[str, Scenario] = {}
@@ -155,6 +164,21 @@ register(
         "10x capacity of interactive work plus a trickle of health checks: the health "
         "endpoint must keep answering quickly (S7).",
         (Phase("10x + health", 10.0, (("interactive", 0.99), ("health", 0.01))),),
+    )
+)
+
+register(
+    Scenario(
+        "cpu-starved",
+        "CPU-starved front",
+        "4x then 10x capacity while a CPU hog (a pure spinner at nice 0, its own process) "
+        "shares the front's core from the warm-up on: a noisy neighbour. brownout-adaptive "
+        "must keep goodput >= 90% of capacity and >= uvicorn --limit-concurrency's, success "
+        "p99 <= half the deadline. Not run unprotected (it collapses without a hog).",
+        (Phase("4x + hog", 4.0), Phase("10x + hog", 10.0)),
+        needs_dependency=True,
+        hog=True,
+        configurations=("uvicorn-limit", "brownout-fixed", "brownout-adaptive"),
     )
 )
 
@@ -259,5 +283,12 @@ def quick_variant(scenario: Scenario) -> Scenario:
     return replace(scenario, phases=tuple(p for p in scenario.phases if p.load in QUICK_RAMP_LOADS))
 
 
-DEFAULT_SCENARIOS = ("ramp", "priority", "slow-dependency", "capacity-loss", "health")
+DEFAULT_SCENARIOS = (
+    "ramp",
+    "priority",
+    "slow-dependency",
+    "capacity-loss",
+    "health",
+    "cpu-starved",
+)
 QUICK_SCENARIOS = ("ramp", "priority")

@@ -100,13 +100,14 @@ def start_demo(
     mode: str,
     *,
     limit_concurrency: int | None = None,
-    concurrency: int = 8,
-    latency: float = 0.020,
+    concurrency: int,
+    latency: float,
     backend_cpus: list[int] | None = None,
     front_cpus: list[int] | None = None,
     drill: str | None = None,
 ) -> Iterator[DemoSystem]:
-    """A fresh backend + front in ``mode``; both stopped on exit.
+    """A fresh backend + front in ``mode``; both stopped on exit. ``concurrency`` and
+    ``latency`` shape the dependency (the lab passes `LabSettings`' ``backend_*``).
 
     ``drill`` forces that declared degraded mode on in the front (protected modes only).
     """

@@ -1,7 +1,7 @@
 """The embedded demo system: a dependency with a known capacity and a front service calling it.
 
 - **backend** (the dependency): ``GET /work`` holds one of ``concurrency`` slots for ``latency``
-  seconds (8 x 20 ms by default: about 400 requests/s); beyond that, requests queue, unbounded,
+  seconds (8 x 40 ms by default: about 200 requests/s); beyond that, requests queue, unbounded,
   like most real dependencies. ``POST /admin`` changes latency and concurrency mid-run (the
   slow-dependency and capacity-loss scenarios), a share of errors (partial errors) or takes
   it down (outage); ``GET /admin/stats`` reports what it did, including the requests that
@@ -69,7 +69,7 @@ class Backend:
     """
 
     def __init__(
-        self, concurrency: int = 8, latency: float = 0.020, *, seed: int | None = None
+        self, concurrency: int = 8, latency: float = 0.040, *, seed: int | None = None
     ) -> None:
         self.concurrency = concurrency
         self.latency = latency
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m brownout.lab.demo")
     parser.add_argument("role", choices=("backend", "front"))
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--latency", type=float, default=0.020)
+    parser.add_argument("--latency", type=float, default=0.040)
     parser.add_argument("--backend-url", default="")
     parser.add_argument("--mode", choices=FRONT_MODES, default="unprotected")
     parser.add_argument("--limit-concurrency", type=int, default=None)

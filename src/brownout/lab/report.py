@@ -428,7 +428,7 @@ $ brownout lab --quick                # under a minute: ramp + priority mix
 $ brownout lab --target http://127.0.0.1:8000/api/items --health-path /healthz
 ```
 
-**The demo system** is real: a dependency (uvicorn, 8 concurrent x 20 ms, about 400
+**The demo system** is real: a dependency (uvicorn, 8 concurrent x 40 ms, about 200
 requests/s, queueing beyond that) and a front service (uvicorn + Starlette) whose endpoints
 call it through a pooled aiohttp client, passing the remaining budget. Both run in their own
 processes, pinned to a different core than the load generator where the machine allows.

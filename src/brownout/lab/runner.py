@@ -92,7 +92,7 @@ class LabSettings:
     reruns: int = 2
     """Scenario runs measured again because a step was host-bound (per lab run)."""
     backend_concurrency: int = 8
-    backend_latency: float = 0.020
+    backend_latency: float = 0.040
     seed: int = 1
     drill: str | None = None
     """A declared degraded mode of the demo front forced on for the whole run (``--drill``)."""

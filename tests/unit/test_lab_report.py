@@ -465,3 +465,13 @@ def test_late_successes_count_as_expired_and_are_named() -> None:
     lab["scenarios"] = [{"name": "ramp", "title": "Ramp", "description": ""}]
     rows = scenario_rows(lab, "ramp")
     assert rows[0][COLUMNS.index("expired")] == "10 (6 late 2xx)"
+
+
+def test_the_verdict_line_tells_host_bound_checks_from_failures() -> None:
+    console = Console(record=True, width=200)
+    bound = {"passed": False, "status": "host-bound"}
+    assert conclude([{"passed": True}, bound], console) == 1
+    assert conclude([{"passed": False, "status": "failed"}, bound], console) == 1
+    out = console.export_text()
+    assert out.count("1 check(s) passed on a host-bound step") == 2
+    assert out.count("1 invariant check(s) failed") == 1

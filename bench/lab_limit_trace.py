@@ -162,6 +162,11 @@ def flood(
     return result, polled
 
 
+def args_every() -> int:
+    """Print every Nth poll (``LAB_TRACE_EVERY``, default 5: one line per 0.5 s)."""
+    return max(1, int(os.environ.get("LAB_TRACE_EVERY", "5")))
+
+
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.1f}"
 
@@ -190,7 +195,7 @@ def report(
                 f"min {min(limits)}, max {max(limits)}"
             )
     print("  t(s)  limit in_flight queued short_rtt(ms) no_load_rtt(ms) probing lag_mean/peak(ms)")
-    for at, state, _, _ in polled[::5]:
+    for at, state, _, _ in polled[:: args_every()]:
         if "limit" not in state:
             print(f"  {at:4.1f}  {state}")
             continue

@@ -373,3 +373,47 @@ def test_adaptive_limits_stay_in_bounds_and_react_as_documented(
         ended_probe = probing and not getattr(lim, "probing", False)
         if dropped or (in_flight * 2 < before and not ended_probe):
             assert after <= before
+
+
+def test_slow_start_ends_on_the_fastest_recent_sample_not_the_stale_median() -> None:
+    # A flood after a quiet warm-up: every sample from now on is 2.5x the baseline, while the
+    # median of two round trips still holds the quiet ones. Growing by half per round trip
+    # until the median catches up let a limit of 20 reach 41 before the lab's knee of 10.
+    lim = Gradient2Limit(20, probe_interval=1000.0, probe_jitter=0.0, rng=random.Random(0))
+    t = 0.0
+    for _ in range(60):  # warm-up at the baseline, at the limit (not app-limited)
+        lim.on_sample(t, 0.040, lim.limit, False)
+        t += 0.002
+    before = lim.limit
+    for _ in range(24):
+        lim.on_sample(t, 0.100, lim.limit, False)
+        t += 0.002
+    assert lim.short_rtt == pytest.approx(0.040)  # the median has not caught up yet...
+    assert lim.limit <= before + 4  # ...but 8 slow samples in a row ended slow start
+
+
+def test_an_early_probe_that_finds_the_baseline_unchanged_backs_off_the_next() -> None:
+    lim = Gradient2Limit(
+        10, max_limit=40, probe_interval=1000.0, probe_jitter=0.0, rng=random.Random(0)
+    )
+    t = 0.0
+    while t < 2.0:  # warm-up and slow start at 20 ms, up to the bound
+        lim.on_sample(t, 0.02, lim.limit, False)
+        t += 0.001
+    starts: list[float] = []
+    ends: list[float] = []
+    while t < 8.0 and len(starts) < 2:
+        # Queueing: 30 ms at the held limit cuts it deeply; at half the limit (a probe) the
+        # baseline comes back as it was, 20 ms.
+        was = lim.probing
+        lim.on_sample(t, 0.02 if lim.probing else 0.03, lim.limit, False)
+        if lim.probing and not was:
+            starts.append(t)
+        if was and not lim.probing:
+            ends.append(t)
+        t += 0.001
+    assert len(starts) == 2
+    assert lim.no_load_rtt == pytest.approx(0.02)
+    gap = lim.early_probe_gap * 0.02  # 20 no-load round trips: 0.4 s
+    assert starts[0] - 2.0 < 2 * gap  # the first came one gap after the warm-up's anchor
+    assert starts[1] - ends[0] == pytest.approx(2 * gap, abs=0.03)  # the next, two

@@ -98,6 +98,11 @@ def _median(ordered: list[float]) -> float:
 
 _MAX_WINDOW = 512
 """Most samples the short rtt's median looks at (bounded memory and cost per sample)."""
+_SLOW_START_ROUND = 8
+"""Samples whose fastest one ends slow start when it is clearly slower than the baseline."""
+_SLOW_START_QUEUED = 1.25
+"""How much slower than the baseline the fastest of them must be: noise of +/-20% around
+the baseline never makes every one of 8 samples that slow; queueing does."""
 
 
 class AIMDLimit:
@@ -197,12 +202,15 @@ class _ProbingLimit:
       ``early_probe_gap`` no-load round trips after the last, when the limit has been cut
       by ``early_probe_cut`` (20%) since it: a deep cut is either queueing (the probe
       confirms the baseline) or a slowdown queueing did not cause, which only a probe can
-      tell.
+      tell. An early probe that confirms the baseline doubles the gap before the next early
+      one (up to 8x; any other probe resets it).
     - Each algorithm's ``_update`` gives the change over one *round trip*; a round trip
       brings about ``limit`` samples, so each sample applies ``1/limit`` of it (full steps per
       sample overreact long before their effect on latency can be seen).
     - Slow start: until latency first rises (``short_rtt > slow_start_exit * no_load_rtt``,
-      1.1) or a drop, the limit grows by at least half per round trip.
+      1.1, or the fastest of the last 8 samples above 1.25x the baseline, as HyStart reads
+      the freshest round's minimum) or a drop, the limit grows by at least half per round
+      trip.
     - Drops: ``limit *= drop_backoff`` at most once per round trip; never an rtt sample.
     - App-limited (``in_flight < limit / 2``): decreases apply, increases do not.
     """
@@ -248,6 +256,8 @@ class _ProbingLimit:
         self.early_probe_gap = early_probe_gap
         """Round trips (of the no-load rtt) after a probe before an early one may start."""
         self._early_from = math.inf
+        self._early_backoff = 1.0
+        self._probe_early = False
         self.min_limit = min_limit
         self.max_limit = max_limit
         self.probe_interval = probe_interval
@@ -275,8 +285,10 @@ class _ProbingLimit:
         # Whole round trips of samples: the first completions of a batch started together are
         # its fastest ones, and averaging only those would bias the baseline low.
         self._warmup_samples = max(probe_samples, 2 * initial)
+        self._fresh_rtts: deque[float] = deque(maxlen=_SLOW_START_ROUND)
         self.slow_start_exit = 1.1
-        """Slow start ends once the smoothed rtt exceeds the baseline by this factor; a probe
+        """Slow start ends once the smoothed rtt exceeds the baseline by this factor (or the
+        fastest of the last 8 samples by 1.25x); a probe
         that finds the baseline slower by more scales the limit (see the class docstring)."""
 
     @property
@@ -333,10 +345,19 @@ class _ProbingLimit:
                         # knee model before its feedback came back.
                         scaled = self._value_before_probe * new / old
                         self._value = min(self.max_limit, max(self._value, scaled))
+                    # An early probe that found the baseline where it was says the cut was
+                    # queueing: the next early one waits twice as long (up to 8x), so a
+                    # limit settling onto its knee is not pinned low again and again.
+                    if self._probe_early and old is not None and new <= self.slow_start_exit * old:
+                        self._early_backoff = min(8.0, self._early_backoff * 2.0)
+                    else:
+                        self._early_backoff = 1.0
                     self._anchored(start_time + rtt, new)
                     self._schedule_probe(start_time + rtt)
             return self.limit
-        if start_time >= self._next_probe or self._cut_deeply(start_time):  # type: ignore[operator]
+        scheduled = start_time >= self._next_probe  # type: ignore[operator]
+        if scheduled or self._cut_deeply(start_time):
+            self._probe_early = not scheduled
             self._probe_limit = max(self.min_limit, int(self._value * self.probe_ratio))
             self._probe_rtts = []
             return self._probe_limit
@@ -375,6 +396,15 @@ class _ProbingLimit:
             # below the true no-load rtt by the noise, and read that noise as queueing.
             base = self.no_load_rtt = self.long_rtt
         value = self._value
+        if self._slow_start:
+            # HyStart (RFC 9406): the fastest of the last few samples, not the median of two
+            # round trips, ends slow start; the median lags while the limit grows by half per
+            # round trip, and a burst let in at once overshot to several times the knee.
+            fresh = self._fresh_rtts
+            fresh.append(rtt)
+            if len(fresh) == _SLOW_START_ROUND and min(fresh) > base * _SLOW_START_QUEUED:
+                self._slow_start = False
+                fresh.clear()
         delta = self._update(value, short, base)
         if delta > 0:
             if in_flight * 2 < value:  # app-limited: no evidence for a higher limit
@@ -394,7 +424,7 @@ class _ProbingLimit:
         held now is the one later cuts are measured from, and early probes wait a while."""
         self._warm_rtts = []
         self._value_before_probe = self._value
-        self._early_from = at + self.early_probe_gap * base
+        self._early_from = at + self.early_probe_gap * self._early_backoff * base
 
     def _cut_deeply(self, start_time: float) -> bool:
         # A deep cut is either queueing (the probe confirms the baseline, nothing changes) or

@@ -417,3 +417,39 @@ def test_an_early_probe_that_finds_the_baseline_unchanged_backs_off_the_next() -
     gap = lim.early_probe_gap * 0.02  # 20 no-load round trips: 0.4 s
     assert starts[0] - 2.0 < 2 * gap  # the first came one gap after the warm-up's anchor
     assert starts[1] - ends[0] == pytest.approx(2 * gap, abs=0.03)  # the next, two
+
+
+def test_a_probe_that_confirms_the_baseline_ends_at_half_its_samples() -> None:
+    def probe_length(rtt_in_probe: float) -> int:
+        lim = Gradient2Limit(
+            8, max_limit=8, probe_interval=5.0, probe_jitter=0.0, rng=random.Random(0)
+        )
+        t = 0.0
+        while not lim.probing:  # warm-up at 20 ms, then saturated until the probe at 5 s
+            lim.on_sample(t, 0.02, lim.limit, False)
+            t += 0.001
+        n = 0
+        while lim.probing:
+            lim.on_sample(t, rtt_in_probe, lim.limit, False)
+            n += 1
+            t += 0.001
+        return n
+
+    assert probe_length(0.021) == 10  # 5% off: the baseline holds, 10 of 20 samples
+    assert probe_length(0.030) == 20  # 1.5x slower: a change takes every sample
+
+
+def test_a_cut_from_a_limit_never_used_does_not_probe_early() -> None:
+    # A quiet spell holds the initial 20 with 4 in flight; the flood's queueing then cuts it.
+    # That cut says nothing about a slowdown (20 was never in use), so no early probe pins
+    # the limit at half while the flood is served.
+    lim = Gradient2Limit(20, probe_interval=1000.0, probe_jitter=0.0, rng=random.Random(0))
+    t = 0.0
+    while t < 2.0:
+        lim.on_sample(t, 0.040, 4, False)
+        t += 0.01
+    while lim.limit >= 12:  # cut by 40%: the early probe would have come at 20%
+        lim.on_sample(t, 0.100, lim.limit, False)
+        assert not lim.probing, t
+        t += 0.002
+    assert t < 6.0

@@ -203,7 +203,11 @@ class _ProbingLimit:
       by ``early_probe_cut`` (20%) since it: a deep cut is either queueing (the probe
       confirms the baseline) or a slowdown queueing did not cause, which only a probe can
       tell. An early probe that confirms the baseline doubles the gap before the next early
-      one (up to 8x; any other probe resets it).
+      one (up to 8x; any other probe resets it). Cuts are measured from the limit in use
+      at the last probe (the most requests seen in flight since the one before, if fewer):
+      a limit held through a quiet spell was never in use, and its cut is no news.
+    - A probe whose first half of samples already puts the baseline within the slow start
+      factor of the last one ends there; one that finds a change takes all its samples.
     - Each algorithm's ``_update`` gives the change over one *round trip*; a round trip
       brings about ``limit`` samples, so each sample applies ``1/limit`` of it (full steps per
       sample overreact long before their effect on latency can be seen).
@@ -280,6 +284,7 @@ class _ProbingLimit:
         self._decreased_at = -math.inf
         self._slow_start = True
         self._value_before_probe = float(initial)
+        self._used = 0  # the most requests in flight at once since the last anchor
         self._warmup = 0
         self._warm_rtts: list[float] = []  # kept sorted
         # Whole round trips of samples: the first completions of a batch started together are
@@ -320,10 +325,18 @@ class _ProbingLimit:
             if not dropped and in_flight <= self._probe_limit:
                 probe = self._probe_rtts
                 probe.append(rtt)
-                if len(probe) >= max(self.probe_samples, 2 * self._probe_limit):
+                n = len(probe)
+                confirmed = n == max(self.probe_samples // 2, 2 * self._probe_limit) and (
+                    self._confirms(probe)
+                )
+                if confirmed or n >= max(self.probe_samples, 2 * self._probe_limit):
                     probe.sort()
                     old = self.no_load_rtt
-                    new = self.no_load_rtt = _median(probe)
+                    new = _median(probe)
+                    if confirmed and old is not None:
+                        # A short probe's median is noisier: it moves the baseline halfway.
+                        new = (old + new) / 2.0
+                    self.no_load_rtt = new
                     self.short_rtt = self.long_rtt = new
                     self._recent.clear()  # the short window starts again from the baseline
                     self._fresh = 0
@@ -355,6 +368,8 @@ class _ProbingLimit:
                     self._anchored(start_time + rtt, new)
                     self._schedule_probe(start_time + rtt)
             return self.limit
+        if in_flight > self._used:
+            self._used = in_flight
         scheduled = start_time >= self._next_probe  # type: ignore[operator]
         if scheduled or self._cut_deeply(start_time):
             self._probe_early = not scheduled
@@ -419,11 +434,25 @@ class _ProbingLimit:
         self._value = _clamp(value + delta / value, self.min_limit, self.max_limit)
         return int(self._value)
 
+    def _confirms(self, probe: list[float]) -> bool:
+        """Half a probe's samples already put the baseline where it was (within the slow
+        start factor): end it there. Every sample of a probe is served at half the limit,
+        and most probes confirm; one that finds a change takes all its samples."""
+        old = self.no_load_rtt
+        if old is None:
+            return False
+        median = _median(sorted(probe))
+        return old / self.slow_start_exit <= median <= old * self.slow_start_exit
+
     def _anchored(self, at: float, base: float) -> None:
         """The baseline was just measured (a probe or the warm-up ended at ``at``): the limit
         held now is the one later cuts are measured from, and early probes wait a while."""
         self._warm_rtts = []
-        self._value_before_probe = self._value
+        # The limit in use, not a value no load has reached (a limit held through a quiet
+        # spell): a cut from one never used is no sign of a slowdown.
+        used = float(max(self.min_limit, self._used))
+        self._value_before_probe = min(self._value, used)
+        self._used = 0
         self._early_from = at + self.early_probe_gap * self._early_backoff * base
 
     def _cut_deeply(self, start_time: float) -> bool:

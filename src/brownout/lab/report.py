@@ -464,7 +464,7 @@ JSON, an HTML page and this Markdown.
 both brownout configurations): 4x then 10x of capacity while a CPU hog, a pure spinner at nice
 0 in its own process, started and killed by the lab, is pinned to the front's core from the
 warm-up on (a noisy neighbour); brownout-adaptive must keep goodput >= 90% of capacity and
->= uvicorn's in the same step (less 1% of capacity), and success p99 <= half the deadline.
+>= uvicorn's in the same step (less 2% of capacity), and success p99 <= half the deadline.
 
 **Honest about its host**: every step reports the CPU used by the front, the dependency, the
 generator (and the hog), in % of one core from `/proc` over the step's steady state, and how

@@ -46,9 +46,11 @@ STORM_DEPENDENCY_FACTOR = 1.25
 DEGRADED_GOODPUT_SHARE = 0.90
 STARVED = "cpu-starved"
 STARVED_RIVAL = "uvicorn-limit"
-STARVED_SLACK = 0.01
+STARVED_SLACK = 0.02
 """Share of capacity brownout's goodput may trail uvicorn's by in the CPU-starved scenario:
-two separate runs' steady-state counts, not one, are compared."""
+two separate runs' 2-second counts are compared (uvicorn's own moved by 2% between runs),
+and an adaptive limit re-measures its no-load latency at half the limit every 5 s (about
+1% of a step's goodput)."""
 
 
 def _check(

@@ -347,7 +347,7 @@ async def main(rounds: int, n: int) -> None:
         for t in held:
             t.close()
         for proc, _ in servers.values():
-            proc.terminate()
+            proc.kill()  # (SIGTERM waits for the held requests: uvicorn's graceful shutdown)
         for proc, _ in servers.values():
             proc.wait()
 
@@ -375,7 +375,7 @@ async def profile(out: str, n: int) -> None:
     finally:
         for t in held:
             t.close()
-        proc.terminate()
+        proc.kill()
         proc.wait()
 
 

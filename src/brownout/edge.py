@@ -326,11 +326,20 @@ class Refusal(NamedTuple):
     def retry_after_header(self) -> str | None:
         """``Retry-After`` in whole seconds: the jittered value rounded, never below the
         estimate rounded up, at least 1; ``None`` without an estimate."""
+        seconds = self.retry_after_seconds()
+        return None if seconds is None else str(seconds)
+
+    def retry_after_seconds(self) -> int | None:
+        """`retry_after_header` as a number (adapters that write bytes look it up)."""
         ra = self.retry_after
         if ra is None:
             return None
-        floor = math.ceil(self.estimate) if self.estimate is not None else 1
-        return str(max(1, floor, round(ra)))
+        estimate = self.estimate
+        floor = math.ceil(estimate) if estimate is not None else 1
+        seconds = round(ra)
+        if seconds < floor:
+            seconds = floor
+        return seconds if seconds >= 1 else 1  # max(1, floor, round(ra)), without the call
 
 
 def problem_body(
@@ -875,8 +884,9 @@ class EdgePolicy:
         jittered = None
         if estimate is not None:
             jittered = estimate * (1.0 + self.retry_after_jitter * self.rng.random())
-        return base._replace(
-            body=body, retry_after=jittered, degraded=degraded, quota=quota, estimate=estimate
+        # The constructor, not ``_replace`` (a map over the fields and a dict per call).
+        return Refusal(
+            base.status, reason, body, jittered, base.do_not_retry, degraded, quota, estimate
         )
 
     def degraded_names(self) -> tuple[str, ...]:
@@ -1087,6 +1097,8 @@ class EdgePolicy:
         except (asyncio.CancelledError, Exception) as e:
             if isinstance(e, Rejected) and not flight.admitted:
                 # Refused at admission: the bulkhead already reported the shed.
+                if self.slowed is None:
+                    return self.refusal(e.reason, e.retry_after)
                 return await self._held(self.refusal(e.reason, e.retry_after))
             answer = self.answer_raised(e, flight, task, answers)
             if answer is None:

@@ -621,7 +621,8 @@ class BrownoutMiddleware:
             )
         finally:
             exchange.close()
-        await _write_answer(outcome, send)
+        if type(outcome) is Refusal:  # `_write_answer`, one coroutine frame less
+            await _write_refusal(outcome, send)
 
 
 async def _write_answer(outcome: Any, send: Send) -> None:
@@ -629,15 +630,27 @@ async def _write_answer(outcome: Any, send: Send) -> None:
         await _write_refusal(outcome, send)
 
 
-async def _write_refusal(refusal: Refusal, send: Send) -> None:
-    body = refusal.body
-    headers = [
-        (b"content-type", _PROBLEM),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    ra = refusal.retry_after_header()
-    if ra is not None:
-        headers.append((b"retry-after", ra.encode()))
+_CONTENT_TYPE = (b"content-type", _PROBLEM)
+_LENGTHS: dict[int, tuple[bytes, bytes]] = {}
+"""``content-length`` headers by body length (the problem bodies come in a few lengths)."""
+_SECONDS = [b"%d" % s for s in range(121)]
+"""``Retry-After`` values up to two minutes, encoded once."""
+
+
+def _refusal_head(refusal: Refusal) -> list[tuple[bytes, bytes]]:
+    """The refusal's response headers: a new list each time (middleware outside may add
+    to it in place), of pairs built once where they recur."""
+    n = len(refusal.body)
+    length = _LENGTHS.get(n)
+    if length is None:
+        length = (b"content-length", b"%d" % n)
+        if len(_LENGTHS) < 256:
+            _LENGTHS[n] = length
+    headers = [_CONTENT_TYPE, length]
+    if refusal.retry_after is not None:
+        seconds = refusal.retry_after_seconds()
+        assert seconds is not None
+        headers.append((b"retry-after", _SECONDS[seconds] if seconds < 121 else b"%d" % seconds))
     if refusal.do_not_retry:
         headers.append((_RETRY, _NEVER))
     if refusal.degraded:
@@ -645,8 +658,14 @@ async def _write_refusal(refusal: Refusal, send: Send) -> None:
     quota = refusal.quota
     if quota is not None:
         headers.extend(_ratelimit_headers(quota))
-    await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    return headers
+
+
+async def _write_refusal(refusal: Refusal, send: Send) -> None:
+    await send(
+        {"type": "http.response.start", "status": refusal.status, "headers": _refusal_head(refusal)}
+    )
+    await send({"type": "http.response.body", "body": refusal.body})
 
 
 def _ratelimit_headers(quota: Any) -> list[tuple[bytes, bytes]]:

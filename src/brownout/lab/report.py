@@ -429,7 +429,10 @@ $ brownout lab --target http://127.0.0.1:8000/api/items --health-path /healthz
 ```
 
 **The demo system** is real: a dependency (uvicorn, 8 concurrent x 40 ms, about 200
-requests/s, queueing beyond that) and a front service (uvicorn + Starlette) whose endpoints
+requests/s, queueing beyond that; sized so that a 10x flood fits a 2-core machine with a
+neighbour on the front's core: at 8 x 20 ms the front needed more than the half core a
+nice-0 neighbour leaves it, and every configuration collapsed, see
+[benchmarks](benchmarks.md#the-front-short-of-cpu-issue-22-2026-12-02-amd-epyc-2-cores-cpython-3117)) and a front service (uvicorn + Starlette) whose endpoints
 call it through a pooled aiohttp client, passing the remaining budget. Both run in their own
 processes, pinned to a different core than the load generator where the machine allows.
 The same front runs in four configurations, side by side, each on fresh processes per
@@ -450,14 +453,17 @@ runs in its own process on raw uvloop transports with HTTP/1.1 keep-alive, measu
 from each request's *scheduled* time (no coordinated omission), abandons a request at its
 client deadline (closing the connection, as an HTTP client with a timeout does) and counts
 every offered request into exactly one outcome. It measures its own lateness: a step where
-its p99 lateness exceeds 5 ms is flagged "late!" and its checks are marked suspect.
+its p99 lateness exceeds 5 ms is host-bound (below).
 Capacity is measured first, closed loop, by doubling concurrency until throughput stops
 growing; loads are multiples of it.
 
 **Pass/fail** (the exit status, so CI can run it): for brownout configurations (or your
 `--target`), goodput at 2x, 4x and 10x >= 90% of capacity; success p99 <= half the client
-deadline; at 0.8x, refusals <= 0.1% (no false positives, S8); in the priority mix,
-interactive goodput >= 99% of interactive demand (S3). `lab-report/` gets the plots, the raw
+deadline; at 0.8x, refusals <= 0.1% (no false positives, S8); below capacity (0.5x and 0.8x),
+goodput >= 99% of offered; in the priority mix, interactive goodput >= 99% of interactive
+demand (S3). Reported as targets, not enforced: brownout-adaptive at 10x >= 97% of capacity,
+success p50 <= 1.5x and p99 <= 3x the dependency's service time; health checks under the
+10x flood all answered, p99 <= 50 ms. `lab-report/` gets the plots, the raw
 JSON, an HTML page and this Markdown.
 
 **CPU-starved front** (`cpu-starved`, in the default run on uvicorn --limit-concurrency and

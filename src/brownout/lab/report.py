@@ -432,9 +432,10 @@ $ brownout lab --target http://127.0.0.1:8000/api/items --health-path /healthz
 requests/s, queueing beyond that; sized so that a 10x flood fits a 2-core machine with a
 neighbour on the front's core: at 8 x 20 ms the front needed more than the half core a
 nice-0 neighbour leaves it, and every configuration collapsed, see
-[benchmarks](benchmarks.md#the-front-short-of-cpu-issue-22-2026-12-02-amd-epyc-2-cores-cpython-3117)) and a front service (uvicorn + Starlette) whose endpoints
-call it through a pooled aiohttp client, passing the remaining budget. Both run in their own
-processes, pinned to a different core than the load generator where the machine allows.
+[benchmarks](benchmarks.md#the-front-short-of-cpu-issue-22)) and a front service (uvicorn +
+Starlette) whose endpoints call it through a pooled aiohttp client, passing the remaining
+budget. Both run in their own processes, pinned to a different core than the load generator
+where the machine allows.
 The same front runs in four configurations, side by side, each on fresh processes per
 scenario:
 

@@ -449,3 +449,20 @@ def test_bounded_per_caller_counts_and_lazily_removed_items(make: type[WaitQueue
     while q.size:
         q.pop(now)
     assert q._per_caller == {}
+
+
+def test_a_class_stands_only_after_several_round_trips_of_slow_work() -> None:
+    # In front of 40 ms work a class that has not emptied for 130 ms (an adaptive limit's
+    # probe: two round trips at half the limit) is not a standing queue yet: its waiters keep
+    # the long bound and FIFO order. Four round trips behind, it stands.
+    q = PriorityCoDelQueue(max_size=64)
+    for _ in range(200):
+        q.note_service(0.040, 10)
+    assert q.short_bound == pytest.approx(0.040, rel=0.01)
+    rank = rank_of(Priority.CRITICAL, False)
+    item = QueueItem(Priority.CRITICAL)
+    q.push(item, 10.0)
+    assert not q.standing(10.130, rank)
+    assert q.wait_bound(10.130, rank) == q.long_bound
+    assert q.standing(10.170, rank)
+    assert q.wait_bound(10.170, rank) == q.short_bound

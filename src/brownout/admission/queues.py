@@ -49,6 +49,9 @@ __all__ = [
 ]
 
 _RANKS = 8
+_STANDING_ROUND_TRIPS = 4.0
+"""Round trips of the work (`PriorityCoDelQueue.short_bound`) a class must stay behind for
+to count as standing, when that is longer than ``interval``."""
 _IDLE = math.inf  # busy-since of an empty class: ``now - _IDLE`` is never >= an interval
 CRITICAL_PLUS_RANK = int(Priority.CRITICAL_PLUS) * 2
 """The lowest rank of CRITICAL_PLUS work (new CRITICAL_PLUS)."""
@@ -592,7 +595,9 @@ class PriorityCoDelQueue(WaitQueue):
     The bounds scale with the work: a standing class may always wait one round trip of the
     work it queues for (its service time, and at least two *release gaps*, service time /
     limit, fed by the `Bulkhead` from the requests it times), and the interval bound is never
-    below that. In front of 1 ms work the 5 ms target stands; in front of a slow dependency
+    below that; a class counts as standing once it has not emptied for ``interval`` or four
+    such round trips, whichever is longer (a burst of a couple of round trips, such as an
+    adaptive limit's probe, is not a standing queue). In front of 1 ms work the 5 ms target stands; in front of a slow dependency
     (1 s x 4 slots: a slot frees every 250 ms) a 5 ms or 100 ms bound would age every waiter
     out before any slot frees and leave slots idle while work is refused; and in front of
     25 ms work on a saturated host, whose event loop frees slots in bursts once per 10-20 ms
@@ -630,6 +635,7 @@ class PriorityCoDelQueue(WaitQueue):
         # the bounds in force: ``max_wait`` caps both
         self._short = min(target, self.max_wait)
         self._long = min(interval, self.max_wait)
+        self._standing = interval  # how long a class must not empty to be standing
 
     scales_with_service = True
 
@@ -654,6 +660,11 @@ class PriorityCoDelQueue(WaitQueue):
         self._short = min(short, self.max_wait)
         self._memory = short
         self._long = min(max(self.interval, short), self.max_wait)
+        # Standing means not caught up for several round trips of the work, not for 100 ms
+        # of it: in front of 40 ms work, an adaptive limit's probe (its limit pinned at half
+        # for two round trips) kept a critical class from emptying for ~130 ms, flipped it
+        # to the short bound and LIFO, and refused its oldest waiters.
+        self._standing = max(self.interval, _STANDING_ROUND_TRIPS * short)
 
     @property
     def short_bound(self) -> float:
@@ -669,26 +680,26 @@ class PriorityCoDelQueue(WaitQueue):
 
     def standing(self, now: float, rank: int) -> bool:
         """Whether class ``rank`` has not emptied for a full interval (its own overload)."""
-        return now - self._class_busy[rank] >= self.interval
+        return now - self._class_busy[rank] >= self._standing
 
     def overloaded(self, now: float) -> bool:
         """Some class has a standing queue."""
-        interval = self.interval
+        interval = self._standing
         return any(now - busy >= interval for busy in self._class_busy)
 
     def _lifo(self, now: float, rank: int) -> bool:
-        return self.lifo and now - self._class_busy[rank] >= self.interval
+        return self.lifo and now - self._class_busy[rank] >= self._standing
 
     def wait_bound(self, now: float, rank: int | None = None) -> float:
         if rank is None:
             return self._long  # the loosest bound any class can have
-        return self._short if now - self._class_busy[rank] >= self.interval else self._long
+        return self._short if now - self._class_busy[rank] >= self._standing else self._long
 
     def next_expiry(self, now: float) -> float | None:
         if self.size == 0:
             return None
         at = math.inf
-        interval = self.interval
+        interval = self._standing
         short = self._short
         for r in range(_RANKS):
             d = self._classes[r]

@@ -6,6 +6,8 @@ of it in metrics. The names below are the public API; everything else is an impl
 detail that may change.
 """
 
+from importlib import metadata as _metadata
+
 from .admission import (
     AdaptiveLifoQueue,
     AIMDLimit,
@@ -69,7 +71,10 @@ from .retry import (
 )
 from .stats import Stats
 
-__version__ = "0.1.0"
+try:  # the version is written once, in pyproject.toml; installing puts it in the metadata
+    __version__ = _metadata.version("brownout")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "AIMDLimit",

@@ -122,8 +122,16 @@ def test_ignored_probe_frees_its_slot() -> None:
     b = CircuitBreaker(open_for=1.0, open_jitter=0.0, half_open_probes=1, clock=clock)
     b.force_open()
     clock.advance(1.0)
-    b.release(b.acquire(), failed=None)
-    b.acquire()
+    probe = b.acquire()
+    b.release(probe, failed=None)
+    again = b.acquire()  # refused (BREAKER_OPEN) if the ignored probe still held the only slot
+    assert again == probe  # the same half-open spell: the ignored probe decided nothing
+    assert b.state is BreakerState.HALF_OPEN
+    with pytest.raises(Rejected) as info:
+        b.acquire()  # the freed slot was the only one, and it is taken again
+    assert info.value.reason is Reason.BREAKER_OPEN
+    b.release(again, failed=False)
+    assert b.state is BreakerState.CLOSED  # the one probe that counted closed it
 
 
 def test_stale_releases_from_before_a_transition_are_ignored() -> None:

@@ -172,7 +172,20 @@ def test_bind_for_raw_threads() -> None:
     t.start()
     t.join()
     assert out == ["erin"]
-    assert contextvars.copy_context() is not None
+
+
+def test_a_copied_context_carries_the_request_and_is_independent_of_it() -> None:
+    # What bind and asyncio.to_thread rely on: a copy holds the request as it was copied, and
+    # whatever is attached inside the copy stays there.
+    with brownout.request(caller="erin", deadline=5.0) as ctx:
+        copied = contextvars.copy_context()
+    assert brownout.current().caller == "unknown"  # the scope ended; the copy keeps it
+    assert copied.run(brownout.current) is ctx
+    copied.run(attach, RequestContext(caller="frank"))
+    assert copied.run(brownout.current).caller == "frank"
+    assert brownout.current().caller == "unknown"  # the original never saw frank
+    again = contextvars.copy_context()
+    assert again.run(brownout.current).caller == "unknown"
 
 
 @pytest.mark.looptime

@@ -276,8 +276,17 @@ def test_outbound_headers_send_remaining_minus_reserve() -> None:
 
 
 def test_stats_sink_counts_ignored_headers_without_crashing() -> None:
-    # A Stats sink must accept every event type, including ones it does not count.
-    Stats().emit(DeadlineHeaderIgnored(0.0, "inbound", BUDGET_HEADER, "bad"))
+    # Stats counts ignored headers by (header, problem), one row per pair.
+    stats = Stats()
+    stats.emit(DeadlineHeaderIgnored(0.0, "inbound", BUDGET_HEADER, "bad"))
+    stats.emit(DeadlineHeaderIgnored(1.0, "inbound", BUDGET_HEADER, "bad"))
+    stats.emit(DeadlineHeaderIgnored(2.0, "inbound", BUDGET_HEADER, "untrusted source"))
+    stats.emit(DeadlineHeaderIgnored(3.0, "inbound", SIGNED_BUDGET_HEADER, "bad"))
+    assert stats.headers_ignored == {
+        (BUDGET_HEADER, "bad"): 2,
+        (BUDGET_HEADER, "untrusted source"): 1,
+        (SIGNED_BUDGET_HEADER, "bad"): 1,
+    }
 
 
 def test_a_protocol_budget_is_clamped_to_the_route_maximum() -> None:

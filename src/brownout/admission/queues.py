@@ -592,14 +592,14 @@ class PriorityCoDelQueue(WaitQueue):
     ``target`` while no lower class was served meanwhile (every slot still busy: stale items
     aged out together, or slots freeing at once took every waiter) continues its busy period.
 
-    The bounds scale with the work: a standing class may always wait one round trip of the
-    work it queues for (its service time, and at least two *release gaps*, service time /
-    limit, fed by the `Bulkhead` from the requests it times), and the interval bound is never
-    below that; a class counts as standing once it has not emptied for ``interval`` or four
-    such round trips, whichever is longer (a burst of a couple of round trips, such as an
-    adaptive limit's probe, is not a standing queue). In front of 1 ms work the 5 ms target stands; in front of a slow dependency
-    (1 s x 4 slots: a slot frees every 250 ms) a 5 ms or 100 ms bound would age every waiter
-    out before any slot frees and leave slots idle while work is refused; and in front of
+    The bounds scale with the work: a standing class may always wait one round trip of the work
+    it queues for (its service time, and at least two *release gaps*, service time / limit, fed
+    by the `Bulkhead` from the requests it times), and the interval bound is never below that; a
+    class counts as standing once it has not emptied for ``interval`` or four such round trips,
+    whichever is longer (a burst of a couple of round trips, such as an adaptive limit's probe,
+    is not a standing queue). In front of 1 ms work the 5 ms target stands; in front of a slow
+    dependency (1 s x 4 slots: a slot frees every 250 ms) a 5 ms or 100 ms bound would age every
+    waiter out before any slot frees and leave slots idle while work is refused; and in front of
     25 ms work on a saturated host, whose event loop frees slots in bursts once per 10-20 ms
     turn, a 5 ms bound refuses every waiter before the next burst (the lab lost 40% of its
     goodput at 10x so).

@@ -6,30 +6,11 @@ import asyncio
 import math
 
 import pytest
+from tests.limits import SpyLimit
 
 import brownout
 from brownout import Bulkhead, FifoQueue, FixedLimit, Reason, Rejected
 from brownout.admission.loop_lag import LoopLag, loop_lag
-
-
-class Recording:
-    """An adaptive limit that records its samples."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self.samples: list[float] = []
-
-    @property
-    def limit(self) -> int:
-        return self._limit
-
-    @property
-    def adaptive(self) -> bool:
-        return True
-
-    def on_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
-        self.samples.append(rtt)
-        return self._limit
 
 
 def test_the_mean_follows_the_lateness_with_its_time_constant() -> None:
@@ -60,8 +41,8 @@ def test_bad_settings_are_refused(bad: float) -> None:
 async def test_the_adaptive_limit_learns_the_work_latency_less_the_loop_lag() -> None:
     clock = brownout.ManualClock(100.0)
     lag = LoopLag()
-    limit = Recording(4)
-    b = Bulkhead("x", limit, clock=clock, loop_lag=lag)  # type: ignore[arg-type]
+    limit = SpyLimit()
+    b = Bulkhead("x", limit, clock=clock, loop_lag=lag)
     p = b.try_admit()
     clock.advance(0.050)
     p.success()

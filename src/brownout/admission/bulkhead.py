@@ -63,7 +63,8 @@ from ..ledger import (
 from ..priority import Priority
 from .estimator import LatencyEstimator
 from .limits import Limit
-from .loop_lag import LoopLag, loop_lag
+from .loop_lag import LoopLag
+from .loop_lag import loop_lag as _shared_loop_lag
 from .queues import CRITICAL_PLUS_RANK, PriorityCoDelQueue, QueueItem, WaitQueue, rank_of
 
 __all__ = ["Bulkhead", "OverloadState", "Permit", "Untracked"]
@@ -802,7 +803,7 @@ class Bulkhead:
         if lag is None:
             if not self._lag_auto:
                 return
-            lag = self._lag = loop_lag()
+            lag = self._lag = _shared_loop_lag()
         late = lag.mean
         if late >= self._shed_lag:
             raise self._refuse(
@@ -1037,7 +1038,7 @@ class Bulkhead:
             if self._adaptive and outcome != _IGNORED:
                 lag = self._lag
                 if lag is None and self._lag_auto:
-                    lag = self._lag = loop_lag()
+                    lag = self._lag = _shared_loop_lag()
                 work = rtt
                 if lag is not None:
                     # The loop's delay of the wakeup that ends the work is not the work's:

@@ -90,6 +90,35 @@ def step_host_bound(step: dict[str, Any] | None) -> list[str]:
     return [] if step["valid"] else [f"generator late (p99 {step['lateness_p99_ms']} ms)"]
 
 
+def _floor_check(run: dict[str, Any], step: dict[str, Any], capacity: float) -> Check:
+    """Goodput >= `GOODPUT_FLOOR` of capacity (T1)."""
+    goodput = step["steady"]["goodput_per_s"]
+    floor = GOODPUT_FLOOR * capacity
+    return _check(
+        run,
+        step,
+        f"goodput >= {GOODPUT_FLOOR:.0%} of capacity",
+        goodput,
+        round(floor, 1),
+        goodput >= floor,
+        "req/s",
+    )
+
+
+def _p99_check(run: dict[str, Any], step: dict[str, Any], deadline_ms: float) -> Check:
+    """Success p99 <= half the client deadline (O3)."""
+    p99 = step["steady"]["success_p99_ms"]
+    return _check(
+        run,
+        step,
+        "success p99 <= half the deadline",
+        p99,
+        deadline_ms / 2,
+        p99 is not None and p99 <= deadline_ms / 2,
+        "ms",
+    )
+
+
 def _judged(lab: dict[str, Any]) -> set[str]:
     if lab.get("target"):
         return {c["name"] for c in lab["configurations"]}
@@ -115,33 +144,10 @@ def evaluate(lab: dict[str, Any]) -> list[Check]:
             for step in run["steps"]:
                 steady = step["steady"]
                 if step["load"] in OVERLOAD_LOADS:
-                    goodput = steady["goodput_per_s"]
-                    floor = GOODPUT_FLOOR * capacity
-                    checks.append(
-                        _check(
-                            run,
-                            step,
-                            f"goodput >= {GOODPUT_FLOOR:.0%} of capacity",
-                            goodput,
-                            round(floor, 1),
-                            goodput >= floor,
-                            "req/s",
-                        )
-                    )
-                p99 = steady["success_p99_ms"]
-                if p99 is not None or steady["offered"]:
+                    checks.append(_floor_check(run, step, capacity))
+                if steady["success_p99_ms"] is not None or steady["offered"]:
                     # No success at all is a missing figure, not a passing one.
-                    checks.append(
-                        _check(
-                            run,
-                            step,
-                            "success p99 <= half the deadline",
-                            p99,
-                            deadline_ms / 2,
-                            p99 is not None and p99 <= deadline_ms / 2,
-                            "ms",
-                        )
-                    )
+                    checks.append(_p99_check(run, step, deadline_ms))
                 if step["load"] < 1.0 and steady["offered"]:
                     # The refusal check alone passed a service that timed out everything
                     # below capacity without refusing.
@@ -292,18 +298,7 @@ def _starved_checks(
     for step in run["steps"]:
         steady = step["steady"]
         goodput = steady["goodput_per_s"]
-        floor = GOODPUT_FLOOR * capacity
-        out.append(
-            _check(
-                run,
-                step,
-                f"goodput >= {GOODPUT_FLOOR:.0%} of capacity",
-                goodput,
-                round(floor, 1),
-                goodput >= floor,
-                "req/s",
-            )
-        )
+        out.append(_floor_check(run, step, capacity))
         other = rival.get(step["label"])
         if other is not None:
             limit = other["steady"]["goodput_per_s"] - STARVED_SLACK * capacity
@@ -320,18 +315,7 @@ def _starved_checks(
                     [f"{STARVED_RIVAL}: {why}" for why in step_host_bound(other)],
                 )
             )
-        p99 = steady["success_p99_ms"]
-        out.append(
-            _check(
-                run,
-                step,
-                "success p99 <= half the deadline",
-                p99,
-                deadline_ms / 2,
-                p99 is not None and p99 <= deadline_ms / 2,
-                "ms",
-            )
-        )
+        out.append(_p99_check(run, step, deadline_ms))
     return out
 
 

@@ -17,8 +17,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 import brownout
-from brownout import Bulkhead, FifoQueue, FixedLimit, PriorityCoDelQueue, Rejected
-from brownout.admission.queues import QueueItem, WaitQueue
+from brownout import Bulkhead, Rejected
+from brownout.limits import FixedLimit
+from brownout.queues import FifoQueue, PriorityCoDelQueue, QueueItem, WaitQueue
 
 REPS = 7
 N = 100_000

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 import brownout
-from brownout.propagation import (
+from brownout.wire import (
     decode_budget_ms,
     decode_grpc_timeout,
     encode_budget_ms,
@@ -96,8 +96,8 @@ def main() -> None:
     finally:
         loop.close()
     print(f"asyncio.timeout scope            {base_us:8.3f} us")
-    print(f"brownout.deadline scope          {ours_us:8.3f} us")
-    print(f"brownout.deadline nested scope   {nested_us:8.3f} us")
+    print(f"brownout._deadline scope          {ours_us:8.3f} us")
+    print(f"brownout._deadline nested scope   {nested_us:8.3f} us")
     print(
         f"ratio deadline/timeout           {statistics.median(ratios):8.3f}x (median of "
         f"{len(ratios)} interleaved rounds; best {min(ratios):.3f}x; target <= 1.2x)"

@@ -19,8 +19,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from brownout import DegradedMode, DegradedModes, FailClosedGuard, StaleCache
-from brownout.degrade import dependency_call
 from brownout.events import EventHub
+from brownout.wire import dependency_call
 
 N = 100_000
 

@@ -36,9 +36,9 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route as StarletteRoute
 
-from brownout import Bulkhead, FixedLimit
-from brownout.edge import EdgePolicy
+from brownout import Bulkhead, EdgePolicy
 from brownout.integrations.asgi import BrownoutMiddleware
+from brownout.limits import FixedLimit
 
 REPS = 5
 N = 5_000
@@ -194,7 +194,7 @@ async def start_backend() -> tuple[asyncio.subprocess.Process, int]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "brownout.lab.demo",
+        "brownout._lab.demo",
         "backend",
         "--latency",
         "0.0",
@@ -234,8 +234,8 @@ LIMIT, QUEUE = 10, 5
 
 
 async def refusal_cost() -> None:
-    from brownout import FifoQueue
-    from brownout.lab.demo import create_front
+    from brownout._lab.demo import create_front
+    from brownout.queues import FifoQueue
 
     backend, port = await start_backend()
     try:

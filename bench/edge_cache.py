@@ -24,9 +24,9 @@ from typing import Any
 
 from edge_bench import _BODY, _START, App, per_request
 
-from brownout import Bulkhead, FixedLimit
-from brownout.edge import EdgePolicy
+from brownout import Bulkhead, EdgePolicy
 from brownout.integrations.asgi import BrownoutMiddleware
+from brownout.limits import FixedLimit
 
 REPS = 9
 SIZES_KB = (0, 128, 256, 512, 1024)

@@ -14,9 +14,9 @@ import asyncio
 import multiprocessing
 import time
 
-from brownout.lab.generator import MAX_LATENESS, LoadPlan, LoadStep, TrafficClass
-from brownout.lab.process import GeneratorProcess, new_event_loop, pin_to, usable_cpus
-from brownout.lab.tally import Tally
+from brownout._lab.generator import MAX_LATENESS, LoadPlan, LoadStep, TrafficClass
+from brownout._lab.process import GeneratorProcess, new_event_loop, pin_to, usable_cpus
+from brownout._lab.tally import Tally
 
 RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
 

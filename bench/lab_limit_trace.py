@@ -36,10 +36,10 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from brownout.lab.generator import LoadPlan, LoadStep, PlanResult
-from brownout.lab.process import GeneratorProcess
-from brownout.lab.runner import LabSettings, Target, classes_for, cpu_layout, summarize_step
-from brownout.lab.servers import DemoSystem, start_demo
+from brownout._lab.generator import LoadPlan, LoadStep, PlanResult
+from brownout._lab.process import GeneratorProcess
+from brownout._lab.runner import LabSettings, Target, classes_for, cpu_layout, summarize_step
+from brownout._lab.servers import DemoSystem, start_demo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from edge_bench import process_cpu

@@ -1,6 +1,6 @@
 """Where the adaptive limits settle against the knee model (docs/admission.md's table).
 
-A server whose latency grows linearly past its knee (`brownout.admission.model.KneeServer`,
+A server whose latency grows linearly past its knee (`brownout._admission.model.KneeServer`,
 +/-20% service-time noise), driven at saturation for 60 virtual seconds: 20 s normal, 20 s
 at 4x the service time, 20 s normal again. Prints, per knee and algorithm, the range of
 ``limit / knee`` over the last 10 s of each phase (probe periods left out), across three
@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import random
 
-from brownout import AIMDLimit, Gradient2Limit, VegasLimit
-from brownout.admission.limits import Limit
-from brownout.admission.model import KneeServer, run_saturated
+from brownout.limits import AIMDLimit, Gradient2Limit, Limit, VegasLimit
+from brownout.testing import KneeServer, run_saturated
 
 KNEES = (10, 20, 100, 500)
 SEEDS = (0, 1, 2)

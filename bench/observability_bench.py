@@ -26,11 +26,12 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from brownout import Bulkhead, EventHub, FixedLimit, Priority, Reason, Rejected, Stats
-from brownout.events import Event, RequestShed
+from brownout import Bulkhead, Priority, Reason, Rejected, Stats
+from brownout.events import Event, EventHub, RequestShed
 from brownout.export.logging import ShedLog
 from brownout.export.otel import OtelHistogramSink
 from brownout.export.prometheus import register
+from brownout.limits import FixedLimit
 
 N = 50_000
 ROUNDS = 7

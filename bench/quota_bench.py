@@ -18,8 +18,9 @@ import statistics
 import time
 import uuid
 
-from brownout import EventHub, InMemoryQuotaStore, Quota, RedisQuotaStore
-from brownout.quota import GcraPolicy, decide
+from brownout import InMemoryQuotaStore, Quota, RedisQuotaStore
+from brownout._quota import GcraPolicy, decide
+from brownout.events import EventHub
 
 
 async def per_second(check: object, keys: list[str], n: int) -> float:

@@ -4,7 +4,7 @@ Starts, in the same run, three uvicorn servers (uvloop, httptools, as the lab's 
 runs them), each pinned to core 0 while this process, the client, runs on core 1:
 
 - ``brownout``: a Starlette app behind `BrownoutMiddleware` with the lab's fixed policy
-  (`brownout.lab.protect`: a fixed limit of 10 and a FIFO queue of 10, trusted priority
+  (`brownout._lab.protect`: a fixed limit of 10 and a FIFO queue of 10, trusted priority
   headers, the demo's degraded modes), except that the queue's age bound is long so that the
   held requests stay queued. The client first serves a few thousand requests (the latency
   estimator learns the route, so refusals carry ``Retry-After``), then holds the limit and the
@@ -71,14 +71,14 @@ def app(kind: str) -> Any:
         routes=[StarletteRoute("/api/interactive", interactive), StarletteRoute("/hold", hold)]
     )
     if kind == "brownout":
-        from brownout import Bulkhead, FifoQueue, FixedLimit, InboundDeadlinePolicy, Priority
-        from brownout.edge import EdgePolicy, Route
+        from brownout import Bulkhead, EdgePolicy, InboundDeadlinePolicy, Priority, Route, Trust
+        from brownout._lab.demo import LatencySignal
+        from brownout._lab.protect import degraded_modes
         from brownout.integrations.asgi import BrownoutMiddleware
-        from brownout.lab.demo import LatencySignal
-        from brownout.lab.protect import degraded_modes
-        from brownout.propagation import Trust
+        from brownout.limits import FixedLimit
+        from brownout.queues import FifoQueue
 
-        # `brownout.lab.protect.protect(app, "fixed")`, with a queue that keeps its holders.
+        # `brownout._lab.protect.protect(app, "fixed")`, with a queue that keeps its holders.
         policy = EdgePolicy(
             bulkhead=Bulkhead(
                 "front", FixedLimit(LIMIT), FifoQueue(max_size=QUEUE, max_wait=600.0)

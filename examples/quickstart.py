@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import uvicorn
-from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+# isort: split
 # --- the ten lines the README shows ---------------------------------------------------------
-from brownout import Bulkhead, Dependency, Gradient2Limit, InboundDeadlinePolicy, RetryPolicy
-from brownout.edge import EdgePolicy
+import httpx
+from fastapi import FastAPI
+
+from brownout import Bulkhead, Dependency, EdgePolicy, InboundDeadlinePolicy, RetryPolicy
 from brownout.integrations.asgi import BrownoutMiddleware
 from brownout.integrations.httpx import BrownoutTransport
+from brownout.limits import Gradient2Limit
 
 app = FastAPI()
 edge = EdgePolicy(

@@ -24,20 +24,28 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route as StarletteRoute
 
 import brownout
-from brownout import Bulkhead, EventHub, FixedLimit, Priority, Stats, Trust
-from brownout.edge import EdgePolicy, Route
+from brownout import (
+    BudgetSigner,
+    Bulkhead,
+    EdgePolicy,
+    InboundDeadlinePolicy,
+    Priority,
+    Route,
+    Stats,
+    Trust,
+)
+from brownout.events import EventHub
 from brownout.integrations.aiohttp_server import brownout_middleware
 from brownout.integrations.asgi import BrownoutMiddleware
-from brownout.priority import parse_priority
-from brownout.propagation import (
+from brownout.limits import FixedLimit
+from brownout.wire import (
     ATTEMPT_HEADER,
     BUDGET_HEADER,
     ENVOY_TIMEOUT_HEADER,
     IDEMPOTENCY_HEADER,
     PRIORITY_HEADER,
     SIGNED_BUDGET_HEADER,
-    BudgetSigner,
-    InboundDeadlinePolicy,
+    parse_priority,
 )
 
 SIGNER = BudgetSigner({"k1": b"0123456789abcdef0123456789abcdef"})

@@ -1,12 +1,12 @@
-"""Test doubles around admission (a `brownout.admission.Limit`, a counting `Bulkhead`) shared
+"""Test doubles around admission (a `brownout._admission.Limit`, a counting `Bulkhead`) shared
 by several test modules."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from brownout import Bulkhead
-from brownout.admission.bulkhead import Permit, Untracked
+from brownout import Bulkhead, Permit
+from brownout._admission.bulkhead import Untracked
 
 
 class CountingBulkhead(Bulkhead):

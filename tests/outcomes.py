@@ -10,7 +10,8 @@ from typing import Any
 
 from tests.limits import CountingBulkhead
 
-from brownout import DegradedMode, DegradedModes, EventHub, Stats
+from brownout import DegradedMode, DegradedModes, Stats
+from brownout.events import EventHub
 
 SHORT = 0.1
 """The deadline (seconds) of the routes where handlers expire; they would sleep 5 s."""

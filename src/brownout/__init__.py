@@ -2,28 +2,21 @@
 
 Serve what can be served within each caller's deadline, shed the rest early and cheaply,
 retry in one layer under a budget, degrade optional features in declared ways, and show all
-of it in metrics. The names below are the public API; everything else is an implementation
-detail that may change.
+of it in metrics.
+
+The names below are what a service author needs. Specialists live in a few public modules:
+`brownout.limits` and `brownout.queues` (admission's algorithms), `brownout.signals`
+(overload signals), `brownout.events` (the typed decisions exporters consume),
+`brownout.wire` (header names and codecs, for writing an adapter), `brownout.testing`
+(virtual time and drills), and the adapters under `brownout.integrations` and
+`brownout.export`. Every other module is private. docs/api.md says what is stable.
 """
 
 from importlib import metadata as _metadata
 
-from .admission import (
-    AdaptiveLifoQueue,
-    AIMDLimit,
-    Bulkhead,
-    CoDelQueue,
-    FifoQueue,
-    FixedLimit,
-    Gradient2Limit,
-    LatencyEstimator,
-    LifoQueue,
-    Permit,
-    PriorityCoDelQueue,
-    VegasLimit,
-)
-from .clock import Clock, LoopClock, ManualClock, MonotonicClock
-from .context import (
+from ._admission import Bulkhead, Permit
+from ._clock import Clock, LoopClock, MonotonicClock
+from ._context import (
     RequestContext,
     bind,
     check_deadline,
@@ -32,10 +25,19 @@ from .context import (
     remaining,
     request,
 )
-from .deadline import Deadline, call_budget
-from .degrade import DegradedMode, DegradedModes, FailClosedGuard, StaleCache
-from .dependency import Dependency
-from .errors import (
+from ._deadline import Deadline, call_budget
+from ._degrade import (
+    DegradedMode,
+    DegradedModes,
+    FailClosedGuard,
+    Served,
+    StaleCache,
+    depends_on,
+    fallback_scope,
+)
+from ._dependency import Dependency
+from ._edge import Classification, EdgePolicy, Route
+from ._errors import (
     BrownoutError,
     DeadlineExceeded,
     FailClosed,
@@ -44,32 +46,36 @@ from .errors import (
     Rejected,
     UnknownOutcome,
 )
-from .events import Event, EventHub, Sink, hub
-from .overload import (
-    EventLoopLag,
-    FileDescriptors,
-    InFlight,
-    MemoryPressure,
-    OverloadLevel,
-    OverloadManager,
-    QueueAge,
+from ._overload import OverloadLevel, OverloadManager
+from ._priority import Priority
+from ._propagation import BudgetSigner, InboundDeadlinePolicy, Trust
+from ._quota import (
+    InMemoryQuotaStore,
+    Quota,
+    QuotaDecision,
+    QuotaStore,
+    QuotaStoreUnavailable,
+    RedisQuotaStore,
 )
-from .priority import Priority
-from .propagation import BudgetSigner, InboundDeadlinePolicy, Trust
-from .quota import InMemoryQuotaStore, Quota, QuotaDecision, RedisQuotaStore
-from .retry import (
+from ._retry import (
+    BreakerState,
     CircuitBreaker,
     ClientThrottle,
     DecorrelatedJitterBackoff,
     ExponentialBackoff,
     GrpcRetryThrottle,
+    InMemoryOutcomeLedger,
+    OutcomeLedger,
+    OutcomeState,
+    Reconciler,
     ResponseError,
     RetriesExhausted,
     RetryBudget,
     RetryPolicy,
+    StopReason,
     TransientError,
 )
-from .stats import Stats
+from ._stats import Stats
 
 try:  # the version is written once, in pyproject.toml; installing puts it in the metadata
     __version__ = _metadata.version("brownout")
@@ -77,51 +83,43 @@ except _metadata.PackageNotFoundError:  # a source tree on sys.path, never insta
     __version__ = "0+unknown"
 
 __all__ = [
-    "AIMDLimit",
-    "AdaptiveLifoQueue",
+    "BreakerState",
     "BrownoutError",
     "BudgetSigner",
     "Bulkhead",
     "CircuitBreaker",
+    "Classification",
     "ClientThrottle",
     "Clock",
-    "CoDelQueue",
     "Deadline",
     "DeadlineExceeded",
     "DecorrelatedJitterBackoff",
     "DegradedMode",
     "DegradedModes",
     "Dependency",
-    "Event",
-    "EventHub",
-    "EventLoopLag",
+    "EdgePolicy",
     "ExponentialBackoff",
     "FailClosed",
     "FailClosedGuard",
-    "FifoQueue",
-    "FileDescriptors",
-    "FixedLimit",
-    "Gradient2Limit",
     "GrpcRetryThrottle",
     "HeaderError",
-    "InFlight",
+    "InMemoryOutcomeLedger",
     "InMemoryQuotaStore",
     "InboundDeadlinePolicy",
-    "LatencyEstimator",
-    "LifoQueue",
     "LoopClock",
-    "ManualClock",
-    "MemoryPressure",
     "MonotonicClock",
+    "OutcomeLedger",
+    "OutcomeState",
     "OverloadLevel",
     "OverloadManager",
     "Permit",
     "Priority",
-    "PriorityCoDelQueue",
-    "QueueAge",
     "Quota",
     "QuotaDecision",
+    "QuotaStore",
+    "QuotaStoreUnavailable",
     "Reason",
+    "Reconciler",
     "RedisQuotaStore",
     "Rejected",
     "RequestContext",
@@ -129,20 +127,22 @@ __all__ = [
     "RetriesExhausted",
     "RetryBudget",
     "RetryPolicy",
-    "Sink",
+    "Route",
+    "Served",
     "StaleCache",
     "Stats",
+    "StopReason",
     "TransientError",
     "Trust",
     "UnknownOutcome",
-    "VegasLimit",
     "__version__",
     "bind",
     "call_budget",
     "check_deadline",
     "current",
     "deadline",
-    "hub",
+    "depends_on",
+    "fallback_scope",
     "remaining",
     "request",
 ]

@@ -23,8 +23,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol, TypeVar, dataclass_transform, runtime_checkable
 
-from .errors import Reason
-from .priority import Priority
+from ._errors import Reason
+from ._priority import Priority
 
 __all__ = [
     "AttemptRetried",
@@ -244,7 +244,7 @@ class RequestsTallied(Event):
     When every sink on a hub accepts tallies (``accepts_tallies = True``: `brownout.Stats`,
     `ShedLog`, `OtelHistogramSink`), a bulkhead does not build `RequestOffered`,
     `RequestAdmitted` (without queueing) and `RequestCompleted` per request: it counts them in
-    a `brownout.ledger.Ledger` and the ledger emits this event when a reader asks
+    a `brownout._tally_buffer.Ledger` and the ledger emits this event when a reader asks
     (`EventHub.flush`), when it holds too many rows, and at most every ``flush_interval``.
     Everything unusual (queueing, sheds, expiry, failures, abandonment) is still one event each.
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from brownout.lab.verdict import evaluate
+from brownout._lab.verdict import evaluate
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -41,7 +41,7 @@ OUTCOMES = (
 def test_quick_lab_produces_a_consistent_report(tmp_path: Path) -> None:
     out = tmp_path / "lab-report"
     proc = subprocess.run(
-        [sys.executable, "-m", "brownout.cli", "lab", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "brownout._cli", "lab", "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=280,
@@ -142,7 +142,7 @@ def test_quick_outbound_and_degraded_scenarios_account_for_every_attempt(tmp_pat
         [
             sys.executable,
             "-m",
-            "brownout.cli",
+            "brownout._cli",
             "lab",
             "--quick",
             "--configs",

@@ -20,15 +20,20 @@ import pytest
 from aiohttp import web
 
 import brownout
-from brownout import Dependency, Priority, Reason, Rejected, RetryPolicy, UnknownOutcome
-from brownout.integrations.aiohttp_client import BrownoutClientMiddleware
-from brownout.retry import (
+from brownout import (
+    Dependency,
     ExponentialBackoff,
     InMemoryOutcomeLedger,
+    Priority,
+    Reason,
+    Rejected,
     RetriesExhausted,
+    RetryPolicy,
     StopReason,
     TransientError,
+    UnknownOutcome,
 )
+from brownout.integrations.aiohttp_client import BrownoutClientMiddleware
 
 pytestmark = pytest.mark.integration
 

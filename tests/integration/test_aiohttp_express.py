@@ -25,18 +25,20 @@ from tests.limits import CountingBulkhead, SpyLimit
 
 import brownout
 from brownout import (
+    Classification,
     DegradedMode,
     DegradedModes,
-    EventHub,
-    FifoQueue,
-    FixedLimit,
+    EdgePolicy,
     Priority,
     Reason,
     Rejected,
+    Route,
     Stats,
 )
-from brownout.edge import Classification, EdgePolicy, Route
+from brownout.events import EventHub
 from brownout.integrations.aiohttp_server import brownout_middleware
+from brownout.limits import FixedLimit
+from brownout.queues import FifoQueue
 
 pytestmark = pytest.mark.integration
 

@@ -26,10 +26,19 @@ from tests.integration.flood import (
 from tests.integration.servers import send_then_hang_up, serve_aiohttp
 
 import brownout
-from brownout import Bulkhead, EventHub, FifoQueue, FixedLimit, InboundDeadlinePolicy, Stats, Trust
-from brownout.admission import LatencyEstimator
-from brownout.edge import Classification, EdgePolicy, Route
+from brownout import (
+    Bulkhead,
+    Classification,
+    EdgePolicy,
+    InboundDeadlinePolicy,
+    Route,
+    Stats,
+    Trust,
+)
+from brownout.events import EventHub
 from brownout.integrations.aiohttp_server import brownout_middleware
+from brownout.limits import FixedLimit, LatencyEstimator
+from brownout.queues import FifoQueue
 
 pytestmark = pytest.mark.integration
 
@@ -218,7 +227,7 @@ FLOOD_SERVER = """
 import asyncio, sys
 from aiohttp import web
 from brownout import Bulkhead, FifoQueue, FixedLimit
-from brownout.edge import EdgePolicy
+from brownout._edge import EdgePolicy
 from brownout.integrations.aiohttp_server import brownout_middleware
 
 async def work(request):

@@ -39,17 +39,18 @@ from tests.integration.servers import send_then_hang_up, serve
 import brownout
 from brownout import (
     Bulkhead,
-    EventHub,
-    FifoQueue,
-    FixedLimit,
+    Classification,
+    EdgePolicy,
     InboundDeadlinePolicy,
     Priority,
+    Route,
     Stats,
     Trust,
 )
-from brownout.admission import LatencyEstimator
-from brownout.edge import Classification, EdgePolicy, Route
+from brownout.events import EventHub
 from brownout.integrations.asgi import BrownoutMiddleware
+from brownout.limits import FixedLimit, LatencyEstimator
+from brownout.queues import FifoQueue
 
 pytestmark = pytest.mark.integration
 
@@ -272,7 +273,7 @@ import asyncio, sys
 import uvicorn
 from fastapi import FastAPI
 from brownout import Bulkhead, FifoQueue, FixedLimit
-from brownout.edge import EdgePolicy
+from brownout._edge import EdgePolicy
 from brownout.integrations.asgi import BrownoutMiddleware
 
 app = FastAPI()

@@ -26,19 +26,21 @@ from tests.limits import CountingBulkhead, SpyLimit
 import brownout
 from brownout import (
     Bulkhead,
+    Classification,
     DegradedMode,
     DegradedModes,
-    EventHub,
-    FifoQueue,
-    FixedLimit,
+    EdgePolicy,
     Priority,
     Reason,
     Rejected,
+    Route,
     Stats,
     Trust,
 )
-from brownout.edge import Classification, EdgePolicy, Route
+from brownout.events import EventHub
 from brownout.integrations.asgi import BrownoutMiddleware
+from brownout.limits import FixedLimit
+from brownout.queues import FifoQueue
 
 pytestmark = pytest.mark.integration
 
@@ -348,7 +350,7 @@ async def test_express_exchange_sets_every_field() -> None:
     """The express path builds its exchange field by field (no ``__init__`` frame on the hot
     path); every slot must be set there, as `_Exchange.__init__` sets it for `serve`, or a
     rarer path (a sweep, a disconnect, an expiry) would meet an unset attribute."""
-    from brownout.edge import Flight
+    from brownout._edge import Flight
     from brownout.integrations.asgi import _Exchange
 
     captured: list[Any] = []

@@ -24,9 +24,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from tests.integration.servers import serve, serve_hypercorn
 
-from brownout import Bulkhead, EventHub, FixedLimit, Stats
-from brownout.edge import EdgePolicy
+from brownout import Bulkhead, EdgePolicy, Stats
+from brownout.events import EventHub
 from brownout.integrations.asgi import BrownoutMiddleware
+from brownout.limits import FixedLimit
 
 pytestmark = pytest.mark.integration
 

@@ -28,15 +28,17 @@ from tests.integration.servers import serve_aiohttp
 import brownout
 from brownout import (
     Dependency,
-    EventHub,
+    ExponentialBackoff,
+    InMemoryOutcomeLedger,
     Rejected,
+    RetriesExhausted,
     RetryPolicy,
     Stats,
     UnknownOutcome,
 )
+from brownout.events import EventHub
 from brownout.integrations.aiohttp_client import BrownoutClientMiddleware
 from brownout.integrations.httpx import BrownoutTransport
-from brownout.retry import ExponentialBackoff, InMemoryOutcomeLedger, RetriesExhausted
 
 pytestmark = pytest.mark.integration
 

@@ -29,15 +29,13 @@ from fastapi import FastAPI
 from tests.integration.servers import serve
 
 import brownout
-from brownout import Dependency, Trust
-from brownout.edge import EdgePolicy
+from brownout import Dependency, EdgePolicy, InboundDeadlinePolicy, Trust
 from brownout.integrations.aiohttp_client import BrownoutClientMiddleware
 from brownout.integrations.aiohttp_server import brownout_middleware
 from brownout.integrations.asgi import BrownoutMiddleware
 from brownout.integrations.grpc_client import brownout_interceptors
 from brownout.integrations.grpc_server import BrownoutServerInterceptor
 from brownout.integrations.httpx import BrownoutTransport
-from brownout.propagation import InboundDeadlinePolicy
 
 pytestmark = pytest.mark.integration
 

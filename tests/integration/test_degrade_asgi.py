@@ -23,10 +23,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from brownout import DegradedMode, DegradedModes, FailClosedGuard, StaleCache
-from brownout.degrade import DrillFailed, depends_on, drill, stale_headers
-from brownout.edge import EdgePolicy
+from brownout import (
+    DegradedMode,
+    DegradedModes,
+    EdgePolicy,
+    FailClosedGuard,
+    StaleCache,
+    depends_on,
+)
 from brownout.integrations.asgi import BrownoutMiddleware
+from brownout.testing import DrillFailed, drill
+from brownout.wire import stale_headers
 
 pytestmark = pytest.mark.integration
 

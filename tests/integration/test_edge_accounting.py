@@ -47,17 +47,18 @@ from tests.integration.servers import client_limits, serve, serve_aiohttp
 
 from brownout import (
     Bulkhead,
+    Classification,
     Deadline,
-    EventHub,
-    FifoQueue,
-    FixedLimit,
+    EdgePolicy,
     InboundDeadlinePolicy,
     Rejected,
     Stats,
+    Trust,
 )
-from brownout.edge import Classification, EdgePolicy
+from brownout._tally_buffer import held
 from brownout.events import (
     Event,
+    EventHub,
     RequestAbandoned,
     RequestAdmitted,
     RequestCompleted,
@@ -67,12 +68,12 @@ from brownout.events import (
     RequestShed,
     RequestsTallied,
 )
-from brownout.export.catalog import COUNTERS
+from brownout.export._catalog import COUNTERS
 from brownout.export.prometheus import register
 from brownout.integrations.aiohttp_server import brownout_middleware
 from brownout.integrations.asgi import BrownoutMiddleware
-from brownout.ledger import held
-from brownout.propagation import Trust
+from brownout.limits import FixedLimit
+from brownout.queues import FifoQueue
 
 pytestmark = pytest.mark.integration
 
@@ -677,7 +678,7 @@ async def test_a_waiter_cancelled_at_its_deadline_is_expired_not_abandoned(path:
         task.cancel()
     else:
         if path == "timer":
-            loop.call_at(deadline.at, task.cancel)  # as the edge arms it (`brownout.edge`)
+            loop.call_at(deadline.at, task.cancel)  # as the edge arms it (`brownout._edge`)
         time.sleep(0.08)  # the deadline passes while the loop is busy: every timer is due
         if path != "timer":
             task.cancel()  # the edge's deadline timer, run first

@@ -39,7 +39,7 @@ from tests.integration.servers import LoopThread
 import brownout
 from brownout import Priority, Reason, Trust
 from brownout.integrations.grpc_server import BrownoutServerInterceptor
-from brownout.propagation import REFUSAL_REASON_KEY
+from brownout.wire import REFUSAL_REASON_KEY
 
 pytestmark = pytest.mark.integration
 

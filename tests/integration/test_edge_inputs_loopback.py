@@ -41,7 +41,7 @@ from tests.edge_inputs import (
 from tests.integration.servers import LoopThread, serve
 
 from brownout import Trust
-from brownout.lab.http1 import Response, ResponseParser, encode_request
+from brownout._lab.http1 import Response, ResponseParser, encode_request
 
 pytestmark = pytest.mark.integration
 

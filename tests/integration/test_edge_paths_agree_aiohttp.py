@@ -22,11 +22,12 @@ from tests.integration.servers import send_then_hang_up
 from tests.outcomes import LONG, OUTCOMES, SHORT, Observed, observed
 
 from brownout import (
+    EdgePolicy,
     Reason,
     Rejected,
+    Route,
     UnknownOutcome,
 )
-from brownout.edge import EdgePolicy, Route
 from brownout.integrations.aiohttp_server import announce_degraded, brownout_middleware
 
 pytestmark = pytest.mark.integration

@@ -24,11 +24,12 @@ import pytest
 from tests.outcomes import LONG, SHORT, Observed, observed
 
 from brownout import (
+    EdgePolicy,
     Reason,
     Rejected,
+    Route,
     UnknownOutcome,
 )
-from brownout.edge import EdgePolicy, Route
 from brownout.integrations.grpc_server import BrownoutServerInterceptor
 
 pytestmark = pytest.mark.integration

@@ -63,24 +63,27 @@ from tests.limits import SpyLimit
 import brownout
 from brownout import (
     Bulkhead,
+    Classification,
     DegradedMode,
     DegradedModes,
-    EventHub,
-    FifoQueue,
-    FixedLimit,
+    EdgePolicy,
     InboundDeadlinePolicy,
     InMemoryQuotaStore,
     Quota,
     QuotaDecision,
+    StaleCache,
     Stats,
+    Trust,
+    depends_on,
 )
-from brownout.degrade import depends_on, drill, stale_headers
-from brownout.degrade.stale import StaleCache
-from brownout.edge import Classification, EdgePolicy, Flight, Refusal
-from brownout.events import DegradedModeChanged, Event
+from brownout._edge import Flight, Refusal
+from brownout.events import DegradedModeChanged, Event, EventHub
 from brownout.integrations.aiohttp_server import brownout_middleware
 from brownout.integrations.asgi import BrownoutMiddleware
-from brownout.propagation import Trust
+from brownout.limits import FixedLimit
+from brownout.queues import FifoQueue
+from brownout.testing import drill
+from brownout.wire import stale_headers
 
 pytestmark = pytest.mark.integration
 

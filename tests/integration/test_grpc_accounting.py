@@ -49,12 +49,11 @@ from tests.integration.test_outbound_accounting import (
 )
 
 import brownout
-from brownout import InboundDeadlinePolicy, RetryBudget
-from brownout.edge import Classification, EdgePolicy
+from brownout import Classification, EdgePolicy, InboundDeadlinePolicy, RetryBudget
 from brownout.events import AttemptRetried, OutcomeUnknown
 from brownout.integrations.grpc_client import brownout_interceptors
 from brownout.integrations.grpc_server import BrownoutServerInterceptor, GrpcCall
-from brownout.propagation import REFUSAL_REASON_KEY
+from brownout.wire import REFUSAL_REASON_KEY
 
 pytestmark = pytest.mark.integration
 

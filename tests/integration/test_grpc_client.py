@@ -23,15 +23,20 @@ import grpc.aio
 import pytest
 
 import brownout
-from brownout import Dependency, Priority, Reason, Rejected, RetryPolicy, UnknownOutcome
-from brownout.integrations.grpc_client import brownout_interceptors
-from brownout.retry import (
+from brownout import (
+    Dependency,
     ExponentialBackoff,
     InMemoryOutcomeLedger,
+    Priority,
+    Reason,
+    Rejected,
     ResponseError,
     RetriesExhausted,
+    RetryPolicy,
     StopReason,
+    UnknownOutcome,
 )
+from brownout.integrations.grpc_client import brownout_interceptors
 
 pytestmark = pytest.mark.integration
 

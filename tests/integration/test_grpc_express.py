@@ -26,16 +26,17 @@ import brownout
 from brownout import (
     DegradedMode,
     DegradedModes,
-    EventHub,
-    FifoQueue,
-    FixedLimit,
+    EdgePolicy,
     Priority,
     Reason,
     Rejected,
+    Route,
     Stats,
 )
-from brownout.edge import EdgePolicy, Route
+from brownout.events import EventHub
 from brownout.integrations.grpc_server import BrownoutServerInterceptor
+from brownout.limits import FixedLimit
+from brownout.queues import FifoQueue
 
 pytestmark = pytest.mark.integration
 

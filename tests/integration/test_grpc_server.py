@@ -26,10 +26,19 @@ from tests.integration.flood import (
 )
 
 import brownout
-from brownout import Bulkhead, EventHub, FifoQueue, FixedLimit, InboundDeadlinePolicy, Stats, Trust
-from brownout.admission import LatencyEstimator
-from brownout.edge import Classification, EdgePolicy, Route
+from brownout import (
+    Bulkhead,
+    Classification,
+    EdgePolicy,
+    InboundDeadlinePolicy,
+    Route,
+    Stats,
+    Trust,
+)
+from brownout.events import EventHub
 from brownout.integrations.grpc_server import BrownoutServerInterceptor, GrpcCall
+from brownout.limits import FixedLimit, LatencyEstimator
+from brownout.queues import FifoQueue
 
 pytestmark = pytest.mark.integration
 
@@ -300,7 +309,7 @@ FLOOD_SERVER = """
 import asyncio, sys
 import grpc, grpc.aio
 from brownout import Bulkhead, FifoQueue, FixedLimit
-from brownout.edge import EdgePolicy
+from brownout._edge import EdgePolicy
 from brownout.integrations.grpc_server import BrownoutServerInterceptor
 
 async def work(request, context):

@@ -30,20 +30,18 @@ from brownout import (
     BudgetSigner,
     CircuitBreaker,
     Dependency,
+    ExponentialBackoff,
+    InMemoryOutcomeLedger,
     Priority,
     Reason,
     Rejected,
+    RetriesExhausted,
     RetryPolicy,
+    StopReason,
+    TransientError,
     UnknownOutcome,
 )
 from brownout.integrations.httpx import BrownoutTransport
-from brownout.retry import (
-    ExponentialBackoff,
-    InMemoryOutcomeLedger,
-    RetriesExhausted,
-    StopReason,
-    TransientError,
-)
 
 pytestmark = pytest.mark.integration
 

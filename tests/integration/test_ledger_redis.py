@@ -11,17 +11,19 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from brownout import Dependency, RetryPolicy, UnknownOutcome
-from brownout.retry import (
+from brownout import (
+    Dependency,
     ExponentialBackoff,
     InMemoryOutcomeLedger,
-    OutcomeRecord,
     OutcomeState,
     Reconciler,
     ResponseError,
+    RetryPolicy,
     TransientError,
+    UnknownOutcome,
 )
-from brownout.retry.ledger_redis import RedisOutcomeLedger
+from brownout._retry import OutcomeRecord
+from brownout._retry.ledger_redis import RedisOutcomeLedger
 
 redis_asyncio = pytest.importorskip("redis.asyncio")
 httpx = pytest.importorskip("httpx")

@@ -24,11 +24,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route as StarletteRoute
 from tests.integration.servers import serve
 
-from brownout import Bulkhead, EventHub, FifoQueue, FixedLimit, InboundDeadlinePolicy, Stats
-from brownout.edge import Classification, EdgePolicy
-from brownout.export import top
+from brownout import Bulkhead, Classification, EdgePolicy, InboundDeadlinePolicy, Stats
+from brownout.events import EventHub
+from brownout.export import _top as top
 from brownout.export.prometheus import add_aiohttp_metrics, metrics_middleware, register
 from brownout.integrations.asgi import BrownoutMiddleware
+from brownout.limits import FixedLimit
+from brownout.queues import FifoQueue
 
 pytestmark = pytest.mark.integration
 

@@ -51,10 +51,13 @@ from tests.integration.servers import serve_aiohttp
 
 import brownout
 from brownout import (
+    BreakerState,
     CircuitBreaker,
     Dependency,
-    EventHub,
+    ExponentialBackoff,
+    InMemoryOutcomeLedger,
     Rejected,
+    RetriesExhausted,
     RetryBudget,
     RetryPolicy,
     Stats,
@@ -63,6 +66,7 @@ from brownout import (
 from brownout.events import (
     AttemptRetried,
     BreakerStateChanged,
+    EventHub,
     OutcomeUnknown,
     RequestShed,
     RetryBudgetExhausted,
@@ -70,12 +74,6 @@ from brownout.events import (
 from brownout.export.prometheus import register
 from brownout.integrations.aiohttp_client import BrownoutClientMiddleware
 from brownout.integrations.httpx import BrownoutTransport
-from brownout.retry import (
-    BreakerState,
-    ExponentialBackoff,
-    InMemoryOutcomeLedger,
-    RetriesExhausted,
-)
 
 pytestmark = pytest.mark.integration
 

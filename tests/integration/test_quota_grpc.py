@@ -14,10 +14,11 @@ import grpc
 import grpc.aio
 import pytest
 
-from brownout import EventHub, InMemoryQuotaStore, ManualClock, Quota
-from brownout.edge import Classification, EdgePolicy
+from brownout import Classification, EdgePolicy, InMemoryQuotaStore, Quota, QuotaStoreUnavailable
+from brownout._quota import GcraOutcome, GcraPolicy
+from brownout.events import EventHub
 from brownout.integrations.grpc_server import BrownoutServerInterceptor
-from brownout.quota import GcraOutcome, GcraPolicy, QuotaStoreUnavailable
+from brownout.testing import ManualClock
 
 pytestmark = pytest.mark.integration
 

@@ -27,9 +27,10 @@ from pathlib import Path
 import pytest
 
 import brownout
-from brownout import EventHub, ManualClock, Quota, Reason, RedisQuotaStore
-from brownout.events import Event, QuotaBackendChanged
-from brownout.quota import GcraPolicy, decide
+from brownout import Quota, Reason, RedisQuotaStore
+from brownout._quota import GcraPolicy, decide
+from brownout.events import Event, EventHub, QuotaBackendChanged
+from brownout.testing import ManualClock
 
 redis_asyncio = pytest.importorskip("redis.asyncio")
 

@@ -44,9 +44,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import brownout
-from brownout import EventHub, ManualClock, Quota, Reason, RedisQuotaStore
-from brownout.events import Event, QuotaBackendChanged
-from brownout.quota import GcraPolicy, InMemoryQuotaStore, decide
+from brownout import InMemoryQuotaStore, Quota, Reason, RedisQuotaStore
+from brownout._quota import GcraPolicy, decide
+from brownout.events import Event, EventHub, QuotaBackendChanged
+from brownout.testing import ManualClock
 
 redis_asyncio = pytest.importorskip("redis.asyncio")
 

@@ -37,13 +37,21 @@ from starlette.routing import Route
 from tests.integration.servers import serve
 
 import brownout
-from brownout import Dependency, Reason, RetryBudget, RetryPolicy, Trust
-from brownout.edge import EdgePolicy
+from brownout import (
+    Dependency,
+    EdgePolicy,
+    ExponentialBackoff,
+    Reason,
+    RetriesExhausted,
+    RetryBudget,
+    RetryPolicy,
+    StopReason,
+    Trust,
+)
 from brownout.integrations.asgi import BrownoutMiddleware
 from brownout.integrations.grpc_client import brownout_interceptors
 from brownout.integrations.grpc_server import BrownoutServerInterceptor
 from brownout.integrations.httpx import BrownoutTransport
-from brownout.retry import ExponentialBackoff, RetriesExhausted, StopReason
 
 pytestmark = pytest.mark.integration
 

@@ -26,13 +26,13 @@ import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from brownout import Bulkhead, Deadline, EventHub, FixedLimit, Priority, Rejected, Stats
-from brownout.errors import Reason
+from brownout import Bulkhead, Deadline, Priority, Reason, Rejected, Stats
 from brownout.events import (
     AttemptRetried,
     BreakerStateChanged,
     DeadlineHeaderIgnored,
     DegradedModeChanged,
+    EventHub,
     LimitChanged,
     QuotaBackendChanged,
     RequestCompleted,
@@ -41,6 +41,7 @@ from brownout.events import (
     RequestShed,
 )
 from brownout.export.prometheus import register
+from brownout.limits import FixedLimit
 
 pytestmark = pytest.mark.integration
 
@@ -463,7 +464,7 @@ async def test_otel_periodic_reader_thread_collects_a_flooding_loop() -> None:
         def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
             pass
 
-    from brownout.export.catalog import COUNTERS, STATE_COUNTERS
+    from brownout.export._catalog import COUNTERS, STATE_COUNTERS
     from brownout.export.otel import OtelHistogramSink, OtelMetrics
 
     exporter = ListExporter()

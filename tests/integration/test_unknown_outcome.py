@@ -24,16 +24,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tests.integration.servers import serve
 
-from brownout import Dependency, RetryPolicy, UnknownOutcome
-from brownout.integrations.httpx import BrownoutTransport
-from brownout.retry import (
+from brownout import (
+    Dependency,
     ExponentialBackoff,
     InMemoryOutcomeLedger,
     OutcomeLedger,
-    OutcomeRecord,
     OutcomeState,
     Reconciler,
+    RetryPolicy,
+    UnknownOutcome,
 )
+from brownout._retry import OutcomeRecord
+from brownout.integrations.httpx import BrownoutTransport
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +98,7 @@ async def ledger(request: pytest.FixtureRequest) -> AsyncIterator[OutcomeLedger]
         yield InMemoryOutcomeLedger(max_entries=100)
         return
     redis_asyncio = pytest.importorskip("redis.asyncio")
-    from brownout.retry.ledger_redis import RedisOutcomeLedger
+    from brownout._retry.ledger_redis import RedisOutcomeLedger
 
     client = redis_asyncio.Redis(host="127.0.0.1", port=6379)
     try:

@@ -7,22 +7,13 @@ import asyncio
 import pytest
 
 import brownout
-from brownout import (
-    Bulkhead,
-    Deadline,
-    EventHub,
-    FifoQueue,
-    FixedLimit,
-    Gradient2Limit,
-    LatencyEstimator,
-    LifoQueue,
-    Priority,
-    Reason,
-    Rejected,
-)
-from brownout.admission.queues import PriorityCoDelQueue
+import brownout.limits
+import brownout.queues
+import brownout.testing
+from brownout import Bulkhead, Deadline, Priority, Reason, Rejected
 from brownout.events import (
     Event,
+    EventHub,
     LimitChanged,
     RequestAbandoned,
     RequestAdmitted,
@@ -33,6 +24,8 @@ from brownout.events import (
     RequestQueued,
     RequestShed,
 )
+from brownout.limits import FixedLimit, Gradient2Limit, LatencyEstimator
+from brownout.queues import FifoQueue, LifoQueue, PriorityCoDelQueue
 
 pytestmark = pytest.mark.looptime
 
@@ -68,7 +61,7 @@ class RecordingLimit:
         return self._limit
 
 
-def make(limit: int = 2, queue: brownout.admission.WaitQueue | None = None, **kw):  # type: ignore[name-defined]
+def make(limit: int = 2, queue: brownout._admission.WaitQueue | None = None, **kw):  # type: ignore[name-defined]
     events = EventHub()
     rec = Recorder()
     events.subscribe(rec)
@@ -461,7 +454,7 @@ async def test_estimator_learns_from_successes_only() -> None:
 async def test_expired_at_dequeue_is_dropped_without_any_timer() -> None:
     # D7: the deadline is checked again when work leaves the queue (no timer has fired here:
     # the clock is manual and jumped past the deadline)
-    clock = brownout.ManualClock(100.0)
+    clock = brownout.testing.ManualClock(100.0)
     b = Bulkhead("x", FixedLimit(1), FifoQueue(4, 5.0), clock=clock)
     p = b.try_admit()
     ran = False
@@ -483,7 +476,7 @@ async def test_expired_at_dequeue_is_dropped_without_any_timer() -> None:
 
 
 async def test_too_short_for_estimate_at_dequeue() -> None:
-    clock = brownout.ManualClock(100.0)
+    clock = brownout.testing.ManualClock(100.0)
     est = LatencyEstimator(min_samples=1)
     est.observe("op", 0.3)
     b = Bulkhead("x", FixedLimit(1), FifoQueue(4, 5.0), clock=clock, estimator=est)
@@ -500,7 +493,7 @@ async def test_too_short_for_estimate_at_dequeue() -> None:
     assert info.value.reason is Reason.DEADLINE_TOO_SHORT
 
 
-@pytest.mark.parametrize("make", [brownout.Gradient2Limit, brownout.VegasLimit])
+@pytest.mark.parametrize("make", [brownout.limits.Gradient2Limit, brownout.limits.VegasLimit])
 async def test_adaptive_limit_finds_the_knee_through_the_bulkhead(make: type) -> None:
     """The real async path on virtual time: 40 closed-loop clients, a server with 20 workers.
     The limit settles near the knee (20) and throughput stays at capacity (A5)."""
@@ -641,7 +634,7 @@ async def test_slot_kept_by_shares_goes_to_an_arriving_higher_priority() -> None
 
 async def test_aged_out_at_dequeue_is_not_a_false_positive() -> None:
     # a slot frees just as the waiter is found too old: shed for age, not for lack of room
-    clock = brownout.ManualClock(100.0)
+    clock = brownout.testing.ManualClock(100.0)
     events = EventHub()
     rec = Recorder()
     events.subscribe(rec)
@@ -682,7 +675,7 @@ class SteppingLimit(RecordingLimit):
 
 async def test_default_queue_follows_the_current_limit() -> None:
     b = Bulkhead("b", limit=SteppingLimit([20, 10, 4, 30]))
-    assert isinstance(b.queue, brownout.PriorityCoDelQueue)
+    assert isinstance(b.queue, brownout.queues.PriorityCoDelQueue)
     assert b.queue.max_size == 20  # one round trip of work at the limit
     sizes = []
     for _ in range(3):
@@ -869,7 +862,7 @@ async def test_untracked_admissions_only_hold_a_slot() -> None:
     t = now()
     first = b.admit_uncontended(Priority.CRITICAL, "c", "op", t, 1)
     second = b.admit_uncontended(Priority.CRITICAL, "c", "op", t, 1)
-    assert isinstance(first, brownout.admission.bulkhead.Untracked)
+    assert isinstance(first, brownout._admission.bulkhead.Untracked)
     assert first is second  # shared: nothing allocated per admission
     assert b.in_flight == 2
     assert b.admit_uncontended(Priority.CRITICAL, "c", "op", t, 1) is None  # at the limit
@@ -1160,7 +1153,7 @@ async def test_gauges_read_without_tidying_the_queue() -> None:
     # Exporters read gauges from another thread (prometheus_client.start_http_server):
     # the oldest-waiter gauge popped cancelled waiters off the queue's deques there, racing
     # the loop's own pops (a live waiter could be popped, the item count could drift).
-    b = Bulkhead("g", FixedLimit(1), queue=brownout.FifoQueue(max_size=8, max_wait=5.0))
+    b = Bulkhead("g", FixedLimit(1), queue=brownout.queues.FifoQueue(max_size=8, max_wait=5.0))
     gate = asyncio.Event()
 
     async def hold() -> None:

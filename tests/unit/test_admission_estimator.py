@@ -6,17 +6,10 @@ import asyncio
 
 import pytest
 
-from brownout import (
-    Bulkhead,
-    Deadline,
-    EventHub,
-    FifoQueue,
-    FixedLimit,
-    LatencyEstimator,
-    Priority,
-    Rejected,
-    Stats,
-)
+from brownout import Bulkhead, Deadline, Priority, Rejected, Stats
+from brownout.events import EventHub
+from brownout.limits import FixedLimit, LatencyEstimator
+from brownout.queues import FifoQueue
 
 
 def test_estimate_needs_min_samples_then_tracks_the_mean() -> None:

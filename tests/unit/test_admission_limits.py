@@ -8,9 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brownout import AIMDLimit, FixedLimit, Gradient2Limit, VegasLimit
-from brownout.admission.limits import Limit
-from brownout.admission.model import KneeServer, run_saturated
+from brownout.limits import AIMDLimit, FixedLimit, Gradient2Limit, Limit, VegasLimit
+from brownout.testing import KneeServer, run_saturated
 
 KNEE = 100
 

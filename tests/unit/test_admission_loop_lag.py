@@ -9,8 +9,12 @@ import pytest
 from tests.limits import SpyLimit
 
 import brownout
-from brownout import Bulkhead, FifoQueue, FixedLimit, Reason, Rejected
-from brownout.admission.loop_lag import LoopLag, loop_lag
+import brownout.testing
+from brownout import Bulkhead, Reason, Rejected
+from brownout._admission.loop_lag import loop_lag
+from brownout.limits import FixedLimit
+from brownout.queues import FifoQueue
+from brownout.signals import LoopLag
 
 
 def test_the_mean_follows_the_lateness_with_its_time_constant() -> None:
@@ -39,7 +43,7 @@ def test_bad_settings_are_refused(bad: float) -> None:
 
 
 async def test_the_adaptive_limit_learns_the_work_latency_less_the_loop_lag() -> None:
-    clock = brownout.ManualClock(100.0)
+    clock = brownout.testing.ManualClock(100.0)
     lag = LoopLag()
     limit = SpyLimit()
     b = Bulkhead("x", limit, clock=clock, loop_lag=lag)
@@ -58,7 +62,7 @@ async def test_the_adaptive_limit_learns_the_work_latency_less_the_loop_lag() ->
 
 
 async def test_a_lagging_loop_refuses_instead_of_queueing() -> None:
-    clock = brownout.ManualClock(100.0)
+    clock = brownout.testing.ManualClock(100.0)
     lag = LoopLag()
     b = Bulkhead("x", FixedLimit(1), FifoQueue(4, 5.0), clock=clock, loop_lag=lag)
     held = b.try_admit()
@@ -78,7 +82,7 @@ async def test_a_lagging_loop_refuses_instead_of_queueing() -> None:
 
 
 async def test_without_a_probe_or_with_shed_lag_inf_lag_never_refuses() -> None:
-    clock = brownout.ManualClock(100.0)
+    clock = brownout.testing.ManualClock(100.0)
     for kw in ({"loop_lag": None}, {"loop_lag": LoopLag(), "shed_lag": math.inf}):
         b = Bulkhead("x", FixedLimit(1), FifoQueue(4, 5.0), clock=clock, **kw)  # type: ignore[arg-type]
         probe = kw["loop_lag"]

@@ -16,23 +16,19 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brownout import (
+from brownout import Bulkhead, Deadline, Priority, Reason, Rejected
+from brownout.events import Event, EventHub, RequestAdmitted, RequestShed
+from brownout.limits import FixedLimit
+from brownout.queues import (
     AdaptiveLifoQueue,
-    Bulkhead,
     CoDelQueue,
-    Deadline,
-    EventHub,
     FifoQueue,
-    FixedLimit,
     LifoQueue,
-    ManualClock,
-    Priority,
     PriorityCoDelQueue,
-    Reason,
-    Rejected,
+    QueueItem,
+    rank_of,
 )
-from brownout.admission.queues import QueueItem, rank_of
-from brownout.events import Event, RequestAdmitted, RequestShed
+from brownout.testing import ManualClock
 
 ARRIVE = st.tuples(
     st.just("arrive"),

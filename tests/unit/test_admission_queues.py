@@ -8,16 +8,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brownout import (
+from brownout import Priority, Reason
+from brownout.queues import (
     AdaptiveLifoQueue,
     CoDelQueue,
     FifoQueue,
     LifoQueue,
-    Priority,
     PriorityCoDelQueue,
-    Reason,
+    QueueItem,
+    WaitQueue,
+    rank_of,
 )
-from brownout.admission.queues import QueueItem, WaitQueue, rank_of
 
 
 def item(

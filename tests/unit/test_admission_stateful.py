@@ -43,30 +43,12 @@ import looptime
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from brownout import (
-    AdaptiveLifoQueue,
-    AIMDLimit,
-    Bulkhead,
-    CoDelQueue,
-    Deadline,
-    EventHub,
-    FifoQueue,
-    FixedLimit,
-    Gradient2Limit,
-    LatencyEstimator,
-    LifoQueue,
-    OverloadManager,
-    Priority,
-    PriorityCoDelQueue,
-    Reason,
-    Rejected,
-    Stats,
-    VegasLimit,
-)
-from brownout.admission.bulkhead import Permit
-from brownout.admission.queues import CRITICAL_PLUS_RANK, rank_of
+from brownout import Bulkhead, Deadline, OverloadManager, Permit, Priority, Reason, Rejected, Stats
+from brownout._admission.queues import CRITICAL_PLUS_RANK
+from brownout._overload import DEFAULT_LEVELS
 from brownout.events import (
     Event,
+    EventHub,
     LimitChanged,
     RequestAbandoned,
     RequestAdmitted,
@@ -77,7 +59,16 @@ from brownout.events import (
     RequestQueued,
     RequestShed,
 )
-from brownout.overload import DEFAULT_LEVELS, FunctionSignal
+from brownout.limits import AIMDLimit, FixedLimit, Gradient2Limit, LatencyEstimator, VegasLimit
+from brownout.queues import (
+    AdaptiveLifoQueue,
+    CoDelQueue,
+    FifoQueue,
+    LifoQueue,
+    PriorityCoDelQueue,
+    rank_of,
+)
+from brownout.signals import FunctionSignal
 
 EPS = 1e-6
 _NEW, _QUEUED, _ADMITTED, _DONE = 0, 1, 2, 3  # Permit states (bulkhead.py)
@@ -610,7 +601,7 @@ def run_script(config: Config, jobs: list[Job]) -> Run:
                 checker.bad(f"permit never settled: {p!r}")
         if b.ledger is not None:
             hub.flush()
-            from brownout.ledger import held
+            from brownout._tally_buffer import held
 
             if any(held(r) for _, _, _, r in b.ledger._rows()):
                 checker.bad("ledger rows still hold permits")

@@ -24,9 +24,9 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Host, Mount, Route, WebSocketRoute
 from tests.edge_inputs import asgi_scope
 
-from brownout import Bulkhead, FixedLimit
-from brownout.edge import EdgePolicy
+from brownout import Bulkhead, EdgePolicy
 from brownout.integrations.asgi import BrownoutMiddleware, _RouteIndex, _template_in
+from brownout.limits import FixedLimit
 
 try:
     from fastapi.routing import iter_route_contexts as _effective_routes

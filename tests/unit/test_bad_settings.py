@@ -16,25 +16,12 @@ from collections.abc import Callable
 
 import pytest
 
-from brownout import (
-    AdaptiveLifoQueue,
-    AIMDLimit,
-    CoDelQueue,
-    FifoQueue,
-    Gradient2Limit,
-    LatencyEstimator,
-    LifoQueue,
-    ManualClock,
-    PriorityCoDelQueue,
-    RetryBudget,
-    Stats,
-    VegasLimit,
-)
-from brownout.degrade import StaleCache
-from brownout.quota import InMemoryQuotaStore
-from brownout.retry import InMemoryOutcomeLedger
-from brownout.retry.window import SlidingCounters
-from brownout.stats import LabelCap, TopKLabels
+from brownout import InMemoryOutcomeLedger, InMemoryQuotaStore, RetryBudget, StaleCache, Stats
+from brownout._retry.window import SlidingCounters
+from brownout._stats import LabelCap, TopKLabels
+from brownout.limits import AIMDLimit, Gradient2Limit, LatencyEstimator, VegasLimit
+from brownout.queues import AdaptiveLifoQueue, CoDelQueue, FifoQueue, LifoQueue, PriorityCoDelQueue
+from brownout.testing import ManualClock
 
 NAN, INF = math.nan, math.inf
 

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brownout import ManualClock, Reason, Rejected
+from brownout import BreakerState, CircuitBreaker, Reason, Rejected, ResponseError
 from brownout.events import BreakerStateChanged, Event, EventHub
-from brownout.retry import BreakerState, CircuitBreaker, ResponseError, default_is_failure
+from brownout.testing import ManualClock
+from brownout.wire import default_is_failure
 
 
 class Recorder:
@@ -263,8 +264,8 @@ def test_fleet_recovery_is_spread_not_a_synchronized_wave() -> None:
 
 
 def test_server_errors_count_as_failures_but_validation_errors_do_not() -> None:
-    from brownout.retry.breaker import default_is_failure
-    from brownout.retry.classify import ResponseError
+    from brownout import ResponseError
+    from brownout.wire import default_is_failure
 
     assert default_is_failure(ResponseError(status=500)) is True
     assert default_is_failure(ResponseError(status=503)) is True

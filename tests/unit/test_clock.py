@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from brownout.clock import LoopClock, current_task_of, loop_and_time, now, running_loop
-from brownout.deadline import Deadline, _new_deadline
+from brownout import Deadline, LoopClock
+from brownout._clock import current_task_of, loop_and_time, now, running_loop
+from brownout._deadline import _new_deadline
 
 
 class FixedTimeLoop(asyncio.SelectorEventLoop):

@@ -10,8 +10,10 @@ import threading
 import pytest
 
 import brownout
-from brownout import Deadline, DeadlineExceeded, ManualClock, Priority, RequestContext
-from brownout.context import attach
+import brownout.testing
+from brownout import Deadline, DeadlineExceeded, Priority, RequestContext
+from brownout.testing import ManualClock
+from brownout.wire import attach
 
 
 def test_empty_context_outside_requests() -> None:
@@ -49,7 +51,7 @@ def test_context_is_immutable() -> None:
 
 
 def test_check_deadline_for_sync_code() -> None:
-    clock = brownout.ManualClock()
+    clock = brownout.testing.ManualClock()
     with brownout.deadline(brownout.Deadline.after(1.0, clock=clock)):
         brownout.check_deadline()
         clock.advance(2.0)
@@ -194,7 +196,7 @@ async def test_nan_and_foreign_clock_deadlines() -> None:
         async with brownout.deadline(float("nan")):
             pass
     # A deadline on another clock is translated onto the loop's timers by its remaining time.
-    manual = brownout.ManualClock(1000.0)
+    manual = brownout.testing.ManualClock(1000.0)
     loop = asyncio.get_running_loop()
     start = loop.time()
     with pytest.raises(DeadlineExceeded):
@@ -224,7 +226,7 @@ def test_replace_validates_fields_and_only_shortens() -> None:
 
 
 def test_attach_and_detach() -> None:
-    from brownout.context import attach, detach
+    from brownout.wire import attach, detach
 
     token = attach(RequestContext(caller="low-level"))
     assert brownout.current().caller == "low-level"

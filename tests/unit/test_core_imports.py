@@ -71,7 +71,7 @@ _BLOCK = "import sys\nfor name in {blocked!r}: sys.modules[name] = None  # as if
         ("brownout.integrations.httpx", "httpx", "httpx"),
         ("brownout.export.otel", "opentelemetry", "otel"),
         ("brownout.export.prometheus", "prometheus_client", "prometheus"),
-        ("brownout.export.top", "rich", "prometheus,lab"),
+        ("brownout.export._top", "rich", "prometheus,lab"),
     ],
 )
 def test_a_missing_extra_is_named_with_what_to_install(
@@ -97,7 +97,7 @@ def test_the_lab_without_its_extra_says_what_to_install() -> None:
         "real = importlib.util.find_spec\n"
         "importlib.util.find_spec = lambda n, *a: None if n in ('rich', 'matplotlib') "
         "else real(n, *a)\n"
-        "from brownout.cli import main\n"
+        "from brownout._cli import main\n"
         "raise SystemExit(main(['lab', '--quick']))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

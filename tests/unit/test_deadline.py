@@ -8,7 +8,8 @@ import pickle
 import pytest
 
 import brownout
-from brownout import Deadline, ManualClock, Reason, Rejected, call_budget
+from brownout import Deadline, Reason, Rejected, call_budget
+from brownout.testing import ManualClock
 
 
 def test_remaining_counts_down_and_never_goes_negative() -> None:

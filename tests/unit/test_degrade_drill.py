@@ -7,18 +7,16 @@ import asyncio
 
 import pytest
 
-from brownout import DegradedMode, DegradedModes, ManualClock
-from brownout.degrade import (
+from brownout import DegradedMode, DegradedModes, StaleCache, depends_on, fallback_scope
+from brownout.events import EventHub
+from brownout.testing import (
     DrillFailed,
     DrillOutage,
     FallbackCalledFailedDependency,
-    StaleCache,
-    dependency_call,
-    depends_on,
+    ManualClock,
     drill,
-    fallback_scope,
 )
-from brownout.events import EventHub
+from brownout.wire import dependency_call
 
 
 def registry() -> DegradedModes:

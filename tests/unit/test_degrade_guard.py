@@ -17,16 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import brownout
-from brownout import (
-    DeadlineExceeded,
-    FailClosed,
-    FailClosedGuard,
-    ManualClock,
-    Reason,
-    Rejected,
-    StaleCache,
-)
+from brownout import DeadlineExceeded, FailClosed, FailClosedGuard, Reason, Rejected, StaleCache
 from brownout.events import Event, EventHub, GuardFailedClosed
+from brownout.testing import ManualClock
 
 
 class AuthzSource:
@@ -216,8 +209,7 @@ async def test_through_a_real_dependency_with_breaker_and_timeout() -> None:
     """The same guarantee with the real outbound path: errors trip the real CircuitBreaker,
     and every later call (BREAKER_OPEN) and a hung call (the Dependency's timeout) fail
     closed; a remembered decision is never returned."""
-    from brownout.dependency import Dependency
-    from brownout.retry.breaker import CircuitBreaker
+    from brownout import CircuitBreaker, Dependency
 
     events = EventHub()
     breaker = CircuitBreaker(window=4, minimum_calls=4, open_for=30, events=events)

@@ -1,10 +1,10 @@
-"""Context markers of the degradation pieces (`brownout.degrade.markers`): bounded memory."""
+"""Context markers of the degradation pieces (`brownout._degrade.markers`): bounded memory."""
 
 from __future__ import annotations
 
 import asyncio
 
-from brownout.degrade.markers import note_fallback_served, served_by_fallback
+from brownout._degrade.markers import note_fallback_served, served_by_fallback
 
 
 async def test_bounded_fallback_marks_hold_each_mode_once() -> None:

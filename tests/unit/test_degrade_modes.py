@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brownout import DegradedMode, DegradedModes, ManualClock
+from brownout import DegradedMode, DegradedModes
 from brownout.events import DegradedModeChanged, Event, EventHub
+from brownout.testing import ManualClock
 
 
 class Recorder:
@@ -371,8 +372,8 @@ def test_property_dwell_duration_and_demand(steps: list[tuple[int, float]]) -> N
 def test_follows_the_real_overload_manager() -> None:
     """Issue 3's OverloadManager drives the modes through its subscribe hook; unfollowing
     unsubscribes."""
-    from brownout.overload.manager import OverloadManager
-    from brownout.overload.signals import FunctionSignal
+    from brownout import OverloadManager
+    from brownout.signals import FunctionSignal
 
     pressure = {"p": 0.0}
     clock = ManualClock()

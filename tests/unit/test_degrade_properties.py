@@ -526,8 +526,9 @@ def declare(decls: list[dict[str, Any]]) -> tuple[list[Any], list[ModelMode], di
 def drive_modes(
     decls: list[dict[str, Any]], ops: list[tuple[Any, ...]], *, loop_timer: bool
 ) -> list[str]:
-    from brownout import DegradedModes, ManualClock, Stats
+    from brownout import DegradedModes, Stats
     from brownout.events import DegradedModeChanged
+    from brownout.testing import ManualClock
 
     bad: list[str] = []
     real, model_modes, signals = declare(decls)
@@ -677,16 +678,16 @@ WIRING = st.lists(
 
 
 def drive_drills(wiring: list[tuple[str, str | None]], ops: list[tuple[Any, ...]]) -> list[str]:
-    from brownout import DegradedMode, DegradedModes, ManualClock
-    from brownout.degrade import (
+    from brownout import DegradedMode, DegradedModes, depends_on
+    from brownout._degrade.markers import served_by_fallback
+    from brownout._edge import announced_modes
+    from brownout.testing import (
         DrillFailed,
         DrillOutage,
         FallbackCalledFailedDependency,
-        depends_on,
+        ManualClock,
         drill,
     )
-    from brownout.degrade.markers import served_by_fallback
-    from brownout.edge import announced_modes
 
     bad: list[str] = []
     names = [f"m{i}" for i in range(3)]

@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import brownout
-from brownout import FailClosed, ManualClock, Priority, StaleCache
-from brownout.degrade import STALE_AGE_HEADER, stale_headers
+from brownout import FailClosed, Priority, StaleCache
 from brownout.events import Event, EventHub, StaleServed
+from brownout.testing import ManualClock
+from brownout.wire import STALE_AGE_HEADER, stale_headers
 
 pytestmark = pytest.mark.looptime
 

@@ -15,29 +15,29 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import brownout
+import brownout.events
+import brownout.testing
 from brownout import (
     Bulkhead,
     CircuitBreaker,
     ClientThrottle,
     Dependency,
-    FifoQueue,
-    FixedLimit,
-    Reason,
-    Rejected,
-    RetryBudget,
-    RetryPolicy,
-    UnknownOutcome,
-)
-from brownout.retry import (
     ExponentialBackoff,
     InMemoryOutcomeLedger,
-    OutcomeRecord,
     OutcomeState,
+    Reason,
     Reconciler,
+    Rejected,
     ResponseError,
     RetriesExhausted,
+    RetryBudget,
+    RetryPolicy,
     StopReason,
+    UnknownOutcome,
 )
+from brownout._retry import OutcomeRecord
+from brownout.limits import FixedLimit
+from brownout.queues import FifoQueue
 
 pytestmark = pytest.mark.looptime
 
@@ -91,7 +91,7 @@ async def test_per_attempt_budget_is_min_of_timeout_and_remaining_minus_reserve(
 class _SlowBreaker(CircuitBreaker):
     """A guard that takes time between the budget and the attempt (a preempted thread)."""
 
-    def __init__(self, clock: brownout.ManualClock) -> None:
+    def __init__(self, clock: brownout.testing.ManualClock) -> None:
         super().__init__(clock=clock)
         self.manual = clock
 
@@ -108,7 +108,7 @@ async def test_time_spent_in_the_guards_comes_out_of_the_attempts_budget(
     before the attempt starts (here 0.2 s in the breaker) is spent from it, and the attempt
     still ends by the request's deadline less the reserve. A budget carried as a duration and
     started after the guards ended 0.2 s late."""
-    clock = brownout.ManualClock(100.0)
+    clock = brownout.testing.ManualClock(100.0)
     request_ends = brownout.Deadline(101.0, clock)
     seen: list[tuple[float, float]] = []
 
@@ -473,7 +473,7 @@ def test_property_attempts_stay_within_budget_and_inside_the_deadline_minus_rese
 async def test_drills_reach_every_dependency_call_and_check_breaker_fallbacks() -> None:
     """G3: a drill marks a dependency failed; a breaker fallback that calls it fails the drill."""
     import brownout
-    from brownout.degrade.drill import DrillFailed, DrillOutage, drill
+    from brownout.testing import DrillFailed, DrillOutage, drill
 
     calls: list[str] = []
 
@@ -556,8 +556,8 @@ async def test_the_request_deadline_does_not_cut_off_the_ledger_write() -> None:
 
 async def test_dependency_records_it_in_the_ledger() -> None:
     outcomes: list[Exception] = [
-        brownout.retry.TransientError("read timeout", sent=True),
-        brownout.retry.TransientError("refused", sent=False),
+        brownout._retry.TransientError("read timeout", sent=True),
+        brownout._retry.TransientError("refused", sent=False),
     ]
 
     async def charge() -> None:
@@ -574,7 +574,7 @@ async def test_an_error_answer_to_the_retry_does_not_settle_a_lost_attempt() -> 
     """D6: attempt 1 was sent and lost; the retry is answered 409 (the same key is still in
     progress). Attempt 1 may have been applied: UnknownOutcome, and the key in the ledger."""
     outcomes: list[Exception] = [
-        brownout.retry.TransientError("read timeout", sent=True),
+        brownout._retry.TransientError("read timeout", sent=True),
         ResponseError(409),
     ]
 
@@ -608,7 +608,7 @@ async def test_a_budget_below_the_clocks_resolution_is_refused_not_an_unknown_ou
     assert not isinstance(info.value, UnknownOutcome)
     assert info.value.reason is Reason.DEADLINE_TOO_SHORT
     assert sent == [] and len(ledger) == 0
-    assert breaker.state is brownout.retry.BreakerState.CLOSED
+    assert breaker.state is brownout._retry.BreakerState.CLOSED
 
 
 async def test_a_retry_is_not_decided_when_its_wait_leaves_no_time_to_send_it() -> None:
@@ -680,9 +680,9 @@ async def test_bounded_unknown_outcome_writes_leave_no_reference_behind(
     """An outage turns 10,000 mutations (each its own key) into unknown outcomes: the
     shielded ledger writes are held only while they run, and the ledger keeps its bound
     (10,000, not 100,000: each call runs the whole retry and deadline machinery)."""
-    from brownout.dependency import _LEDGER_WRITES
+    from brownout._dependency import _LEDGER_WRITES
 
-    caplog.set_level(logging.ERROR, logger="brownout.retry")  # one warning per dropped key
+    caplog.set_level(logging.ERROR, logger="brownout._retry")  # one warning per dropped key
 
     async def hangs() -> None:
         await asyncio.sleep(10)
@@ -706,7 +706,7 @@ async def test_bounded_unknown_outcome_writes_leave_no_reference_behind(
 async def test_calls_refused_for_lack_of_time_are_counted_as_shed() -> None:
     # O1: the dependency's other local refusals (breaker open, throttled, overloaded) were
     # counted; one refused because the request's time could not cover it was not.
-    hub = brownout.EventHub()
+    hub = brownout.events.EventHub()
     stats = brownout.Stats()
     hub.subscribe(stats)
     dep = Dependency("search", timeout=1.0, min_useful=0.1, retry=policy(), events=hub)

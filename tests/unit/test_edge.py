@@ -1,4 +1,4 @@
-"""Unit tests of the framework-free edge (`brownout.edge`), on virtual time.
+"""Unit tests of the framework-free edge (`brownout._edge`), on virtual time.
 
 Requirements: D2/D3 (budget resolution and route clamp), D5 (cancel at expiry), S2 (problem
 bodies, 429 vs 503, jittered Retry-After only when known), S4 (priority claims only from
@@ -18,31 +18,31 @@ import pytest
 from tests.limits import SpyLimit
 
 import brownout
+import brownout.testing
 from brownout import (
     Bulkhead,
-    EventHub,
-    FifoQueue,
-    FixedLimit,
+    Classification,
+    EdgePolicy,
     InboundDeadlinePolicy,
     Priority,
     Reason,
     Rejected,
+    Route,
     Stats,
     Trust,
 )
-from brownout.edge import (
+from brownout._edge import (
     ABANDONED,
-    Classification,
-    EdgePolicy,
     Flight,
     Refusal,
-    Route,
     SlowedRejections,
     compile_template,
     header_getter,
     problem_body,
 )
-from brownout.events import DeadlineHeaderIgnored, Event
+from brownout.events import DeadlineHeaderIgnored, Event, EventHub
+from brownout.limits import FixedLimit
+from brownout.queues import FifoQueue
 
 
 class Recorder:
@@ -515,9 +515,9 @@ async def test_ratelimit_headers_come_from_the_quota_decision() -> None:
     """S2: a real Quota's refusal carries the IETF RateLimit / RateLimit-Policy headers; the
     edge leaves Retry-After to its own jittered value."""
     from brownout import InMemoryQuotaStore, Quota
-    from brownout.edge import ratelimit_headers
+    from brownout._edge import ratelimit_headers
 
-    quota = Quota(rate=1.0, burst=1, store=InMemoryQuotaStore(clock=brownout.ManualClock()))
+    quota = Quota(rate=1.0, burst=1, store=InMemoryQuotaStore(clock=brownout.testing.ManualClock()))
     assert (await quota.check("alice")).allowed
     refused = await quota.check("alice")
     assert not refused.allowed
@@ -549,7 +549,8 @@ async def test_unknown_outcome_from_a_handler_is_a_504_that_says_do_not_retry() 
 async def test_fallback_answers_count_as_goodput_but_never_teach_the_limit() -> None:
     """G1 + A5: a degraded-mode fallback answers fast; fed to an adaptive limit it would drag
     the no-load baseline down and collapse the limit when the mode ends (seen in the lab)."""
-    from brownout import Bulkhead, DegradedMode, DegradedModes, FifoQueue
+    from brownout import Bulkhead, DegradedMode, DegradedModes
+    from brownout.queues import FifoQueue
 
     hub, stats, _ = observed()
     spy = SpyLimit()

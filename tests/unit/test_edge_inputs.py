@@ -47,7 +47,7 @@ from tests.edge_inputs import (
 
 import brownout
 from brownout import Trust
-from brownout.context import _EMPTY
+from brownout._context import _EMPTY
 from brownout.integrations.asgi import BrownoutMiddleware
 
 PATH_CACHE = 8
@@ -165,8 +165,9 @@ async def test_bounded_100k_forged_callers_paths_and_headers_through_the_middlew
     from starlette.routing import Route as StarletteRoute
     from tests.edge_inputs import TEMPLATE
 
-    from brownout import Bulkhead, EventHub, FixedLimit, InboundDeadlinePolicy, Stats
-    from brownout.edge import Classification, EdgePolicy, Route
+    from brownout import Bulkhead, Classification, EdgePolicy, InboundDeadlinePolicy, Route, Stats
+    from brownout.events import EventHub
+    from brownout.limits import FixedLimit
 
     def classify(scope: Any, cls: Classification) -> Classification:
         key = dict(scope["headers"]).get(b"x-api-key", b"anonymous").decode("latin-1")

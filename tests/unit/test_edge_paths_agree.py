@@ -32,11 +32,12 @@ from tests.edge_inputs import asgi_scope
 from tests.outcomes import LONG, OUTCOMES, SHORT, Observed, observed
 
 from brownout import (
+    EdgePolicy,
     Reason,
     Rejected,
+    Route,
     UnknownOutcome,
 )
-from brownout.edge import EdgePolicy, Route
 from brownout.integrations.asgi import BrownoutMiddleware
 
 Message = MutableMapping[str, Any]

@@ -77,7 +77,8 @@ def test_bounded_ledgers_of_discarded_bulkheads_are_not_kept() -> None:
     discarded (per request, by mistake) leave nothing on the hub."""
     import gc
 
-    from brownout import Bulkhead, FixedLimit, Stats
+    from brownout import Bulkhead, Stats
+    from brownout.limits import FixedLimit
 
     hub = EventHub()
     stats = hub.subscribe(Stats())
@@ -103,7 +104,8 @@ def test_a_discarded_bulkhead_keeps_its_uncounted_requests() -> None:
     # requests its ledger had not emitted yet with it: count("offered") was 0, not 10.
     import gc
 
-    from brownout import Bulkhead, FixedLimit, Stats
+    from brownout import Bulkhead, Stats
+    from brownout.limits import FixedLimit
 
     hub = EventHub()
     stats = hub.subscribe(Stats())

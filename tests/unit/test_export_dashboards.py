@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from brownout import Priority, Reason
+from brownout import Priority, Reason, Stats
+from brownout._stats import GAUGE_KINDS
 from brownout.events import (
     AttemptRetried,
     BreakerStateChanged,
@@ -33,7 +34,6 @@ from brownout.events import (
     RetryBudgetExhausted,
 )
 from brownout.export.prometheus import BrownoutCollector
-from brownout.stats import GAUGE_KINDS, Stats
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 METRIC = re.compile(r"\bbrownout_[a-zA-Z0-9_]+")

@@ -7,9 +7,10 @@ import logging
 
 import pytest
 
-from brownout import ManualClock, Priority, Reason, hub
-from brownout.events import EventHub, RequestOffered, RequestShed
+from brownout import Priority, Reason
+from brownout.events import EventHub, RequestOffered, RequestShed, hub
 from brownout.export.logging import ShedLog
+from brownout.testing import ManualClock
 
 
 def shed(at, caller="alice", op="search", reason=Reason.QUEUE_FULL, fp=False):
@@ -139,7 +140,7 @@ def test_bounded_summary_tables_under_100k_distinct_callers_and_operations(caplo
 
 def test_a_shed_caller_named_other_is_not_the_summary_overflow(caplog):
     """O4: past the summary's 1,000 callers, the rest count as "other"; a real caller named
-    "other" keeps its own count, as "_other" (`brownout.stats.label_value`)."""
+    "other" keeps its own count, as "_other" (`brownout._stats.label_value`)."""
     caplog.set_level(logging.INFO, logger="brownout.shed")
     log = ShedLog(rate=5.0, burst=20, interval=100.0)
     log.emit(shed(0.0, caller="other"))

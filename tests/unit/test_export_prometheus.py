@@ -9,9 +9,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from brownout import EventHub, FailClosed, FailClosedGuard, Priority, Reason, StaleCache
+from brownout import FailClosed, FailClosedGuard, Priority, Reason, StaleCache, Stats
 from brownout.events import (
     BreakerStateChanged,
+    EventHub,
     RequestAdmitted,
     RequestCompleted,
     RequestOffered,
@@ -23,7 +24,6 @@ from brownout.export.prometheus import (
     metrics_middleware,
     register,
 )
-from brownout.stats import Stats
 
 
 def req(cls, caller="alice", op="get", source="edge", priority=Priority.CRITICAL, **kw):

@@ -10,12 +10,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from rich.console import Console
 
-from brownout import Priority, Reason
+from brownout import Priority, Reason, Stats
 from brownout.events import BreakerStateChanged, RequestCompleted, RequestOffered, RequestShed
+from brownout.export._top import MAX_SCRAPE_BYTES, ScrapeError, _quantile, fetch, parse, render
+from brownout.export._top import main as top_main
 from brownout.export.prometheus import register
-from brownout.export.top import MAX_SCRAPE_BYTES, ScrapeError, _quantile, fetch, parse, render
-from brownout.export.top import main as top_main
-from brownout.stats import Stats
 
 
 def req(cls, **kw):

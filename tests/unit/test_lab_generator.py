@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from brownout.lab.generator import (
+from brownout._lab.generator import (
     AdminCall,
     LoadPlan,
     LoadStep,
@@ -27,7 +27,7 @@ from brownout.lab.generator import (
     calibrate,
     run_plan,
 )
-from brownout.lab.tally import OUTCOMES, Tally, percentile
+from brownout._lab.tally import OUTCOMES, Tally, percentile
 
 
 def _response(status: int, body: bytes = b"", *headers: str) -> bytes:
@@ -368,7 +368,7 @@ async def test_degraded_responses_are_counted_and_their_goodput_apart(fake: Fake
 async def test_drained_waits_for_a_retry_scheduled_by_the_last_failure() -> None:
     """Regression: finish() signalled "drained" before the failure's retry was scheduled, so a
     run could end with that retry unresolved (seen once in a full-suite run)."""
-    from brownout.lab.generator import _Pool, _Req
+    from brownout._lab.generator import _Pool, _Req
 
     pool = _Pool(asyncio.get_running_loop(), "127.0.0.1", 9, limit=1)
     pool.drained = asyncio.Event()

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from brownout.lab.generator import StepResult
-from brownout.lab.hog import HOG_SOURCE, cpu_hog
-from brownout.lab.hostcpu import (
+from brownout._lab.generator import StepResult
+from brownout._lab.hog import HOG_SOURCE, cpu_hog
+from brownout._lab.hostcpu import (
     CpuSample,
     core_ticks,
     cpu_shares,
@@ -22,8 +22,8 @@ from brownout.lab.hostcpu import (
     pid_ticks,
     read_sample,
 )
-from brownout.lab.report import COLUMNS, cpu_cell, host_cell, scenario_rows, write_report
-from brownout.lab.runner import (
+from brownout._lab.report import COLUMNS, cpu_cell, host_cell, scenario_rows, write_report
+from brownout._lab.runner import (
     CONFIGURATIONS,
     LabSettings,
     Target,
@@ -31,9 +31,9 @@ from brownout.lab.runner import (
     plan_for,
     summarize_step,
 )
-from brownout.lab.scenarios import DEFAULT_SCENARIOS, SCENARIOS
-from brownout.lab.tally import Tally
-from brownout.lab.verdict import STARVED_SLACK, evaluate, targets
+from brownout._lab.scenarios import DEFAULT_SCENARIOS, SCENARIOS
+from brownout._lab.tally import Tally
+from brownout._lab.verdict import STARVED_SLACK, evaluate, targets
 
 linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from brownout.lab.http1 import (
+from brownout._lab.http1 import (
     MAX_HEAD,
     Response,
     ResponseParseError,

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from brownout.cli import main
-from brownout.lab.demo import ARRIVAL_BIN, Backend, LatencySignal
-from brownout.lab.generator import PlanResult, StepResult
-from brownout.lab.report import OUTBOUND_COLUMNS, markdown, outbound_rows, write_report
-from brownout.lab.runner import (
+from brownout._cli import main
+from brownout._lab.demo import ARRIVAL_BIN, Backend, LatencySignal
+from brownout._lab.generator import PlanResult, StepResult
+from brownout._lab.report import OUTBOUND_COLUMNS, markdown, outbound_rows, write_report
+from brownout._lab.runner import (
     CONFIGURATIONS,
     LabSettings,
     Target,
@@ -28,14 +28,14 @@ from brownout.lab.runner import (
     plan_for,
     summarize_plan,
 )
-from brownout.lab.scenarios import (
+from brownout._lab.scenarios import (
     DEFAULT_SCENARIOS,
     OPT_IN_SCENARIOS,
     SCENARIOS,
     DependencyChange,
 )
-from brownout.lab.tally import Tally
-from brownout.lab.verdict import evaluate, targets
+from brownout._lab.tally import Tally
+from brownout._lab.verdict import evaluate, targets
 
 DEMO = Target("127.0.0.1", 1, "")
 BACKEND = ("127.0.0.1", 2)
@@ -234,7 +234,7 @@ def test_drill_names_a_declared_mode(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_the_protected_fronts_retries_are_bounded_and_its_recovery_jittered() -> None:
-    from brownout.lab.protect import OUTBOUND_ATTEMPTS, RETRY_RATIO, outbound_dependency
+    from brownout._lab.protect import OUTBOUND_ATTEMPTS, RETRY_RATIO, outbound_dependency
 
     dep = outbound_dependency()
     assert dep.retry.attempts == OUTBOUND_ATTEMPTS == 3

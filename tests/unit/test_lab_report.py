@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from brownout.cli import TargetError, conclude, main, parse_target
-from brownout.lab.generator import PlanResult, StepResult
-from brownout.lab.report import (
+from brownout._cli import TargetError, conclude, main, parse_target
+from brownout._lab.generator import PlanResult, StepResult
+from brownout._lab.report import (
     COLUMNS,
     markdown,
     print_tables,
@@ -20,10 +20,10 @@ from brownout.lab.report import (
     write_markdown,
     write_report,
 )
-from brownout.lab.runner import CONFIGURATIONS, LabSettings, summarize_plan
-from brownout.lab.scenarios import SCENARIOS, quick_variant
-from brownout.lab.tally import Tally
-from brownout.lab.verdict import evaluate, targets
+from brownout._lab.runner import CONFIGURATIONS, LabSettings, summarize_plan
+from brownout._lab.scenarios import SCENARIOS, quick_variant
+from brownout._lab.tally import Tally
+from brownout._lab.verdict import evaluate, targets
 
 CAPACITY = 400.0
 
@@ -357,7 +357,7 @@ def test_cli_refuses_absurd_durations_before_starting_anything(
 
 def test_cli_top_is_dispatched_lazily(capsys: pytest.CaptureFixture[str]) -> None:
     try:
-        import brownout.export.top  # noqa: F401
+        import brownout.export._top  # noqa: F401
     except ImportError:
         assert main(["top"]) == 2
         assert "not available" in capsys.readouterr().err

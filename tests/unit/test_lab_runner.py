@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from brownout.lab.runner import CONFIGURATIONS, LabSettings, Target, classes_for, plan_for
-from brownout.lab.scenarios import (
+from brownout._lab.runner import CONFIGURATIONS, LabSettings, Target, classes_for, plan_for
+from brownout._lab.scenarios import (
     DEFAULT_SCENARIOS,
     SCENARIOS,
     DependencyChange,

@@ -1,4 +1,4 @@
-"""Demo server processes (brownout.lab.servers)."""
+"""Demo server processes (brownout._lab.servers)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from brownout.lab.servers import spawn_server
+from brownout._lab.servers import spawn_server
 
 # -- demo servers outliving the lab -----------------------------------------------------------
 
@@ -37,7 +37,7 @@ def test_demo_servers_exit_when_the_lab_process_dies() -> None:
 
     script = (
         "import os, signal\n"
-        "from brownout.lab.servers import spawn_server\n"
+        "from brownout._lab.servers import spawn_server\n"
         "server = spawn_server(['backend'])\n"
         "print(server.proc.pid, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -100,7 +100,7 @@ def test_the_uvicorn_comparator_does_not_log_each_refusal() -> None:
     backend = spawn_server(["backend", "--latency", "0.2"])
     args = ["front", "--backend-url", backend.url, "--limit-concurrency", "2"]
     front = subprocess.Popen(
-        [sys.executable, "-m", "brownout.lab.demo", *args, "--parent-pid", str(os.getpid())],
+        [sys.executable, "-m", "brownout._lab.demo", *args, "--parent-pid", str(os.getpid())],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )

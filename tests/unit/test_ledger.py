@@ -10,17 +10,19 @@ import threading
 
 import pytest
 
-from brownout import Bulkhead, Deadline, EventHub, FixedLimit, Priority, Rejected, Stats
-from brownout.clock import ManualClock
+from brownout import Bulkhead, Deadline, Priority, Rejected, Stats
+from brownout._tally_buffer import MAX_SAMPLES, Ledger, held
 from brownout.events import (
     Event,
+    EventHub,
     RequestAdmitted,
     RequestCompleted,
     RequestFailed,
     RequestOffered,
     RequestsTallied,
 )
-from brownout.ledger import MAX_SAMPLES, Ledger, held
+from brownout.limits import FixedLimit
+from brownout.testing import ManualClock
 
 pytestmark = pytest.mark.looptime
 

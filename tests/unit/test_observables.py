@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import brownout
+import brownout.testing
 from brownout import (
     CircuitBreaker,
     DegradedMode,
@@ -18,7 +19,7 @@ def as_dict(stats: brownout.Stats) -> dict[tuple[str, tuple[tuple[str, str], ...
 
 
 def test_dependency_and_modes_export_their_state() -> None:
-    clock = brownout.ManualClock()
+    clock = brownout.testing.ManualClock()
     dep = Dependency(
         "payments",
         timeout=1.0,

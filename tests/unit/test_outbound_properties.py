@@ -29,39 +29,37 @@ from hypothesis import strategies as st
 
 import brownout
 from brownout import (
+    BreakerState,
     CircuitBreaker,
     ClientThrottle,
+    DeadlineExceeded,
     Dependency,
-    EventHub,
+    ExponentialBackoff,
+    InMemoryOutcomeLedger,
     Reason,
     Rejected,
+    ResponseError,
+    RetriesExhausted,
     RetryBudget,
     RetryPolicy,
     Stats,
+    StopReason,
+    TransientError,
     UnknownOutcome,
 )
-from brownout.errors import DeadlineExceeded
 from brownout.events import (
     AttemptRetried,
     BreakerStateChanged,
     Event,
+    EventHub,
     OutcomeUnknown,
     RequestShed,
     RetryBudgetExhausted,
 )
-from brownout.retry import (
-    BreakerState,
-    ExponentialBackoff,
-    InMemoryOutcomeLedger,
-    ResponseError,
-    RetriesExhausted,
-    StopReason,
-    TransientError,
-)
 
 EPS = 1e-6
 HANG = 10_000.0  # "never answers": far past every deadline
-_EDGE = 0.001  # the smallest reserve a Dependency keeps (brownout.dependency._EDGE)
+_EDGE = 0.001  # the smallest reserve a Dependency keeps (brownout._dependency._EDGE)
 
 # What the transport does on one attempt. `sent`: the request may have reached the server;
 # `answered`: the server answered (so a mutation's outcome is known).

@@ -12,20 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brownout import (
-    Bulkhead,
-    EventHub,
-    FifoQueue,
-    FixedLimit,
-    ManualClock,
-    OverloadLevel,
-    OverloadManager,
-    Priority,
-    Reason,
-    Rejected,
-)
-from brownout.events import Event, OverloadLevelChanged
-from brownout.overload import (
+from brownout import Bulkhead, OverloadLevel, OverloadManager, Priority, Reason, Rejected
+from brownout.events import Event, EventHub, OverloadLevelChanged
+from brownout.limits import FixedLimit
+from brownout.queues import FifoQueue
+from brownout.signals import (
     EventLoopLag,
     FileDescriptors,
     FunctionSignal,
@@ -34,6 +25,7 @@ from brownout.overload import (
     QueueAge,
     cgroup_memory_limit,
 )
+from brownout.testing import ManualClock
 
 
 class Recorder:

@@ -10,18 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import brownout
+import brownout.events
 from brownout import (
     BudgetSigner,
     Deadline,
     HeaderError,
     InboundDeadlinePolicy,
-    ManualClock,
     Priority,
     Stats,
     Trust,
 )
 from brownout.events import DeadlineHeaderIgnored, EventHub
-from brownout.propagation import (
+from brownout.testing import ManualClock
+from brownout.wire import (
     BUDGET_HEADER,
     ENVOY_TIMEOUT_HEADER,
     SIGNED_BUDGET_HEADER,
@@ -242,7 +243,7 @@ def test_malformed_headers_are_ignored_and_reported_never_raised() -> None:
     seen: list[DeadlineHeaderIgnored] = []
 
     class Collect:
-        def emit(self, event: brownout.Event) -> None:
+        def emit(self, event: brownout.events.Event) -> None:
             assert isinstance(event, DeadlineHeaderIgnored)
             seen.append(event)
 

@@ -7,9 +7,19 @@ from __future__ import annotations
 import asyncio
 
 import brownout
-from brownout import EventHub, InMemoryQuotaStore, ManualClock, Priority, Quota, Reason
-from brownout.admission import Bulkhead, FixedLimit
-from brownout.edge import Classification, EdgePolicy, Flight, Refusal
+from brownout import (
+    Bulkhead,
+    Classification,
+    EdgePolicy,
+    InMemoryQuotaStore,
+    Priority,
+    Quota,
+    Reason,
+)
+from brownout._edge import Flight, Refusal
+from brownout.events import EventHub
+from brownout.limits import FixedLimit
+from brownout.testing import ManualClock
 
 
 def tenant(request: object, default: Classification) -> Classification:

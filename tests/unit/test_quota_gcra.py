@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from brownout.quota import GcraPolicy, decide
+from brownout._quota import GcraPolicy, decide
 
 
 def test_a_fresh_key_gets_its_whole_burst_then_waits_one_interval() -> None:

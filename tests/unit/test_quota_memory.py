@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from brownout import InMemoryQuotaStore, ManualClock
-from brownout.quota import GcraPolicy
+from brownout import InMemoryQuotaStore
+from brownout._quota import GcraPolicy
+from brownout.testing import ManualClock
 
 POLICY = GcraPolicy(rate=10.0, burst=2)
 

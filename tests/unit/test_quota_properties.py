@@ -25,14 +25,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from brownout import EventHub, ManualClock, Quota, Reason
-from brownout.quota import (
-    GcraOutcome,
-    GcraPolicy,
-    InMemoryQuotaStore,
-    QuotaStoreUnavailable,
-    decide,
-)
+from brownout import InMemoryQuotaStore, Quota, QuotaStoreUnavailable, Reason
+from brownout._quota import GcraOutcome, GcraPolicy, decide
+from brownout.events import EventHub
+from brownout.testing import ManualClock
 
 FAST = settings(max_examples=250, deadline=None, derandomize=True)
 

@@ -13,9 +13,18 @@ import random
 import pytest
 
 import brownout
-from brownout import EventHub, ManualClock, Quota, QuotaDecision, Reason, Rejected, Stats
-from brownout.events import Event, QuotaBackendChanged
-from brownout.quota import GcraOutcome, GcraPolicy, InMemoryQuotaStore, QuotaStoreUnavailable
+from brownout import (
+    InMemoryQuotaStore,
+    Quota,
+    QuotaDecision,
+    QuotaStoreUnavailable,
+    Reason,
+    Rejected,
+    Stats,
+)
+from brownout._quota import GcraOutcome, GcraPolicy
+from brownout.events import Event, EventHub, QuotaBackendChanged
+from brownout.testing import ManualClock
 
 
 class ListSink:
@@ -122,7 +131,7 @@ def test_headers_of_an_allowed_decision_have_no_retry_after() -> None:
     [(100.0, 20, 1, 100), (0.1, 5, 50, 5), (1 / 3, 1, 3, 1), (2.5, 1, 1, 2), (10.0, 100, 10, 100)],
 )
 def test_policy_window(rate: float, burst: int, window: int, quota: int) -> None:
-    from brownout.quota import policy_window
+    from brownout._quota import policy_window
 
     assert policy_window(GcraPolicy(rate, burst)) == (window, quota)
 

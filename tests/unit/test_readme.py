@@ -29,3 +29,14 @@ def test_quickstart_runs() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "payments saw:" in result.stdout
+
+
+def test_the_readme_block_runs_as_pasted() -> None:
+    """Pasted alone into a file, the README's block builds the app and its client."""
+    result = subprocess.run(
+        [sys.executable, "-c", quickstart_lines()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from brownout import Reason
-from brownout.edge import EdgePolicy, Refusal, problem_body, ratelimit_headers
+from brownout import EdgePolicy, Reason
+from brownout._edge import Refusal, problem_body, ratelimit_headers
 from brownout.integrations.asgi import _refusal_head
-from brownout.propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
+from brownout.wire import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
 
 def fresh_head(refusal: Refusal) -> list[tuple[bytes, bytes]]:

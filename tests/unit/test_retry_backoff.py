@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from brownout.retry import DecorrelatedJitterBackoff, ExponentialBackoff
+from brownout import DecorrelatedJitterBackoff, ExponentialBackoff
 
 
 def test_exponential_without_jitter_doubles_up_to_the_cap() -> None:

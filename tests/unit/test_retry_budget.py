@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brownout import ManualClock
-from brownout.retry import GrpcRetryThrottle, RetryBudget
+from brownout import GrpcRetryThrottle, RetryBudget
+from brownout.testing import ManualClock
 
 
 def test_reserve_alone_allows_min_per_second_times_window() -> None:

@@ -14,19 +14,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import brownout
-from brownout import Reason, Rejected, UnknownOutcome
-from brownout.events import AttemptRetried, Event, EventHub, OutcomeUnknown, RetryBudgetExhausted
-from brownout.retry import (
+from brownout import (
     ExponentialBackoff,
-    Failure,
+    Reason,
+    Rejected,
     ResponseError,
     RetriesExhausted,
     RetryBudget,
     RetryPolicy,
     StopReason,
     TransientError,
-    parse_pushback,
+    UnknownOutcome,
 )
+from brownout.events import AttemptRetried, Event, EventHub, OutcomeUnknown, RetryBudgetExhausted
+from brownout.wire import Failure, parse_pushback
 
 
 class Recorder:
@@ -496,7 +497,7 @@ def test_retry_after_parser_never_raises_on_non_ascii_digits(value: str) -> None
 @pytest.mark.parametrize(
     "later",
     [
-        brownout.retry.TransientError("refused", sent=False),  # never left: says nothing
+        brownout._retry.TransientError("refused", sent=False),  # never left: says nothing
         ResponseError(503),  # refused by the server: says nothing of attempt 1
         ResponseError(409),  # "a request with this key is still in progress"
         ResponseError(500),  # the retry failed: attempt 1 may still have been applied
@@ -506,7 +507,7 @@ def test_retry_after_parser_never_raises_on_non_ascii_digits(value: str) -> None
 async def test_a_mutation_sent_and_unanswered_once_stays_unknown_after_later_attempts(
     later: Exception,
 ) -> None:
-    outcomes: list[Exception] = [brownout.retry.TransientError("read timeout", sent=True), later]
+    outcomes: list[Exception] = [brownout._retry.TransientError("read timeout", sent=True), later]
 
     async def charge() -> None:
         raise outcomes.pop(0)

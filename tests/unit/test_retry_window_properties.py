@@ -25,17 +25,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brownout import ManualClock, Reason, Rejected
-from brownout.events import EventHub
-from brownout.retry import (
+from brownout import (
     BreakerState,
     CircuitBreaker,
     ClientThrottle,
     DecorrelatedJitterBackoff,
     ExponentialBackoff,
     GrpcRetryThrottle,
+    Reason,
+    Rejected,
 )
-from brownout.retry.window import SlidingCounters
+from brownout._retry.window import SlidingCounters
+from brownout.events import EventHub
+from brownout.testing import ManualClock
 
 QUIET = EventHub()  # no subscribers: decisions are checked through the objects themselves
 

@@ -10,7 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brownout import ManualClock, Priority, Reason
+from brownout import Priority, Reason, Stats
+from brownout._stats import (
+    COUNTER_KINDS,
+    OTHER,
+    LabelCap,
+    LatencyHistogram,
+    TopKLabels,
+    label_value,
+)
 from brownout.events import (
     AttemptRetried,
     BreakerStateChanged,
@@ -32,15 +40,7 @@ from brownout.events import (
     RetryBudgetExhausted,
     StaleServed,
 )
-from brownout.stats import (
-    COUNTER_KINDS,
-    OTHER,
-    LabelCap,
-    LatencyHistogram,
-    Stats,
-    TopKLabels,
-    label_value,
-)
+from brownout.testing import ManualClock
 
 CRIT = Priority.CRITICAL
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from brownout import ManualClock, Reason, Rejected
-from brownout.retry import ClientThrottle
+from brownout import ClientThrottle, Reason, Rejected
+from brownout.testing import ManualClock
 
 
 def test_no_rejections_while_the_dependency_accepts() -> None:

@@ -18,9 +18,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ..clock import Clock, default_clock
+from .._clock import Clock, default_clock
+from .._stats import OTHER, label_value
 from ..events import Event, RequestShed
-from ..stats import OTHER, label_value
 
 __all__ = ["ShedLog"]
 

@@ -24,11 +24,11 @@ except ModuleNotFoundError as e:  # the extra is not installed
 
     raise missing_extra(__name__, "otel", e) from e
 
+from .._clock import Clock, default_clock
 from .._snapshot import items_of
-from ..clock import Clock, default_clock
+from .._stats import Gauge, LabelCap, LatencyHistogram, Stats
 from ..events import Event, RequestAdmitted, RequestCompleted, RequestOffered, RequestsTallied
-from ..stats import Gauge, LabelCap, LatencyHistogram, Stats
-from .catalog import COUNTERS, GAUGES, HISTOGRAMS, STATE_COUNTERS
+from ._catalog import COUNTERS, GAUGES, HISTOGRAMS, STATE_COUNTERS
 
 __all__ = ["QUANTILES", "OtelHistogramSink", "OtelMetrics"]
 

@@ -35,8 +35,8 @@ except ModuleNotFoundError as e:  # the extra is not installed
     raise missing_extra(__name__, "prometheus", e) from e
 
 from .._snapshot import items_of
-from ..stats import LatencyHistogram, Stats
-from .catalog import COUNTERS, GAUGES, HISTOGRAMS, STATE_COUNTERS, CounterSpec, GaugeSpec
+from .._stats import LatencyHistogram, Stats
+from ._catalog import COUNTERS, GAUGES, HISTOGRAMS, STATE_COUNTERS, CounterSpec, GaugeSpec
 
 __all__ = [
     "BrownoutCollector",

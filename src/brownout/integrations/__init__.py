@@ -1,6 +1,6 @@
 """Adapters between brownout and frameworks: the only place framework imports live.
 
-Inbound (the edge, `brownout.edge`):
+Inbound (the edge, `brownout._edge`):
 
 - `brownout.integrations.asgi`: `BrownoutMiddleware` for Starlette, FastAPI and any ASGI app;
 - `brownout.integrations.grpc_server`: `BrownoutServerInterceptor` for ``grpc.aio`` servers;

@@ -17,7 +17,7 @@ method but GET, HEAD, OPTIONS, TRACE) that was sent and never answered raises
 `brownout.UnknownOutcome` with its idempotency key.
 
 The caller gets the response for answers this layer does not retry, and
-`brownout.retry.RetriesExhausted` when it retried and gave up (``return_exhausted=True``
+`brownout._retry.RetriesExhausted` when it retried and gave up (``return_exhausted=True``
 returns the last response instead). Error responses (5xx, 429) are read before they are
 returned, which frees their connection for the retry.
 """
@@ -41,13 +41,13 @@ except ModuleNotFoundError as e:  # the extra is not installed
 
     raise missing_extra(__name__, "aiohttp", e) from e
 
-from ..dependency import Dependency
-from ..propagation import (
+from .._dependency import Dependency
+from .._propagation import (
     IDEMPOTENCY_HEADER,
     BudgetSigner,
     outbound_headers,
 )
-from ..retry.classify import ResponseError, RetriesExhausted, TransientError, parse_pushback
+from .._retry.classify import ResponseError, RetriesExhausted, TransientError, parse_pushback
 
 __all__ = ["SAFE_METHODS", "BrownoutClientMiddleware"]
 

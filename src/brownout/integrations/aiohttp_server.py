@@ -37,13 +37,13 @@ except ModuleNotFoundError as e:  # the extra is not installed
 
     raise missing_extra(__name__, "aiohttp", e) from e
 
-from ..admission.bulkhead import Permit, Untracked
-from ..clock import loop_and_time
-from ..context import _EMPTY as _NO_REQUEST
-from ..context import _get_current
-from ..degrade.markers import _fallback_marks
-from ..degrade.modes import DEGRADED_HEADER
-from ..edge import (
+from .._admission.bulkhead import Permit, Untracked
+from .._clock import loop_and_time
+from .._context import _EMPTY as _NO_REQUEST
+from .._context import _get_current
+from .._degrade.markers import _fallback_marks
+from .._degrade.modes import DEGRADED_HEADER
+from .._edge import (
     ABANDONED,
     EXPRESS_HEADERS,
     Abandoned,
@@ -56,7 +56,7 @@ from ..edge import (
     announced_modes,
     ratelimit_headers,
 )
-from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
+from .._propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
 __all__ = ["BrownoutAiohttpMiddleware", "announce_degraded", "brownout_middleware"]
 

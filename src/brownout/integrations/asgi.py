@@ -4,7 +4,7 @@
 
     app.add_middleware(BrownoutMiddleware, policy=EdgePolicy(bulkhead=..., ...))
 
-What it does per HTTP request (see `brownout.edge` for the policy itself):
+What it does per HTTP request (see `brownout._edge` for the policy itself):
 
 - health and readiness paths are passed straight through (never admitted, never queued);
 - the operation label is the route *template* (``/reports/{id}``): the middleware walks the
@@ -43,13 +43,13 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from operator import itemgetter
 from typing import Any
 
-from ..admission.bulkhead import Permit, Untracked
-from ..clock import current_task_of as _current_task
-from ..clock import loop_and_time
-from ..context import _EMPTY as _NO_REQUEST
-from ..context import _get_current, _inbound_context, _reset_current, _set_current
-from ..degrade.markers import _fallback_marks, _reset_fallback_marks, _set_fallback_marks
-from ..edge import (
+from .._admission.bulkhead import Permit, Untracked
+from .._clock import current_task_of as _current_task
+from .._clock import loop_and_time
+from .._context import _EMPTY as _NO_REQUEST
+from .._context import _get_current, _inbound_context, _reset_current, _set_current
+from .._degrade.markers import _fallback_marks, _reset_fallback_marks, _set_fallback_marks
+from .._edge import (
     EXPRESS_HEADERS,
     DegradedModes,
     EdgePolicy,
@@ -60,7 +60,7 @@ from ..edge import (
     announced_modes,
     ratelimit_headers,
 )
-from ..propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
+from .._propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
 __all__ = ["BrownoutMiddleware"]
 
@@ -556,7 +556,7 @@ class BrownoutMiddleware:
         assert task is not None
         token = _set_current(ctx)
         # With degraded modes declared, a fresh list per request collects the modes whose
-        # fallback answered (`brownout.degrade.markers`), as `serve` does.
+        # fallback answered (`brownout._degrade.markers`), as `serve` does.
         marks: list[str] | None = None
         if modes is not None:
             marks = []

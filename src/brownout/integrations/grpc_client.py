@@ -24,7 +24,7 @@ Unary-unary calls run as one `Dependency.call` each; every attempt:
 
 gRPC has no safe methods: a call is a mutation (keyed, and an unknown outcome when sent and
 unanswered) unless its full name (``/pkg.Service/Method``) is in ``idempotent_methods``.
-When this layer retried and gave up, the call raises `brownout.retry.RetriesExhausted`; the
+When this layer retried and gave up, the call raises `brownout._retry.RetriesExhausted`; the
 edge interceptor turns it into ``UNAVAILABLE`` with ``grpc-retry-pushback-ms: -1`` so callers
 upstream do not retry again.
 
@@ -46,11 +46,11 @@ except ModuleNotFoundError as e:  # the extra is not installed
 
     raise missing_extra(__name__, "grpc", e) from e
 
-from ..context import RequestContext, current
-from ..deadline import call_budget
-from ..dependency import Dependency
-from ..errors import DeadlineExceeded
-from ..propagation import (
+from .._context import RequestContext, current
+from .._deadline import call_budget
+from .._dependency import Dependency
+from .._errors import DeadlineExceeded
+from .._propagation import (
     ATTEMPT_HEADER,
     GRPC_PUSHBACK_KEY,
     IDEMPOTENCY_HEADER,
@@ -58,7 +58,7 @@ from ..propagation import (
     REFUSAL_REASON_KEY,
     context_headers,
 )
-from ..retry.classify import ResponseError, TransientError, parse_pushback
+from .._retry.classify import ResponseError, TransientError, parse_pushback
 
 __all__ = [
     "BrownoutClientInterceptor",

@@ -46,12 +46,12 @@ except ModuleNotFoundError as e:  # the extra is not installed
 
     raise missing_extra(__name__, "grpc", e) from e
 
-from ..admission.bulkhead import Permit, Untracked
-from ..clock import current_task_of, loop_and_time
-from ..context import _EMPTY as _NO_REQUEST
-from ..context import _get_current
-from ..degrade.markers import _fallback_marks
-from ..edge import (
+from .._admission.bulkhead import Permit, Untracked
+from .._clock import current_task_of, loop_and_time
+from .._context import _EMPTY as _NO_REQUEST
+from .._context import _get_current
+from .._degrade.markers import _fallback_marks
+from .._edge import (
     ABANDONED,
     EXPRESS_HEADERS,
     Abandoned,
@@ -64,8 +64,8 @@ from ..edge import (
     ResolvedRoute,
     announced_modes,
 )
-from ..errors import Reason
-from ..propagation import GRPC_PUSHBACK_KEY, REFUSAL_REASON_KEY, HeaderGetter
+from .._errors import Reason
+from .._propagation import GRPC_PUSHBACK_KEY, REFUSAL_REASON_KEY, HeaderGetter
 
 __all__ = ["BrownoutServerInterceptor", "GrpcCall", "status_code_for"]
 

@@ -26,7 +26,7 @@ with its key (recorded in the dependency's ledger). A request may override the m
 ``extensions={"brownout.idempotent": True}``.
 
 What the caller sees: the response, for any answer this layer does not retry (a 404, a 500, or
-a 503 from a dependency without retries); `brownout.retry.RetriesExhausted` when this layer
+a 503 from a dependency without retries); `brownout._retry.RetriesExhausted` when this layer
 retried and gave up (its ``response`` is the last answer). Raising is deliberate: an edge
 turns it into 503 + ``brownout-retry: never``, so the layers above do not retry again (R1).
 ``return_exhausted=True`` returns the last response instead. A mutation one of whose earlier
@@ -47,14 +47,14 @@ except ModuleNotFoundError as e:  # the extra is not installed
 
     raise missing_extra(__name__, "httpx", e) from e
 
-from ..context import current
-from ..dependency import Dependency
-from ..propagation import (
+from .._context import current
+from .._dependency import Dependency
+from .._propagation import (
     IDEMPOTENCY_HEADER,
     BudgetSigner,
     outbound_headers,
 )
-from ..retry.classify import ResponseError, RetriesExhausted, TransientError, parse_pushback
+from .._retry.classify import ResponseError, RetriesExhausted, TransientError, parse_pushback
 
 __all__ = ["IDEMPOTENT_EXTENSION", "SAFE_METHODS", "BrownoutTransport", "SendsRequests"]
 

@@ -1,0 +1,334 @@
+"""The ``brownout`` command: ``brownout lab`` (the overload lab) and ``brownout top``.
+
+``brownout lab`` starts the embedded demo system (real uvicorn processes), measures its
+capacity, drives it past the breaking point with an open-loop generator in four
+configurations side by side, prints a table per scenario, writes ``lab-report/`` (PNG plots,
+raw JSON, an HTML page) and exits non-zero when a brownout invariant fails, so it can run in
+CI. ``brownout lab --target http://127.0.0.1:PORT/path`` runs the ramp against your own
+service instead (loopback addresses only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:  # (the lab's imports stay lazy: `brownout top` does not need them)
+    from rich.console import Console
+
+    from ._lab.verdict import Check
+
+__all__ = ["main", "parse_target"]
+
+
+class TargetError(ValueError):
+    """A ``--target`` the lab refuses to load-test."""
+
+
+def parse_target(url: str) -> tuple[str, int, str]:
+    """(host, port, path) of a loopback ``http://`` URL; `TargetError` for anything else.
+
+    The lab only ever sends load to this machine: a load test aimed at another host by
+    mistake is an attack on it.
+    """
+    parts = urlsplit(url)
+    if parts.scheme != "http":
+        raise TargetError(f"--target must be an http:// URL, not {url!r}")
+    host = parts.hostname or ""
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise TargetError(
+            f"--target host {parts.hostname!r} is not a loopback address; the lab only "
+            "load-tests services on this machine (127.0.0.0/8, ::1 or localhost)"
+        )
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if port is None:
+        raise TargetError(f"--target needs an explicit port: {url!r}")
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    return host, port, path
+
+
+def _seconds_up_to(ceiling: float) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds in (0, ceiling]. A negative, zero, NaN or
+    infinite duration would otherwise start a lab run that measures nothing useful (or never
+    ends), so it is refused before anything starts."""
+
+    def seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        if not (0.0 < value <= ceiling):  # also false for NaN
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: must be more than 0 and at most {ceiling:g} seconds"
+            )
+        return value
+
+    return seconds
+
+
+def _lab_parser() -> argparse.ArgumentParser:
+    from ._lab.runner import CONFIGURATIONS
+    from ._lab.scenarios import DEFAULT_SCENARIOS, OPT_IN_SCENARIOS, SCENARIOS
+
+    p = argparse.ArgumentParser(
+        prog="brownout lab",
+        description="Overload lab: goodput past the breaking point, protected vs unprotected.",
+    )
+    p.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+    p.add_argument(
+        "--target", help="your own service: http://127.0.0.1:PORT/path (loopback only; the ramp)"
+    )
+    p.add_argument(
+        "--health-path", help="with --target: also flood at 10x and time this health path"
+    )
+    p.add_argument(
+        "--configs",
+        help=f"comma-separated configurations (default all: {','.join(CONFIGURATIONS)})",
+    )
+    p.add_argument(
+        "--scenarios",
+        help=f"comma-separated scenarios (default {','.join(DEFAULT_SCENARIOS)}; "
+        f"opt-in: {','.join(OPT_IN_SCENARIOS)}; known: {','.join(SCENARIOS)})",
+    )
+    p.add_argument(
+        "--drill",
+        metavar="MODE",
+        help="force this declared degraded mode of the demo front on for the whole run "
+        "(protected configurations; known: recommendations)",
+    )
+    p.add_argument("--out", default="lab-report", help="report folder (default lab-report)")
+    p.add_argument("--markdown", help="also write this Markdown page (e.g. docs/lab.md)")
+    p.add_argument(
+        "--deadline",
+        type=_seconds_up_to(60.0),
+        help="client deadline in seconds (0 < deadline <= 60)",
+    )
+    p.add_argument(
+        "--step",
+        type=_seconds_up_to(3600.0),
+        help="seconds per step (>= 3x the deadline; at most 3600)",
+    )
+    p.add_argument("--poisson", action="store_true", help="Poisson arrivals (default constant)")
+    p.add_argument(
+        "--no-fail", action="store_true", help="exit 0 even when an invariant fails (report only)"
+    )
+    return p
+
+
+def lab_main(argv: list[str]) -> int:
+    """``brownout lab``: run, report, and return the exit status (1 when an invariant fails)."""
+    from dataclasses import replace
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+
+    from ._lab.report import print_tables, write_markdown, write_report
+    from ._lab.runner import CONFIGURATIONS, Configuration, LabSettings, Target, run_lab
+    from ._lab.scenarios import DEFAULT_SCENARIOS, QUICK_SCENARIOS, SCENARIOS, quick_variant
+    from ._lab.verdict import evaluate, judged_runs
+
+    args = _lab_parser().parse_args(argv)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # a log file or CI: do not squeeze the tables
+    settings = LabSettings.quick() if args.quick else LabSettings()
+    if args.deadline is not None:
+        settings = replace(settings, deadline=args.deadline, settle_seconds=min(args.deadline, 1))
+    if args.step is not None:
+        settings = replace(settings, step_seconds=args.step)
+    if args.poisson:
+        settings = replace(settings, arrivals="poisson")
+    if args.drill:
+        from ._lab.protect import DEMO_MODES
+
+        if args.target:
+            console.print("[red]error:[/] --drill drives the demo's degraded modes, not --target")
+            return 2
+        if args.drill not in DEMO_MODES:
+            console.print(
+                f"[red]error:[/] --drill {args.drill!r}: the demo declares {', '.join(DEMO_MODES)}"
+            )
+            return 2
+        settings = replace(settings, drill=args.drill)
+    if settings.step_seconds < 3 * settings.deadline:
+        console.print(
+            f"[yellow]note:[/] steps of {settings.step_seconds:g}s are shorter than 3x the "
+            f"{settings.deadline:g}s deadline; figures may not reach steady state"
+        )
+    target: Target | None = None
+    try:
+        if args.target:
+            host, port, path = parse_target(args.target)
+            target = Target(host, port, path, args.health_path)
+            configs = [Configuration("target", args.target, "target", None, True)]
+            names = ["ramp", "health"] if args.health_path else ["ramp"]
+        else:
+            configs = [
+                CONFIGURATIONS[n]
+                for n in (args.configs.split(",") if args.configs else list(CONFIGURATIONS))
+            ]
+            default = QUICK_SCENARIOS if args.quick else DEFAULT_SCENARIOS
+            names = args.scenarios.split(",") if args.scenarios else list(default)
+        scenarios = [SCENARIOS[n] for n in names]
+        if args.quick:
+            scenarios = [quick_variant(s) for s in scenarios]
+    except TargetError as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+    except KeyError as e:
+        console.print(f"[red]error:[/] unknown configuration or scenario {e}")
+        return 2
+    if target is not None:
+        scenarios = [s for s in scenarios if not s.needs_dependency]
+
+    started = time.monotonic()
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        tasks: dict[tuple[str, str], TaskID] = {}
+        for c in configs:
+            for s in scenarios:
+                if s.runs_on(c.name):  # the runner skips the others
+                    tasks[(c.name, s.name)] = progress.add_task(f"{c.title}: {s.title}", total=None)
+
+        def on_progress(config: str, scenario: str, done: float, total: float) -> None:
+            task = tasks[(config, scenario)]
+            progress.update(task, completed=done, total=total)
+
+        def on_stage(message: str) -> None:
+            progress.console.print(f"[dim]{time.monotonic() - started:6.1f}s[/] {message}")
+
+        try:
+            lab = run_lab(
+                settings,
+                configs,
+                scenarios,
+                target=target,
+                on_progress=on_progress,
+                on_stage=on_stage,
+            )
+        except RuntimeError as e:
+            console.print(f"[red]error:[/] {e}")
+            return 2
+        for task in tasks.values():
+            t = progress.tasks[task]
+            if t.total:
+                progress.update(task, completed=t.total)
+    lab["elapsed_seconds"] = round(time.monotonic() - started, 1)
+    command = "brownout lab " + shlex.join(argv) if argv else "brownout lab"
+    lab["command"] = command.strip()
+    print_tables(lab, console)
+    out = Path(args.out)
+    write_report(lab, out, command=lab["command"])
+    console.print(f"report: {out / 'index.html'} (plots, raw JSON, report.md)")
+    if args.markdown:
+        write_markdown(lab, out, Path(args.markdown), lab["command"])
+        console.print(f"markdown: {args.markdown}")
+    console.print(f"took {lab['elapsed_seconds']:.0f}s")
+    return conclude(evaluate(lab), console, judged=bool(judged_runs(lab)), no_fail=args.no_fail)
+
+
+def conclude(
+    checks: list[Check], console: Console, *, judged: bool = True, no_fail: bool = False
+) -> int:
+    """Print the lab's verdict line; the exit status (1 when a check failed). ``judged``:
+    some run was of a configuration the invariants apply to."""
+    if not checks:  # nothing was checked, so nothing "held"
+        if judged:
+            why = "the scenarios that ran have none (their targets, if any, are reported above)"
+        else:
+            why = "they apply to brownout's configurations (or --target), and none of them ran"
+        console.print(f"[yellow]no invariant was checked:[/] {why}")
+        return 0
+    failed = [c for c in checks if not c["passed"]]
+    if failed:
+        bound = sum(1 for c in failed if c.get("status") == "host-bound")
+        if len(failed) > bound:
+            console.print(f"[red]{len(failed) - bound} invariant check(s) failed[/]")
+        if bound:
+            console.print(
+                f"[yellow]{bound} check(s) passed on a host-bound step, so not counted as a "
+                "pass[/] (the report says why each step was host-bound)"
+            )
+        return 0 if no_fail else 1
+    console.print(f"[green]all invariants held[/] ({len(checks)} checks)")
+    return 0
+
+
+LAB_PACKAGES = ("uvicorn", "httptools", "aiohttp", "starlette", "rich", "matplotlib", "httpx")
+"""What ``brownout[lab]`` installs (and uvloop, off Windows)."""
+
+
+def _lab_entry(argv: list[str]) -> int:
+    import importlib.util
+
+    wanted = LAB_PACKAGES + (("uvloop",) if sys.platform != "win32" else ())
+    missing = [name for name in wanted if importlib.util.find_spec(name) is None]
+    if missing:
+        # Not a traceback from deep inside the demo's imports: say what to install.
+        print(
+            f"brownout lab needs {', '.join(missing)}, which come with brownout's 'lab' extra: "
+            "pip install 'brownout[lab]'",
+            file=sys.stderr,
+        )
+        return 2
+    return lab_main(argv)
+
+
+def _top_main(argv: list[str]) -> int:
+    try:
+        from .export._top import main as top
+    except ImportError as e:
+        print(f"brownout top is not available in this installation ({e})", file=sys.stderr)
+        return 2
+    return top(argv)
+
+
+USAGE = """usage: brownout COMMAND [options]
+
+commands:
+  lab    the overload lab: protected vs unprotected past the breaking point (--help)
+  top    live view of a service's brownout stats (--help)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``brownout`` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "lab":
+        return _lab_entry(rest)
+    if command == "top":
+        return _top_main(rest)
+    print(f"brownout: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,400 @@
+"""`Dependency`: one object per downstream service composing every outbound guard.
+
+``await payments.call(charge, order_id, idempotent=True)`` runs each attempt as follows:
+
+1. per-attempt budget ``call_budget(timeout, reserve=, min_useful=)`` (D4): too little time
+   left refuses before anything is sent;
+2. ``max_active`` (when there is no bulkhead), circuit breaker, client-side throttle: cheap
+   local refusals;
+3. the attempt runs inside ``request(deadline=budget, attempt=n, idempotency_key=key)``, so
+   it is cancelled when its budget expires (D5) and adapters send the remaining budget,
+   attempt number and idempotency key; the bulkhead (if any) admits it inside that scope, so
+   queueing spends the attempt's own budget;
+4. the outcome feeds the breaker and the throttle; failures go to the `RetryPolicy`, which
+   retries under its budget, the deadline and ``max_concurrent_retries`` (A6).
+
+A mutation whose outcome is unknown raises `UnknownOutcome` and is written to the ``ledger``
+(D6) for a `Reconciler` to resolve later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol, TypeVar
+
+from ._clock import Clock, default_clock
+from ._context import DeadlineScope, current_deadline
+from ._deadline import call_budget
+from ._degrade.drill import dependency_call, fallback_scope
+from ._errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
+from ._retry.breaker import CircuitBreaker
+from ._retry.idempotency import OutcomeLedger
+from ._retry.policy import RetryPolicy, RetrySlots, enter_attempt, exit_attempt
+from ._retry.throttle import ClientThrottle
+from .events import EventHub, RequestShed, hub
+
+__all__ = ["AdmitsWork", "Dependency"]
+
+T = TypeVar("T")
+
+_UNBOUNDED = float("inf")
+_log = logging.getLogger("brownout.dependency")
+_LEDGER_WRITES: set[asyncio.Future[None]] = set()  # shielded writes still running (strong refs)
+_EDGE = 0.001  # the smallest reserve: an attempt always ends before its request (seconds)
+
+
+class AdmitsWork(Protocol):
+    """A bulkhead: ``async with bulkhead.admit():`` holds one permit (waiting if it must)."""
+
+    def admit(self) -> AbstractAsyncContextManager[Any]: ...
+
+
+class Dependency:
+    """Everything brownout applies to calls to one downstream service.
+
+    ``timeout`` is the normal per-attempt timeout (``None``: only the request's deadline);
+    ``reserve`` is kept back from the remaining deadline for the response path; a call with
+    less than ``min_useful`` left is refused before it is sent (D4). ``retry`` defaults to a
+    policy that never retries (``attempts=1``) but still keys mutations.
+    """
+
+    __slots__ = (
+        "_active",
+        "_clock",
+        "_events",
+        "breaker",
+        "bulkhead",
+        "ledger",
+        "max_active",
+        "min_useful",
+        "name",
+        "reserve",
+        "retry",
+        "retry_slots",
+        "throttle",
+        "timeout",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        timeout: float | None = None,
+        reserve: float = 0.0,
+        min_useful: float = 0.0,
+        retry: RetryPolicy | None = None,
+        breaker: CircuitBreaker | None = None,
+        throttle: ClientThrottle | None = None,
+        bulkhead: AdmitsWork | None = None,
+        max_active: int | None = None,
+        max_concurrent_retries: int | None = None,
+        ledger: OutcomeLedger | None = None,
+        clock: Clock | None = None,
+        events: EventHub = hub,
+    ) -> None:
+        if timeout is not None and not timeout > 0:  # also refuses NaN
+            # A zero budget would "send" nothing and report an unknown outcome for it.
+            raise ValueError("timeout must be > 0 (or None)")
+        if not (0.0 <= reserve < math.inf and 0.0 <= min_useful < math.inf):  # (and NaN)
+            # A negative reserve would give the call more time than the request has left.
+            raise ValueError("reserve and min_useful must be finite and >= 0")
+        if timeout is not None and timeout < min_useful:
+            # Every call with a deadline would be refused (its budget is at most ``timeout``)
+            # and every call without one sent with less than it needs (D4).
+            raise ValueError("timeout must be >= min_useful")
+        if max_active is not None and max_active < 0:
+            raise ValueError("max_active must be >= 0 (or None)")
+        self.name = name
+        self.timeout = timeout
+        self.reserve = reserve
+        self.min_useful = min_useful
+        self._clock = clock or default_clock()
+        self._events = events
+        self.retry = retry if retry is not None else RetryPolicy(1, name=name, events=events)
+        self.breaker = breaker
+        self.throttle = throttle
+        self.bulkhead = bulkhead
+        self.max_active = max_active
+        self.retry_slots = (
+            RetrySlots(max_concurrent_retries) if max_concurrent_retries is not None else None
+        )
+        self.ledger = ledger
+        self._active = 0
+
+    @property
+    def active(self) -> int:
+        """Attempts in flight right now (counted whether or not ``max_active`` is set)."""
+        return self._active
+
+    def gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
+        """Live state for exporters (`brownout.Stats.watch`): retry-budget balance, breaker
+        state and the bulkhead's gauges. Read at scrape time, never on the request path."""
+        labels = {"source": self.name}
+        budget = self.retry.budget
+        available = getattr(budget, "available", None)
+        if callable(available):
+            yield ("retry_budget_balance", labels, float(available()))
+        else:
+            tokens = getattr(budget, "tokens", None)
+            if callable(tokens):
+                yield ("retry_budget_balance", labels, float(tokens()))
+        if self.breaker is not None:
+            yield from self.breaker.gauges()
+        bulkhead_gauges = getattr(self.bulkhead, "gauges", None)
+        if callable(bulkhead_gauges):
+            yield from bulkhead_gauges()
+
+    async def call(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        *args: Any,
+        idempotent: bool = False,
+        idempotency_key: str | None = None,
+        **kwargs: Any,
+    ) -> T:
+        """Await ``fn(*args, **kwargs)`` under this dependency's guards and retry policy.
+
+        A call is a mutation unless ``idempotent=True``: it gets an idempotency key (yours, or
+        a generated one) that is the same on every attempt. Raises `Rejected` for local
+        refusals, `RetriesExhausted` when retrying gave up (callers upstream must not retry),
+        `UnknownOutcome` for a mutation that was sent and never answered, or the original
+        error when it is not retryable.
+        """
+
+        sent = False  # the current attempt of a mutation reached ``fn``
+        lost = False  # an attempt of this mutation was sent and never answered (D6)
+        lost_key: str | None = None
+
+        async def sending(*a: Any, **kw: Any) -> T:
+            nonlocal sent
+            sent = True
+            return await fn(*a, **kw)
+
+        async def attempt(number: int, key: str | None) -> T:
+            nonlocal sent, lost, lost_key
+            if idempotent:
+                return await self._attempt(fn, args, kwargs, number, key)
+            sent, lost_key = False, key
+            try:
+                return await self._attempt(sending, args, kwargs, number, key)
+            except asyncio.CancelledError:
+                lost = lost or sent
+                raise
+            except Exception as error:
+                lost = lost or (sent and self.retry.classify(error).outcome_unknown)
+                raise
+
+        try:
+            return await self.retry.execute(
+                attempt,
+                idempotent=idempotent,
+                idempotency_key=idempotency_key,
+                source=self.name,
+                # What every attempt keeps back (see `_attempt`): a retry whose backoff leaves
+                # less than that would wait out the deadline and never be sent (R4).
+                reserve=self._kept_back(),
+                min_attempt_time=self.min_useful,
+                slots=self.retry_slots,
+            )
+        except UnknownOutcome as unknown:
+            if self.ledger is not None and unknown.idempotency_key is not None:
+                await self._record_unknown(self.ledger, unknown.idempotency_key, unknown)
+            raise
+        except asyncio.CancelledError as cancelled:
+            # Cancelled with a mutation sent and unanswered: the request's deadline fired in
+            # the same loop iteration as the attempt's (a loop stalled past the reserve), or
+            # the caller went away. Cancelling did not undo it: still an unknown outcome (D6).
+            if lost:
+                outcome = self.retry._unknown(lost_key, self.name)
+                outcome.__cause__ = cancelled
+                if self.ledger is not None and lost_key is not None:
+                    await self._record_unknown(self.ledger, lost_key, outcome)
+            raise
+        except Rejected as refused:
+            breaker = self.breaker
+            if (
+                refused.reason is Reason.BREAKER_OPEN
+                and breaker is not None
+                and breaker.fallback is not None
+            ):
+                # Drills check that the fallback never calls the dependency it replaces (G3).
+                with fallback_scope(f"breaker:{self.name}"):
+                    result: T = await breaker.fallback(refused)
+                return result
+            raise
+
+    async def _record_unknown(
+        self, ledger: OutcomeLedger, key: str, unknown: UnknownOutcome
+    ) -> None:
+        """Write an unknown outcome to the ledger (D6), whatever happens to this call.
+
+        The write is shielded: the request's deadline (or its caller) may cancel the call while
+        the write is on the wire, and a cut-off write loses the only record of the mutation. A
+        failing ledger is logged, and the caller still gets `UnknownOutcome`, not the store's
+        error (which an upper layer could mistake for a transient failure and retry).
+        """
+        write = asyncio.ensure_future(
+            ledger.record_unknown(key, dependency=self.name, detail=repr(unknown.__cause__))
+        )
+        _LEDGER_WRITES.add(write)
+        write.add_done_callback(self._ledger_written)
+        with contextlib.suppress(Exception):  # logged by _ledger_written
+            await asyncio.shield(write)
+
+    def _ledger_written(self, write: asyncio.Future[None]) -> None:
+        _LEDGER_WRITES.discard(write)
+        if not write.cancelled() and write.exception() is not None:
+            _log.error(
+                "%s: could not record an unknown outcome in the ledger",
+                self.name,
+                exc_info=write.exception(),
+            )
+
+    async def _attempt(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        number: int,
+        key: str | None,
+    ) -> T:
+        dependency_call(self.name)  # a drill marks this dependency failed (G3); free otherwise
+        budget: float | None
+        deadline = current_deadline()
+        taken = 0.0
+        if deadline is None:
+            budget = self.timeout
+        else:
+            # The attempt must expire strictly before the request does, or the request's
+            # own cancellation wins the race and a mutation's unknown outcome goes unrecorded.
+            taken = deadline.clock.now()  # read before the budget: never later than its own
+            try:
+                budget = call_budget(
+                    _UNBOUNDED if self.timeout is None else self.timeout,
+                    reserve=self._kept_back(),
+                    min_useful=self.min_useful,
+                    deadline=deadline,
+                )
+            except Rejected as refused:
+                # Counted as this dependency's shed, as its other local refusals are (O1).
+                raise self._refuse(refused.reason, f"{self.name}: {refused.detail}") from None
+        if self.max_active is not None and self._active >= self.max_active:
+            raise self._refuse(Reason.OVERLOADED, f"{self.name}: {self._active} calls in flight")
+        breaker = self.breaker
+        token = breaker.acquire() if breaker is not None else 0
+        throttle = self.throttle
+        if throttle is not None:
+            try:
+                throttle.check()
+            except Rejected:
+                if breaker is not None:
+                    breaker.release(token, failed=None)
+                raise
+        clock = self._clock
+        timed = breaker is not None and breaker.slow_call_duration is not None
+        started = clock.now() if timed else 0.0
+        self._active += 1
+        token_ctx = enter_attempt(number, key)
+        if deadline is not None and budget is not None:
+            # The scope below starts the budget as a duration: what the guards took since it
+            # was taken (a preempted thread, a slow guard) comes out of it (D4).
+            budget -= deadline.clock.now() - taken
+        bulkhead = self.bulkhead
+        admitted = bulkhead is None
+        scoped = budget is None and bulkhead is None
+        try:
+            if scoped:
+                result = await fn(*args, **kwargs)
+            else:
+                async with DeadlineScope(budget, None):
+                    scoped = True
+                    if bulkhead is None:
+                        result = await fn(*args, **kwargs)
+                    else:
+                        async with bulkhead.admit():
+                            admitted = True
+                            result = await fn(*args, **kwargs)
+        except DeadlineExceeded as expired:
+            if not scoped:
+                # A budget below the clock's resolution (``left - reserve`` of 1e-16 s): the
+                # scope expired on entry. Nothing was sent, so no unknown outcome (D4, D6).
+                if breaker is not None:
+                    breaker.release(token, failed=None)
+                raise self._refuse(
+                    Reason.DEADLINE_TOO_SHORT, f"{self.name}: no usable time left"
+                ) from expired
+            if not admitted:
+                # Expired while queued for the bulkhead: never sent, so not an unknown outcome.
+                if breaker is not None:
+                    breaker.release(token, failed=None)
+                raise self._refuse(
+                    Reason.QUEUE_TIMEOUT, f"{self.name}: attempt budget spent in the queue"
+                ) from expired
+            self._after_failure(expired, breaker, token, throttle, timed, started)
+            raise
+        except Exception as error:
+            self._after_failure(error, breaker, token, throttle, timed, started)
+            raise
+        except BaseException:
+            if breaker is not None:
+                breaker.release(token, failed=None)
+            raise
+        finally:
+            exit_attempt(token_ctx)
+            self._active -= 1
+        if breaker is not None:
+            duration = clock.now() - started if timed else 0.0
+            breaker.release(token, failed=False, duration=duration)
+        if throttle is not None:
+            throttle.record_accept()
+        return result
+
+    def _after_failure(
+        self,
+        error: Exception,
+        breaker: CircuitBreaker | None,
+        token: int,
+        throttle: ClientThrottle | None,
+        timed: bool,
+        started: float,
+    ) -> None:
+        if throttle is not None:
+            failure = self.retry.classify(error)
+            # Accepted: the dependency answered something other than an overload refusal.
+            if failure.sent and not failure.transient and not failure.do_not_retry:
+                throttle.record_accept()
+        if breaker is not None:
+            duration = self._clock.now() - started if timed else 0.0
+            breaker.release(token, failed=breaker.is_failure(error), duration=duration)
+
+    def _kept_back(self) -> float:
+        """What every attempt keeps back from the request's time: the reserve, at least
+        ``_EDGE`` (an attempt always ends before its request)."""
+        return self.reserve if self.reserve > _EDGE else _EDGE
+
+    def _refuse(self, reason: Reason, detail: str) -> Rejected:
+        if self._events.enabled:
+            from ._context import current
+
+            ctx = current()
+            self._events.emit(
+                RequestShed(
+                    self._clock.now(),
+                    self.name,
+                    ctx.operation,
+                    ctx.priority,
+                    ctx.caller,
+                    reason,
+                    ctx.remaining(),
+                    0.0,
+                )
+            )
+        return Rejected(reason, detail)
+
+    def __repr__(self) -> str:
+        return f"Dependency({self.name!r}, timeout={self.timeout}, retry={self.retry!r})"

@@ -1,0 +1,370 @@
+"""Carrying the remaining time (and request metadata) between services (D2, D3).
+
+Budgets travel as *durations*, never as wall-clock instants, so clock skew between machines
+does not matter. Four codecs live here:
+
+- gRPC ``grpc-timeout``, exactly as the gRPC-over-HTTP/2 spec says (1 to 8 ASCII digits and a
+  unit H, M, S, m, u or n);
+- ``brownout-budget-ms``: the remaining budget in integer milliseconds, for HTTP inside the
+  platform (trusted); Envoy's ``x-envoy-expected-rq-timeout-ms`` can be read inbound too;
+- ``brownout-signed-budget``: the budget signed with HMAC-SHA256 for crossing a trust boundary;
+- the outbound header set: budget minus reserve, priority, idempotency key and attempt.
+
+Every parser raises only `HeaderError`. `InboundDeadlinePolicy` turns what arrived into the
+deadline a request gets: clamped to the route maximum, malformed values ignored and reported as
+events, never raised into the application.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import math
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import NamedTuple
+
+from ._context import RequestContext, current
+from ._errors import HeaderError
+from ._priority import Priority
+from .events import DeadlineHeaderIgnored, EventHub, hub
+
+__all__ = [
+    "ATTEMPT_HEADER",
+    "BUDGET_HEADER",
+    "DO_NOT_RETRY_VALUE",
+    "ENVOY_TIMEOUT_HEADER",
+    "GRPC_PUSHBACK_KEY",
+    "GRPC_TIMEOUT_HEADER",
+    "IDEMPOTENCY_HEADER",
+    "PRIORITY_HEADER",
+    "REFUSAL_REASON_KEY",
+    "RETRY_HEADER",
+    "SIGNED_BUDGET_HEADER",
+    "BudgetSigner",
+    "InboundBudget",
+    "InboundDeadlinePolicy",
+    "Trust",
+    "context_headers",
+    "decode_budget_ms",
+    "decode_grpc_timeout",
+    "encode_budget_ms",
+    "encode_grpc_timeout",
+    "outbound_headers",
+]
+
+BUDGET_HEADER = "brownout-budget-ms"
+"""Remaining budget in integer milliseconds; trusted only inside the platform."""
+SIGNED_BUDGET_HEADER = "brownout-signed-budget"
+"""``v1.<key id>.<budget ms>.<issued unix ms>.<base64url HMAC-SHA256>``."""
+ENVOY_TIMEOUT_HEADER = "x-envoy-expected-rq-timeout-ms"
+GRPC_TIMEOUT_HEADER = "grpc-timeout"
+PRIORITY_HEADER = "brownout-priority"
+ATTEMPT_HEADER = "brownout-attempt"
+IDEMPOTENCY_HEADER = "idempotency-key"
+RETRY_HEADER = "brownout-retry"
+"""Set to `DO_NOT_RETRY_VALUE` on a response that callers must not retry (R1)."""
+DO_NOT_RETRY_VALUE = "never"
+GRPC_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+"""gRPC trailing metadata: milliseconds to wait before retrying; negative means do not retry."""
+REFUSAL_REASON_KEY = "brownout-reason"
+"""gRPC trailing metadata naming an edge refusal's reason; clients read it as "refused, not
+run"."""
+
+# -- grpc-timeout ----------------------------------------------------------------------------
+
+_GRPC_UNITS: tuple[tuple[str, int], ...] = (
+    ("n", 1),
+    ("u", 1_000),
+    ("m", 1_000_000),
+    ("S", 1_000_000_000),
+    ("M", 60_000_000_000),
+    ("H", 3_600_000_000_000),
+)
+_GRPC_NS = dict(_GRPC_UNITS)
+_GRPC_MAX_VALUE = 99_999_999
+_GRPC_MAX_SECONDS = _GRPC_MAX_VALUE * 3600
+_GRPC_RE = re.compile(rb"[0-9]{1,8}[HMSmun]")
+
+
+def encode_grpc_timeout(seconds: float) -> str:
+    """Encode a duration as a ``grpc-timeout`` value in the finest unit that fits 8 digits.
+
+    Values are rounded *down* (a deadline is never extended in transit); a non-positive
+    duration encodes as ``0n``; anything beyond 99,999,999 hours is capped there.
+    """
+    if math.isnan(seconds):
+        raise HeaderError("cannot encode a NaN timeout")
+    if seconds <= 0:
+        return "0n"
+    if seconds >= _GRPC_MAX_SECONDS:  # (also inf and 1e308, whose nanoseconds overflow)
+        return f"{_GRPC_MAX_VALUE}H"
+    ns = int(seconds * 1e9)
+    for unit, size in _GRPC_UNITS:
+        value = ns // size
+        if value <= _GRPC_MAX_VALUE:
+            return f"{value}{unit}"
+    return f"{_GRPC_MAX_VALUE}H"
+
+
+def decode_grpc_timeout(value: str | bytes) -> float:
+    """Decode a ``grpc-timeout`` value to seconds; `HeaderError` on anything off-spec."""
+    raw = _ascii(value, GRPC_TIMEOUT_HEADER)
+    if _GRPC_RE.fullmatch(raw) is None:
+        raise HeaderError(f"malformed {GRPC_TIMEOUT_HEADER}: {raw[:40]!r}")
+    return int(raw[:-1]) * _GRPC_NS[chr(raw[-1])] / 1e9
+
+
+# -- integer milliseconds ----------------------------------------------------------------------
+
+_MS_RE = re.compile(rb"[0-9]{1,12}")
+_ISSUED_RE = re.compile(rb"[0-9]{1,15}")
+
+
+def encode_budget_ms(seconds: float) -> str:
+    """Encode a remaining budget as integer milliseconds, rounded down, never negative."""
+    if math.isnan(seconds):
+        raise HeaderError("cannot encode a NaN budget")
+    if seconds <= 0:
+        return "0"
+    if seconds >= 999_999_999.999:  # the 12-digit cap (also inf and 1e308: no int overflow)
+        return "999999999999"
+    # Rounding to the microsecond first keeps a decoded value from re-encoding 1 ms short
+    # through float error; the millisecond itself is rounded down.
+    return str(min(math.floor(round(seconds * 1000, 3)), 999_999_999_999))
+
+
+def decode_budget_ms(value: str | bytes, header: str = BUDGET_HEADER) -> float:
+    """Decode integer milliseconds (1 to 12 ASCII digits) to seconds; `HeaderError` otherwise."""
+    raw = _ascii(value, header).strip(b" \t")
+    if _MS_RE.fullmatch(raw) is None:
+        raise HeaderError(f"malformed {header}: {raw[:40]!r}")
+    return int(raw) / 1000
+
+
+def _ascii(value: str | bytes, header: str) -> bytes:
+    if isinstance(value, str):
+        try:
+            return value.encode("ascii")
+        except UnicodeEncodeError:
+            raise HeaderError(f"{header} is not ASCII", "not ascii") from None
+    if isinstance(value, bytes | bytearray):
+        return bytes(value)
+    raise HeaderError(f"{header} must be str or bytes, not {type(value).__name__}")
+
+
+# -- signed budgets ----------------------------------------------------------------------------
+
+
+class BudgetSigner:
+    """Signs and verifies budgets that cross a trust boundary (HMAC-SHA256, D3).
+
+    ``keys`` maps key ids to secrets. The first key signs; every key verifies, so keys can be
+    rotated by adding the new one, moving it first, then removing the old one. The signature
+    covers the budget and the issue time (wall clock, used *only* to bound replay, never to
+    measure the budget); a value older or newer than ``skew_tolerance`` seconds is refused.
+    """
+
+    def __init__(
+        self,
+        keys: Mapping[str, bytes],
+        *,
+        skew_tolerance: float = 5.0,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not keys:
+            raise ValueError("BudgetSigner needs at least one key")
+        for kid, secret in keys.items():
+            if not kid or "." in kid or not kid.isascii():
+                raise ValueError(f"key id {kid!r} must be non-empty ASCII without '.'")
+            if len(secret) < 16:
+                raise ValueError(f"the secret for key {kid!r} is shorter than 16 bytes")
+        self._keys = {kid.encode("ascii"): secret for kid, secret in keys.items()}
+        self._signing_kid = next(iter(keys))
+        if not skew_tolerance >= 0:  # (NaN would accept a value of any age: no replay bound)
+            raise ValueError("skew_tolerance must be >= 0")
+        self.skew_tolerance = skew_tolerance
+        self._wall = wall_clock
+
+    @staticmethod
+    def _mac(secret: bytes, message: bytes) -> bytes:
+        return hmac.new(secret, message, hashlib.sha256).digest()
+
+    def sign(self, seconds: float) -> str:
+        """The header value for a budget of ``seconds``."""
+        ms = encode_budget_ms(seconds)
+        issued = int(self._wall() * 1000)
+        message = f"v1.{self._signing_kid}.{ms}.{issued}".encode("ascii")
+        secret = self._keys[self._signing_kid.encode("ascii")]
+        sig = base64.urlsafe_b64encode(self._mac(secret, message))
+        return f"{message.decode('ascii')}.{sig.rstrip(b'=').decode('ascii')}"
+
+    def verify(self, value: str | bytes) -> float:
+        """The budget in seconds if the value is authentic and fresh; `HeaderError` otherwise."""
+        raw = _ascii(value, SIGNED_BUDGET_HEADER)
+        parts = raw.split(b".")
+        if len(parts) != 5 or parts[0] != b"v1":
+            raise HeaderError(f"malformed {SIGNED_BUDGET_HEADER}")
+        _, kid, ms, issued, sig = parts
+        secret = self._keys.get(kid)
+        if secret is None:
+            raise HeaderError(f"unknown signing key id {kid[:20]!r}", "unknown key")
+        expected = self._mac(secret, b".".join(parts[:4]))
+        try:
+            given = base64.urlsafe_b64decode(sig + b"=" * (-len(sig) % 4))
+        except ValueError:
+            raise HeaderError("malformed signature") from None
+        if not hmac.compare_digest(expected, given):
+            raise HeaderError("bad signature", "bad signature")
+        if _ISSUED_RE.fullmatch(issued) is None or _MS_RE.fullmatch(ms) is None:
+            raise HeaderError(f"malformed {SIGNED_BUDGET_HEADER}")
+        age = self._wall() - int(issued) / 1000
+        if abs(age) > self.skew_tolerance:
+            raise HeaderError(
+                f"signed budget issued {age:.1f}s away from now (replay or skew)", "stale"
+            )
+        return int(ms) / 1000
+
+
+# -- inbound policy ----------------------------------------------------------------------------
+
+
+class Trust(StrEnum):
+    """How far an inbound request's headers are believed."""
+
+    TRUSTED = "trusted"
+    """Inside the platform: plain budget headers are honoured (still clamped)."""
+    SIGNED = "signed"
+    """Across a trust boundary: only a valid signed budget is honoured."""
+    UNTRUSTED = "untrusted"
+    """A public client: a budget header may only *shorten* the route maximum."""
+
+
+class InboundBudget(NamedTuple):
+    """The budget a request gets: ``seconds``, where it came from, and whether it was clamped."""
+
+    seconds: float
+    origin: str
+    clamped: bool
+
+
+_PLAIN = (BUDGET_HEADER,)
+HeaderGetter = Callable[[str], "str | bytes | None"]
+
+
+@dataclass(frozen=True)
+class InboundDeadlinePolicy:
+    """Decides an inbound request's budget from its headers and how far they are trusted.
+
+    - no usable header: ``default`` seconds;
+    - a header: its value, clamped to ``maximum`` (an untrusted 60 s header never gets more);
+    - a malformed, unsigned-where-signature-needed, or forged value: ignored (the default
+      applies) and reported as a `DeadlineHeaderIgnored` event; never an exception.
+    ``honour_untrusted=False`` ignores budget headers from untrusted sources entirely.
+    """
+
+    default: float = 10.0
+    maximum: float = 30.0
+    read_envoy: bool = False
+    signer: BudgetSigner | None = None
+    honour_untrusted: bool = True
+    events: EventHub = field(default=hub, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not (0 < self.default <= self.maximum) or math.isinf(self.maximum):
+            raise ValueError("need 0 < default <= maximum < inf")
+
+    def clamp(self, seconds: float | None) -> float:
+        """The budget for a protocol that carries its own deadline (gRPC's ``grpc-timeout``):
+        ``seconds`` capped at ``maximum``, or ``default`` when it carries none."""
+        if seconds is None:
+            return self.default
+        return seconds if seconds < self.maximum else self.maximum
+
+    def resolve(self, get: HeaderGetter, trust: Trust = Trust.UNTRUSTED) -> InboundBudget:
+        """The budget for a request whose header values are read with ``get(lower_name)``."""
+        best: float | None = None
+        origin = "default"
+        if trust is Trust.SIGNED:
+            raw = get(SIGNED_BUDGET_HEADER)
+            if raw is not None:
+                if self.signer is None:
+                    self._ignored(SIGNED_BUDGET_HEADER, "no signer configured")
+                else:
+                    try:
+                        best, origin = self.signer.verify(raw), "signed"
+                    except HeaderError as e:
+                        self._ignored(SIGNED_BUDGET_HEADER, e.problem)
+        elif trust is Trust.TRUSTED or self.honour_untrusted:
+            candidates = (
+                [BUDGET_HEADER, ENVOY_TIMEOUT_HEADER] if self.read_envoy else [BUDGET_HEADER]
+            )
+            for name in candidates:
+                raw = get(name)
+                if raw is None:
+                    continue
+                try:
+                    value = decode_budget_ms(raw, name)
+                except HeaderError as e:
+                    self._ignored(name, e.problem)
+                    continue
+                if best is None or value < best:
+                    best, origin = value, "envoy" if name == ENVOY_TIMEOUT_HEADER else "header"
+        if best is None:
+            return InboundBudget(self.default, "default", False)
+        if best > self.maximum:
+            return InboundBudget(self.maximum, origin, True)
+        return InboundBudget(best, origin, False)
+
+    def _ignored(self, header: str, problem: str) -> None:
+        if self.events.enabled:
+            from ._clock import now
+
+            self.events.emit(DeadlineHeaderIgnored(now(), "inbound", header, problem))
+
+
+# -- outbound ----------------------------------------------------------------------------------
+
+
+def context_headers(ctx: RequestContext) -> dict[str, str]:
+    """Priority, attempt and idempotency key of ``ctx`` as headers or gRPC metadata.
+
+    Defaults are left out (priority ``critical``, attempt 1, no key). gRPC clients send these
+    and carry the budget in ``grpc-timeout``; HTTP clients use `outbound_headers`.
+    """
+    headers: dict[str, str] = {}
+    if ctx.priority is not Priority.CRITICAL:
+        headers[PRIORITY_HEADER] = ctx.priority.label
+    if ctx.attempt != 1:
+        headers[ATTEMPT_HEADER] = str(ctx.attempt)
+    if ctx.idempotency_key is not None:
+        headers[IDEMPOTENCY_HEADER] = ctx.idempotency_key
+    return headers
+
+
+def outbound_headers(
+    *,
+    reserve: float = 0.0,
+    ctx: RequestContext | None = None,
+    signer: BudgetSigner | None = None,
+) -> dict[str, str]:
+    """Headers for an outbound HTTP call from the request context (D2).
+
+    The budget sent is ``remaining - reserve`` (the caller keeps ``reserve`` for its own
+    response path). Priority, attempt and idempotency key ride along; a ``signer`` adds a
+    signed budget for a callee outside the trust boundary.
+    """
+    ctx = ctx if ctx is not None else current()
+    headers = context_headers(ctx)
+    if ctx.deadline is not None:
+        budget = ctx.deadline.remaining()
+        if reserve > 0.0:  # (a negative reserve would send more time than is left)
+            budget -= reserve
+        headers[BUDGET_HEADER] = encode_budget_ms(budget)
+        if signer is not None:
+            headers[SIGNED_BUDGET_HEADER] = signer.sign(max(budget, 0.0))
+    return headers

@@ -1,0 +1,258 @@
+"""Which failures are worth another attempt (R2), expressed without any client library.
+
+The core never imports httpx or grpc. Adapters translate what their library saw into one of
+two exceptions, and the retry policy classifies those (plus a few standard-library errors):
+
+* `TransientError`: a failure worth retrying that produced no answer, e.g. a connection
+  refused before anything was sent (``sent=False``) or a connection lost mid-request.
+* `ResponseError`: the dependency *answered* with a failure status (HTTP status and/or gRPC
+  code), with its pushback: ``Retry-After`` / ``grpc-retry-pushback-ms`` and the do-not-retry
+  marker (``brownout-retry: never``, or a negative pushback).
+
+A classifier maps an exception to a `Failure`: transient or not, whether the request may have
+been sent, whether the server answered (an answer means the outcome is known), and the
+server's pushback. Users extend classification with their own callable, consulted first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import time
+from collections.abc import Callable, Mapping
+from enum import StrEnum
+
+from .._errors import BrownoutError, DeadlineExceeded, Reason, Rejected
+from .._propagation import DO_NOT_RETRY_VALUE, GRPC_PUSHBACK_KEY, RETRY_HEADER
+
+__all__ = [
+    "RETRYABLE_GRPC_CODES",
+    "RETRYABLE_HTTP_STATUSES",
+    "Classifier",
+    "Failure",
+    "ResponseError",
+    "RetriesExhausted",
+    "StopReason",
+    "TransientError",
+    "classify",
+    "parse_pushback",
+]
+
+RETRYABLE_HTTP_STATUSES: frozenset[int] = frozenset({429, 502, 503, 504})
+"""HTTP statuses that say "try again later": throttled, bad gateway, unavailable, gateway
+timeout. Every other 4xx (validation, conflict, not found) and 500 are not retried."""
+RETRYABLE_GRPC_CODES: frozenset[str] = frozenset({"UNAVAILABLE"})
+"""gRPC codes retried by default (R2): UNAVAILABLE only; never FAILED_PRECONDITION,
+INVALID_ARGUMENT and the like."""
+_REFUSED_HTTP = frozenset({429, 503})  # the server refused the work: it was not applied
+
+
+class TransientError(BrownoutError):
+    """A failure worth retrying that produced no answer from the dependency.
+
+    ``sent=False`` means the request certainly never left (connection refused, DNS failure),
+    so even a non-idempotent call may be resent. ``sent=True`` (the default) means it may have
+    reached the server: only idempotent or keyed calls are retried, and a mutation ending this
+    way has an unknown outcome (D6).
+    """
+
+    def __init__(
+        self, detail: str = "", *, sent: bool = True, retry_after: float | None = None
+    ) -> None:
+        super().__init__(detail or "transient failure")
+        self.sent = sent
+        self.retry_after = retry_after
+
+
+class ResponseError(BrownoutError):
+    """The dependency answered with a failure: an HTTP ``status`` and/or a gRPC ``grpc_code``.
+
+    ``retry_after`` is the server's pushback in seconds (``Retry-After``,
+    ``grpc-retry-pushback-ms``); ``do_not_retry`` is its "never retry" marker (R1).
+    ``response`` keeps the library's response object for the caller.
+    ``answered=False``: the status was made up by the client library, not sent by the
+    dependency (grpc reports a connection lost mid-call as ``UNAVAILABLE``): the request may
+    have been applied (R2, D6).
+    """
+
+    def __init__(
+        self,
+        status: int | None = None,
+        *,
+        grpc_code: str | None = None,
+        retry_after: float | None = None,
+        do_not_retry: bool = False,
+        response: object = None,
+        detail: str = "",
+        answered: bool = True,
+    ) -> None:
+        what = f"HTTP {status}" if status is not None else f"gRPC {grpc_code}"
+        super().__init__(f"{what}: {detail}" if detail else what)
+        self.status = status
+        self.grpc_code = grpc_code
+        self.retry_after = retry_after
+        self.do_not_retry = do_not_retry
+        self.response = response
+        self.answered = answered
+
+
+class Failure:
+    """How the retry policy sees one failed attempt."""
+
+    __slots__ = ("answered", "do_not_retry", "retry_after", "sent", "transient")
+
+    def __init__(
+        self,
+        *,
+        transient: bool,
+        sent: bool = True,
+        answered: bool = False,
+        retry_after: float | None = None,
+        do_not_retry: bool = False,
+    ) -> None:
+        self.transient = transient
+        """Another attempt may succeed."""
+        self.sent = sent
+        """The request may have reached the dependency (and been applied)."""
+        self.answered = answered
+        """The dependency answered, so the outcome is known (not applied, or failed)."""
+        self.retry_after = retry_after
+        """Server pushback: wait at least this long before retrying."""
+        self.do_not_retry = do_not_retry
+        """The server (or a lower retry layer) asked not to retry at all."""
+
+    @property
+    def outcome_unknown(self) -> bool:
+        """Sent but unanswered: a mutation in this state may or may not have been applied."""
+        return self.sent and not self.answered
+
+    def __repr__(self) -> str:
+        return (
+            f"Failure(transient={self.transient}, sent={self.sent}, answered={self.answered}, "
+            f"retry_after={self.retry_after}, do_not_retry={self.do_not_retry})"
+        )
+
+
+Classifier = Callable[[BaseException], "Failure | None"]
+"""A user classifier: a `Failure` for errors it knows, ``None`` to fall back to `classify`."""
+
+_NOT_SENT = Failure(transient=True, sent=False)
+_LOST = Failure(transient=True, sent=True)
+_PERMANENT = Failure(transient=False, sent=True, answered=True)
+_LOCAL = Failure(transient=False, sent=False, answered=True)
+_LOWER_LAYER_GAVE_UP = Failure(transient=False, sent=True, answered=True, do_not_retry=True)
+
+
+def classify(error: BaseException) -> Failure:
+    """The default classification (R2).
+
+    Transient: `TransientError`; `ResponseError` with HTTP 429/502/503/504 or gRPC
+    UNAVAILABLE; connection refused (not sent); connection reset/aborted and timeouts
+    (sent, unanswered). Not transient: every other answer (4xx validation, 500,
+    FAILED_PRECONDITION, INVALID_ARGUMENT), local refusals (`Rejected`), and any other
+    exception. ``asyncio.CancelledError`` is never retried (the policy does not even catch it).
+    A `Rejected` with ``DO_NOT_RETRY`` (a lower retry layer already gave up) stops retries.
+    """
+    if isinstance(error, ResponseError):
+        transient = (error.status is not None and error.status in RETRYABLE_HTTP_STATUSES) or (
+            error.grpc_code is not None and error.grpc_code in RETRYABLE_GRPC_CODES
+        )
+        answered = error.answered
+        return Failure(
+            transient=transient,
+            sent=not answered
+            or (error.status not in _REFUSED_HTTP and error.grpc_code != "UNAVAILABLE"),
+            answered=answered,
+            retry_after=error.retry_after,
+            do_not_retry=error.do_not_retry,
+        )
+    if isinstance(error, TransientError):
+        if error.retry_after is None:
+            return _LOST if error.sent else _NOT_SENT
+        return Failure(transient=True, sent=error.sent, retry_after=error.retry_after)
+    if isinstance(error, Rejected):
+        return _LOWER_LAYER_GAVE_UP if error.reason is Reason.DO_NOT_RETRY else _LOCAL
+    if isinstance(error, ConnectionRefusedError):
+        return _NOT_SENT
+    if isinstance(error, (DeadlineExceeded, TimeoutError, ConnectionError, EOFError)):
+        return _LOST
+    if isinstance(error, asyncio.CancelledError):  # pragma: no cover - BaseException anyway
+        return _LOCAL
+    return _PERMANENT
+
+
+def parse_pushback(headers: Mapping[str, str]) -> tuple[float | None, bool]:
+    """Read a response's pushback: ``(retry_after_seconds or None, do_not_retry)``.
+
+    Honours ``brownout-retry: never``; ``grpc-retry-pushback-ms`` (negative or unparseable
+    means do not retry, per gRFC A6); ``Retry-After`` as delta-seconds or an HTTP date.
+    ``headers`` must have lower-case keys (httpx and grpc metadata do; lower-case others).
+    """
+    marker = headers.get(RETRY_HEADER)
+    if marker is not None and marker.strip().lower() == DO_NOT_RETRY_VALUE:
+        return None, True
+    pushback = headers.get(GRPC_PUSHBACK_KEY)
+    if pushback is not None:
+        try:
+            ms = int(pushback.strip())
+        except ValueError:
+            return None, True
+        if ms < 0:
+            return None, True
+        return ms / 1000.0, False
+    retry_after = headers.get("retry-after")
+    if retry_after is not None:
+        value = retry_after.strip()
+        if value.isascii() and value.isdigit():  # not "²": str.isdigit accepts it, float not
+            return float(value), False
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None, False
+        # An HTTP date is wall-clock by definition: this is its one meaningful reading.
+        return max(0.0, when.timestamp() - time.time()), False
+    return None, False
+
+
+class StopReason(StrEnum):
+    """Why the retry layer stopped retrying a transient failure."""
+
+    ATTEMPTS = "attempts"
+    """The attempt limit was reached."""
+    BUDGET = "budget"
+    """The retry budget had no tokens (R3)."""
+    DEADLINE = "deadline"
+    """Backoff + expected attempt time + reserve would not fit the remaining deadline (R4)."""
+    DO_NOT_RETRY = "do_not_retry"
+    """The dependency (or a lower retry layer) asked not to retry (R1)."""
+    CONCURRENT_RETRIES = "concurrent_retries"
+    """Too many calls to this dependency were already retrying (A6)."""
+    PUSHBACK = "pushback"
+    """The dependency asked to wait longer than the policy's ``max_pushback``."""
+    REFUSED = "refused"
+    """A local guard (breaker, throttle, bulkhead, deadline) refused the retry attempt."""
+
+
+class RetriesExhausted(Rejected):
+    """The retry layer gave up on a transient failure: callers upstream must NOT retry (R1).
+
+    A `Rejected` with ``Reason.DO_NOT_RETRY``: edges answer it with 503 and the do-not-retry
+    marker (``brownout-retry: never`` / ``grpc-retry-pushback-ms: -1``), so only one layer
+    retries. ``error`` is the original failure (also ``__cause__``), ``response`` the library
+    response when the failure was an answer, ``attempts`` how many attempts were sent, and
+    ``stopped_by`` why retrying stopped.
+    """
+
+    def __init__(self, error: BaseException, *, attempts: int, stopped_by: StopReason) -> None:
+        super().__init__(
+            Reason.DO_NOT_RETRY,
+            f"gave up after {attempts} attempt(s) ({stopped_by.value}): {error!r}",
+        )
+        self.error = error
+        self.attempts = attempts
+        self.stopped_by = stopped_by
+
+    @property
+    def response(self) -> object:
+        """The dependency's response object, when the last failure was an answer."""
+        return self.error.response if isinstance(self.error, ResponseError) else None

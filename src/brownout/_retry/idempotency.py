@@ -1,0 +1,254 @@
+"""Unknown outcomes (D6): record them by idempotency key, reconcile them later.
+
+A mutation that timed out or lost its connection after being sent may or may not have been
+applied; cancelling the client does not undo it. `Dependency` raises `UnknownOutcome` and
+writes the key to an `OutcomeLedger`; a `Reconciler` later asks the dependency (through a
+user-supplied ``check(record)``) what happened, and marks each entry ``applied`` or
+``not_applied``. Resending with the same idempotency key is safe only when the dependency
+deduplicates by it; the reconciler is how you find out without resending.
+
+`InMemoryOutcomeLedger` is bounded (oldest entries are evicted first, resolved before pending).
+`brownout._retry.ledger_redis.RedisOutcomeLedger` shares the ledger across processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Protocol, runtime_checkable
+
+from .._clock import Clock, default_clock
+
+__all__ = [
+    "InMemoryOutcomeLedger",
+    "OutcomeLedger",
+    "OutcomeRecord",
+    "OutcomeState",
+    "Reconciler",
+]
+
+_log = logging.getLogger("brownout.retry")
+
+
+class OutcomeState(StrEnum):
+    """What is known about a mutation's effect."""
+
+    PENDING = "pending"
+    """Sent, never answered: may or may not have been applied."""
+    APPLIED = "applied"
+    """The dependency applied it (exactly once, if it deduplicates by key)."""
+    NOT_APPLIED = "not_applied"
+    """The dependency never applied it: safe to send again, or to report as failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutcomeRecord:
+    """One ledger entry."""
+
+    key: str
+    dependency: str
+    state: OutcomeState
+    recorded_at: float
+    """When it was recorded (the ledger's clock: monotonic in memory, Unix time on Redis)."""
+    detail: str = ""
+    checks: int = 0
+    """How many times a reconciler asked about it without getting an answer."""
+
+
+@runtime_checkable
+class OutcomeLedger(Protocol):
+    """Where unknown outcomes are kept until reconciled."""
+
+    async def record_unknown(self, key: str, *, dependency: str, detail: str = "") -> None:
+        """Record that the mutation with this key has an unknown outcome."""
+        ...
+
+    async def resolve(self, key: str, state: OutcomeState) -> None:
+        """Record what became of it (``APPLIED`` or ``NOT_APPLIED``)."""
+        ...
+
+    async def get(self, key: str) -> OutcomeRecord | None: ...
+
+    async def pending(self, limit: int = 100) -> list[OutcomeRecord]:
+        """Up to ``limit`` unresolved entries, oldest first."""
+        ...
+
+    async def note_check(self, key: str) -> None:
+        """Count one inconclusive reconciliation attempt."""
+        ...
+
+
+class InMemoryOutcomeLedger:
+    """A bounded, process-local ledger (tests, single-process services).
+
+    At most ``max_entries`` entries: past it, the oldest resolved entry is evicted, or the
+    oldest pending one when none is resolved (logged). Finding it costs O(log n), not a scan:
+    a ledger fills up during an outage, when every call records an unknown outcome.
+    """
+
+    __slots__ = (
+        "_clock",
+        "_entries",
+        "_resolved",
+        "_seq",
+        "dropped_pending",
+        "evicted",
+        "max_entries",
+    )
+
+    def __init__(self, max_entries: int = 10_000, *, clock: Clock | None = None) -> None:
+        if not 1 <= max_entries < math.inf:  # (NaN too: memory stays bounded)
+            raise ValueError("max_entries must be >= 1")
+        self.max_entries = max_entries
+        self._clock = clock or default_clock()
+        self._entries: OrderedDict[str, OutcomeRecord] = OrderedDict()
+        # key -> when it was recorded (a counter), and a heap of the resolved ones by that
+        # order; entries leave only by eviction.
+        self._seq: dict[str, int] = {}
+        self._resolved: list[tuple[int, str]] = []
+        self.evicted = 0
+        """Entries dropped to stay within ``max_entries`` (pending ones are logged)."""
+        self.dropped_pending = 0
+        """Of those, entries still pending: unknown outcomes nobody can reconcile any more
+        (D6). Alarm on it growing, and size ``max_entries`` for an outage's worth of keys."""
+
+    async def record_unknown(self, key: str, *, dependency: str, detail: str = "") -> None:
+        if key in self._entries:
+            return
+        self._entries[key] = OutcomeRecord(
+            key, dependency, OutcomeState.PENDING, self._clock.now(), detail
+        )
+        self._seq[key] = self.evicted + len(self._entries)  # grows with every new key
+        while len(self._entries) > self.max_entries:
+            self._evict_one()
+
+    def _evict_one(self) -> None:
+        entries = self._entries
+        victim = None
+        while self._resolved:
+            key = heapq.heappop(self._resolved)[1]
+            found = entries.get(key)
+            if found is not None and found.state is not OutcomeState.PENDING:
+                victim = key  # (a key set back to pending is skipped, as it was before)
+                break
+        if victim is None:
+            victim = next(iter(entries))
+        del self._seq[victim]
+        record = self._entries.pop(victim)
+        self.evicted += 1
+        if record.state is OutcomeState.PENDING:
+            self.dropped_pending += 1
+            _log.warning(
+                "outcome ledger full: dropped pending key %r (%s)", victim, record.dependency
+            )
+
+    async def resolve(self, key: str, state: OutcomeState) -> None:
+        record = self._entries.get(key)
+        if record is not None:
+            self._entries[key] = replace(record, state=state)
+            if record.state is OutcomeState.PENDING and state is not OutcomeState.PENDING:
+                resolved = self._resolved
+                heapq.heappush(resolved, (self._seq[key], key))
+                if len(resolved) > 2 * self.max_entries:
+                    # Keys resolved, set back to pending and resolved again leave stale
+                    # heap rows that only an eviction would pop: rebuild from what is here.
+                    resolved[:] = [
+                        (self._seq[k], k)
+                        for k, r in self._entries.items()
+                        if r.state is not OutcomeState.PENDING
+                    ]
+                    heapq.heapify(resolved)
+
+    async def get(self, key: str) -> OutcomeRecord | None:
+        return self._entries.get(key)
+
+    async def pending(self, limit: int = 100) -> list[OutcomeRecord]:
+        out: list[OutcomeRecord] = []
+        if limit <= 0:
+            return out
+        for record in self._entries.values():
+            if record.state is OutcomeState.PENDING:
+                out.append(record)
+                if len(out) >= limit:
+                    break
+        return out
+
+    async def note_check(self, key: str) -> None:
+        record = self._entries.get(key)
+        if record is not None:
+            self._entries[key] = replace(record, checks=record.checks + 1)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+Check = Callable[[OutcomeRecord], Awaitable[OutcomeState]]
+"""Ask the dependency what became of a mutation; ``PENDING`` when it cannot tell yet."""
+
+
+class Reconciler:
+    """Resolves pending ledger entries through a user-supplied ``check``.
+
+    ``await reconciler.run_once()`` checks up to ``batch`` pending entries and returns those it
+    resolved; ``await reconciler.run(interval)`` repeats until cancelled. A check that raises
+    or answers ``PENDING`` leaves the entry pending and counts one attempt; after
+    ``max_checks`` inconclusive attempts an entry is left for a human (logged once).
+    """
+
+    __slots__ = ("batch", "check", "ledger", "max_checks")
+
+    def __init__(
+        self, ledger: OutcomeLedger, check: Check, *, batch: int = 100, max_checks: int = 20
+    ) -> None:
+        self.ledger = ledger
+        self.check = check
+        self.batch = batch
+        self.max_checks = max_checks
+
+    async def run_once(self) -> list[OutcomeRecord]:
+        resolved: list[OutcomeRecord] = []
+        for record in await self._checkable():
+            try:
+                state = await self.check(record)
+            except Exception:
+                _log.warning("reconcile check for %r failed", record.key, exc_info=True)
+                state = OutcomeState.PENDING
+            if state is OutcomeState.PENDING:
+                await self.ledger.note_check(record.key)
+                if record.checks + 1 >= self.max_checks:
+                    _log.error(
+                        "outcome of %r still unknown after %d checks", record.key, record.checks + 1
+                    )
+                continue
+            await self.ledger.resolve(record.key, state)
+            resolved.append(replace(record, state=state))
+        return resolved
+
+    async def _checkable(self) -> list[OutcomeRecord]:
+        """Up to ``batch`` pending entries still under ``max_checks``, oldest first.
+
+        Entries left for a human stay pending at the head of the ledger; reading past them
+        keeps them from starving every newer entry.
+        """
+        limit = self.batch
+        while True:
+            records = await self.ledger.pending(limit)
+            checkable = [r for r in records if r.checks < self.max_checks]
+            if len(checkable) >= self.batch or len(records) < limit:
+                return checkable[: self.batch]
+            limit *= 2
+
+    async def run(self, interval: float = 5.0) -> None:
+        """Reconcile every ``interval`` seconds until cancelled."""
+        while True:
+            try:
+                await self.run_once()
+            except Exception:  # the ledger's store blipped: try again next round
+                _log.warning("reconciliation round failed", exc_info=True)
+            await asyncio.sleep(interval)

@@ -1,0 +1,455 @@
+"""`RetryPolicy`: bounded attempts, one retry layer, under a budget and the deadline (R1-R5).
+
+For each failed attempt the policy asks, in order:
+
+1. Is the failure transient (`classify` or the user's classifier)? If not, the original error
+   is raised unchanged (validation errors, FAILED_PRECONDITION, local refusals), unless an
+   earlier attempt of a mutation was sent and never answered: then `UnknownOutcome` (D6).
+2. Did the dependency say "do not retry" (``brownout-retry: never``, negative gRPC pushback,
+   or a lower layer's `RetriesExhausted`)? Then stop.
+3. Is resending safe? Idempotent calls, calls carrying an idempotency key, and requests that
+   were certainly never sent may be resent; anything else that was sent is not retried.
+4. Are attempts left? Does ``backoff + expected attempt time + reserve`` fit in the time left
+   on the deadline (R4)? Is a concurrent-retry slot free (A6)? Does the budget allow it (R3)?
+
+When it stops on a transient failure it raises `RetriesExhausted` (a `Rejected` with
+``Reason.DO_NOT_RETRY``), so the edge tells *its* callers not to retry (R1). A mutation whose
+last attempt was sent but never answered raises `UnknownOutcome` with its idempotency key
+instead (D6). Every attempt runs with the same idempotency key and its attempt number in the
+request context (R5), so outbound headers carry both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import itertools
+import math
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from .._clock import Clock, default_clock
+from .._context import DeadlineScope, RequestContext, attach, current, current_deadline, detach
+from .._errors import Rejected, UnknownOutcome
+from ..events import AttemptRetried, EventHub, OutcomeUnknown, RetryBudgetExhausted, hub
+from .backoff import Backoff, ExponentialBackoff
+from .budget import RetryAllowance, RetryBudget
+from .classify import Classifier, Failure, RetriesExhausted, StopReason, classify
+
+__all__ = [
+    "AttemptFn",
+    "RetryPolicy",
+    "RetrySlots",
+    "enter_attempt",
+    "exit_attempt",
+    "new_idempotency_key",
+]
+
+T = TypeVar("T")
+
+AttemptFn = Callable[[int, "str | None"], Awaitable[T]]
+"""Runs one attempt: ``(attempt_number, idempotency_key) -> awaitable result``."""
+
+_KEY_PREFIX = os.urandom(12).hex()
+_KEY_COUNTER = itertools.count(1)
+
+
+def new_idempotency_key() -> str:
+    """A fresh idempotency key: 96 random bits per process plus a counter (cheap, unique)."""
+    return f"{_KEY_PREFIX}-{next(_KEY_COUNTER):x}"
+
+
+def enter_attempt(attempt: int, key: str | None) -> contextvars.Token[RequestContext] | None:
+    """Set the attempt number and idempotency key in the request context (R5).
+
+    A cheaper equivalent of ``request(attempt=..., idempotency_key=...)`` for the per-attempt
+    hot path (no deadline change, no cancellation). Returns the token for `exit_attempt`, or
+    ``None`` when the context already says so.
+    """
+    parent = current()
+    if parent.attempt == attempt and parent.idempotency_key == key:
+        return None
+    return attach(parent.replace(attempt=attempt, idempotency_key=key))
+
+
+def exit_attempt(token: contextvars.Token[RequestContext] | None) -> None:
+    """Undo `enter_attempt`."""
+    if token is not None:
+        detach(token)
+
+
+class RetrySlots:
+    """A cap on how many calls to one dependency may be retrying at once (A6).
+
+    Like a proxy's ``max_retries`` circuit breaker: a retry takes a slot from the moment it is
+    decided until its attempt finishes; when none is free the retry is not sent.
+    """
+
+    __slots__ = ("in_use", "limit")
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError("limit must be >= 0")
+        self.limit = limit
+        self.in_use = 0
+
+    def try_take(self) -> bool:
+        if self.in_use >= self.limit:
+            return False
+        self.in_use += 1
+        return True
+
+    def release(self) -> None:
+        self.in_use -= 1
+
+
+class RetryPolicy:
+    """Retry transient failures a bounded number of times, under a budget and the deadline.
+
+    ``attempts`` counts the original attempt (``attempts=3``: at most 2 retries;
+    ``attempts=1``: this layer never retries and raises original errors unchanged).
+    ``budget`` is shared by all calls through this policy (default: ``RetryBudget()``).
+    ``classifier`` is consulted before the default `classify` (return ``None`` to defer).
+    ``expected_attempt_time`` fixes the attempt-time estimate used for the deadline check;
+    by default it is a moving average of observed attempt durations.
+    ``idempotency_keys``: generate a key per logical call for mutations that have none, so
+    they can be retried and reconciled; turn off if the dependency does not deduplicate.
+    ``max_pushback``: the longest server pushback (``Retry-After``, ``grpc-retry-pushback-ms``)
+    this layer waits out; a longer one stops retrying (`StopReason.PUSHBACK`) instead of holding
+    the call, which matters when no deadline bounds the wait.
+    """
+
+    __slots__ = (
+        "_avg_attempt",
+        "_clock",
+        "_events",
+        "attempts",
+        "backoff",
+        "budget",
+        "classifier",
+        "expected_attempt_time",
+        "idempotency_keys",
+        "max_concurrent_retries",
+        "max_pushback",
+        "name",
+        "reserve",
+        "slots",
+    )
+
+    def __init__(
+        self,
+        attempts: int = 3,
+        *,
+        budget: RetryAllowance | None = None,
+        backoff: Backoff | None = None,
+        classifier: Classifier | None = None,
+        expected_attempt_time: float | None = None,
+        reserve: float = 0.0,
+        max_concurrent_retries: int | None = None,
+        idempotency_keys: bool = True,
+        max_pushback: float = 30.0,
+        name: str = "retry",
+        clock: Clock | None = None,
+        events: EventHub = hub,
+    ) -> None:
+        if not 1 <= attempts < math.inf:  # (NaN too)
+            raise ValueError("attempts must be >= 1")
+        if not max_pushback >= 0:  # also refuses NaN
+            raise ValueError("max_pushback must be >= 0")
+        # A NaN would pass every "does the retry fit the deadline" check (R4).
+        if not 0 <= reserve < math.inf or (
+            expected_attempt_time is not None and not 0 <= expected_attempt_time < math.inf
+        ):
+            raise ValueError("reserve and expected_attempt_time must be finite and >= 0")
+        self.attempts = attempts
+        self.max_pushback = max_pushback
+        self._clock = clock or default_clock()
+        self.budget: RetryAllowance = budget if budget is not None else RetryBudget(clock=clock)
+        self.backoff: Backoff = backoff if backoff is not None else ExponentialBackoff()
+        self.classifier = classifier
+        self.expected_attempt_time = expected_attempt_time
+        self.reserve = reserve
+        self.max_concurrent_retries = max_concurrent_retries
+        self.slots = (
+            RetrySlots(max_concurrent_retries) if max_concurrent_retries is not None else None
+        )
+        self.idempotency_keys = idempotency_keys
+        self.name = name
+        self._events = events
+        self._avg_attempt = 0.0
+
+    # -- classification -------------------------------------------------------------------
+
+    def classify(self, error: BaseException) -> Failure:
+        """The user's classifier first, then the default `classify`."""
+        if self.classifier is not None:
+            verdict = self.classifier(error)
+            if verdict is not None:
+                return verdict
+        return classify(error)
+
+    def expected(self, floor: float = 0.0) -> float:
+        """The attempt-time estimate used to decide whether a retry fits the deadline."""
+        estimate = (
+            self.expected_attempt_time
+            if self.expected_attempt_time is not None
+            else self._avg_attempt
+        )
+        return estimate if estimate > floor else floor
+
+    def _observe(self, duration: float) -> None:
+        # Exponentially weighted moving average; alpha 0.2 follows a slowdown within ~5 calls.
+        # Seeded with the first observation: starting from 0 would claim a fresh policy's
+        # attempts take a fifth of what it just measured, and send retries that cannot fit (R4).
+        avg = self._avg_attempt
+        self._avg_attempt = duration if avg == 0.0 else avg + 0.2 * (duration - avg)
+
+    # -- running ------------------------------------------------------------------------
+
+    async def call(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        *args: Any,
+        idempotent: bool = False,
+        idempotency_key: str | None = None,
+        attempt_timeout: float | None = None,
+        **kwargs: Any,
+    ) -> T:
+        """Await ``fn(*args, **kwargs)`` under this policy.
+
+        Each attempt runs in a request scope with its attempt number and idempotency key and,
+        given ``attempt_timeout``, a per-attempt deadline that cancels it at expiry (D5).
+        A call is a mutation unless ``idempotent=True``.
+        """
+        attempt_fn = functools.partial(_plain_attempt, fn, args, kwargs, attempt_timeout)
+        return await self.execute(
+            attempt_fn, idempotent=idempotent, idempotency_key=idempotency_key
+        )
+
+    async def execute(
+        self,
+        attempt_fn: AttemptFn[T],
+        *,
+        idempotent: bool = False,
+        idempotency_key: str | None = None,
+        source: str | None = None,
+        reserve: float | None = None,
+        min_attempt_time: float = 0.0,
+        slots: RetrySlots | None = None,
+    ) -> T:
+        """Run ``attempt_fn(attempt, key)`` until it succeeds or the policy stops.
+
+        The building block for `Dependency` and adapters: ``attempt_fn`` runs one attempt
+        with its own guards. ``reserve`` overrides the policy's, ``min_attempt_time`` floors
+        the attempt-time estimate, ``slots`` overrides the policy's concurrent-retry cap.
+        """
+        key = idempotency_key
+        if key is None and not idempotent and self.idempotency_keys:
+            key = new_idempotency_key()
+        budget = self.budget
+        clock = self._clock
+        started = clock.now()
+        try:
+            result = await attempt_fn(1, key)
+        except Exception as error:
+            if not isinstance(error, Rejected):
+                # An original deposits in the budget once it was tried: one refused here (an
+                # open breaker, a throttle, no time left) never reached the dependency, and
+                # counting it would leave retry tokens for the wave after the outage (R3).
+                # Local refusals say nothing of attempt time either.
+                budget.record_request()
+                self._observe(clock.now() - started)
+            return await self._retry(
+                attempt_fn,
+                error,
+                idempotent=idempotent,
+                key=key,
+                source=source or self.name,
+                reserve=self.reserve if reserve is None else reserve,
+                floor=min_attempt_time,
+                slots=slots if slots is not None else self.slots,
+            )
+        budget.record_request()
+        self._observe(clock.now() - started)
+        budget.record_success()
+        return result
+
+    async def _retry(
+        self,
+        attempt_fn: AttemptFn[T],
+        error: Exception,
+        *,
+        idempotent: bool,
+        key: str | None,
+        source: str,
+        reserve: float,
+        floor: float,
+        slots: RetrySlots | None,
+    ) -> T:
+        budget = self.budget
+        clock = self._clock
+        events = self._events
+        attempt = 1
+        previous_delay = 0.0
+        last_error: Exception = error
+        last_failure: Failure | None = None
+        unknown = False  # an attempt was sent and never answered: it may have been applied (D6)
+
+        def stop(why: StopReason, *, previous: bool = False) -> Exception:
+            """Give up on the current failure (``previous``: on the one before it)."""
+            if previous:
+                assert last_failure is not None
+                return self._give_up(
+                    last_error, last_failure, attempt - 1, why, idempotent, key, source, unknown
+                )
+            return self._give_up(error, failure, attempt, why, idempotent, key, source, unknown)
+
+        while True:
+            failure = self.classify(error)
+            if not failure.transient:
+                if (
+                    attempt > 1
+                    and isinstance(error, Rejected)
+                    and not failure.do_not_retry
+                    and last_failure is not None
+                ):
+                    # A local guard refused the retry: the caller needs the real failure.
+                    raise stop(StopReason.REFUSED, previous=True) from last_error
+                if failure.do_not_retry:
+                    budget.record_failure()
+                    raise stop(StopReason.DO_NOT_RETRY) from error
+                if unknown and not idempotent:
+                    # An error answer to a retry (409 "still in progress", a 500) is not an
+                    # answer to the attempt that was lost: that one may have been applied (D6).
+                    raise self._unknown(key, source) from error
+                raise error
+            budget.record_failure()
+            last_error, last_failure = error, failure
+            unknown = unknown or failure.outcome_unknown
+            if failure.do_not_retry:
+                raise stop(StopReason.DO_NOT_RETRY) from error
+            if not (idempotent or key is not None or not failure.sent):
+                # Resending a possibly-applied, unkeyed mutation could apply it twice (R2).
+                if failure.outcome_unknown:
+                    raise self._unknown(None, source) from error
+                raise error
+            if attempt >= self.attempts:
+                if self.attempts == 1 and (idempotent or not failure.outcome_unknown):
+                    raise error  # not a retry layer: the layer above may retry (R1)
+                raise stop(StopReason.ATTEMPTS) from error
+            delay = self.backoff.delay(attempt, previous_delay)
+            if failure.retry_after is not None and failure.retry_after > delay:
+                if not failure.retry_after <= self.max_pushback:
+                    # "Come back in an hour": not a wait to hold a call (and its task) for.
+                    raise stop(StopReason.PUSHBACK) from error
+                delay = failure.retry_after
+            deadline = current_deadline()
+            if deadline is not None:
+                left = deadline.at - deadline.clock.now()
+                # Written so that a NaN anywhere (a config, a pushback) stops rather than retries.
+                if not delay + self.expected(floor) + reserve <= left:
+                    raise stop(StopReason.DEADLINE) from error
+            if slots is not None and not slots.try_take():
+                raise stop(StopReason.CONCURRENT_RETRIES) from error
+            try:
+                if not budget.try_acquire_retry():
+                    if events.enabled:
+                        ctx = current()
+                        events.emit(
+                            RetryBudgetExhausted(
+                                clock.now(),
+                                source,
+                                ctx.operation,
+                                ctx.priority,
+                                ctx.caller,
+                                attempt + 1,
+                            )
+                        )
+                    raise stop(StopReason.BUDGET) from error
+                if events.enabled:
+                    ctx = current()
+                    events.emit(
+                        AttemptRetried(
+                            clock.now(),
+                            source,
+                            ctx.operation,
+                            ctx.priority,
+                            ctx.caller,
+                            attempt + 1,
+                            type(error).__name__,
+                            delay,
+                        )
+                    )
+                if delay > 0.0:
+                    await asyncio.sleep(delay)
+                previous_delay = delay
+                attempt += 1
+                started = clock.now()
+                try:
+                    result = await attempt_fn(attempt, key)
+                except Exception as next_error:
+                    if not isinstance(next_error, Rejected):
+                        self._observe(clock.now() - started)
+                    error = next_error
+                    continue
+                self._observe(clock.now() - started)
+                budget.record_success()
+                return result
+            finally:
+                if slots is not None:
+                    slots.release()
+
+    def _give_up(
+        self,
+        error: Exception,
+        failure: Failure,
+        attempts: int,
+        why: StopReason,
+        idempotent: bool,
+        key: str | None,
+        source: str,
+        unknown: bool = False,
+    ) -> Exception:
+        # Once an attempt may have been applied, only an answer settles it: a later attempt
+        # that was never sent, or was refused, says nothing about the earlier one (D6).
+        if not idempotent and (unknown or failure.outcome_unknown):
+            return self._unknown(key, source)
+        return RetriesExhausted(error, attempts=attempts, stopped_by=why)
+
+    def _unknown(self, key: str | None, source: str | None) -> UnknownOutcome:
+        if self._events.enabled:
+            ctx = current()
+            self._events.emit(
+                OutcomeUnknown(
+                    self._clock.now(),
+                    source or self.name,
+                    ctx.operation,
+                    ctx.priority,
+                    ctx.caller,
+                    key,
+                )
+            )
+        return UnknownOutcome(key)
+
+    def __repr__(self) -> str:
+        return f"RetryPolicy(attempts={self.attempts}, budget={self.budget!r})"
+
+
+async def _plain_attempt(
+    fn: Callable[..., Awaitable[T]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    attempt_timeout: float | None,
+    attempt: int,
+    key: str | None,
+) -> T:
+    token = enter_attempt(attempt, key)
+    try:
+        if attempt_timeout is None:
+            return await fn(*args, **kwargs)
+        async with DeadlineScope(attempt_timeout, None):
+            return await fn(*args, **kwargs)
+    finally:
+        exit_attempt(token)

@@ -29,7 +29,12 @@ def _fingerprint() -> str:
 
 
 def ensure_venv() -> None:
-    """Create ./.venv and install brownout[dev] into it unless it is already current."""
+    """Create ./.venv with brownout[all] and the `dev` dependency group, unless it is current.
+
+    The `dev` group (PEP 735, pyproject.toml's [dependency-groups]) holds the test, lint, type
+    and docs tools; it is not a published extra. `pip install --group` needs pip >= 25.1, so pip
+    is upgraded first.
+    """
     if sys.version_info < (3, 11):  # noqa: UP036 - dev.py runs under whatever python3 is
         sys.exit(f"brownout needs Python 3.11 or newer; this is {sys.version.split()[0]}")
     wanted = _fingerprint()
@@ -38,10 +43,10 @@ def ensure_venv() -> None:
     if not PY.exists():
         print("dev.py: creating .venv", flush=True)
         venv.EnvBuilder(with_pip=True, clear=False).create(VENV)
-    print("dev.py: installing brownout[dev] into .venv (first run takes a minute)", flush=True)
+    print("dev.py: installing brownout[all] and the dev group into .venv", flush=True)
     pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, "-e", f"{ROOT}[dev]"], check=True)
+    subprocess.run([*pip, "--upgrade", "pip>=25.1"], check=True)
+    subprocess.run([*pip, "-e", ".[all]", "--group", "dev"], check=True, cwd=ROOT)
     STAMP.write_text(wanted)
 
 

@@ -224,7 +224,8 @@ async def test_instances_with_different_clocks_share_one_quota(client: object, p
 WORKER = r"""
 import asyncio, sys, time
 import redis.asyncio as redis
-from brownout import Quota, RedisQuotaStore, EventHub
+from brownout import Quota, RedisQuotaStore
+from brownout.events import EventHub
 
 async def main(port, prefix, rate, burst, offered, seconds):
     client = redis.Redis(host="127.0.0.1", port=port)

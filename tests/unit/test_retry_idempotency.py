@@ -71,7 +71,7 @@ async def test_bounded_100k_unknown_outcomes_keep_max_entries_at_a_small_cost_ea
     distinct keys. The ledger keeps ``max_entries``, resolved entries evicted first, and
     finding the entry to evict does not scan the ledger (a scan per record took ~1 ms at
     10,000 pending entries, on the event loop, for every call during the outage)."""
-    caplog.set_level(logging.ERROR, logger="brownout._retry")  # one warning per dropped key
+    caplog.set_level(logging.ERROR, logger="brownout.retry")  # one warning per dropped key
     ledger = InMemoryOutcomeLedger(max_entries=10_000)
     for i in range(100_000):
         await ledger.record_unknown(f"order-{i}", dependency="payments")

@@ -135,7 +135,7 @@ class InMemoryOutcomeLedger:
             key = heapq.heappop(self._resolved)[1]
             found = entries.get(key)
             if found is not None and found.state is not OutcomeState.PENDING:
-                victim = key  # (a key set back to pending is skipped, as it was before)
+                victim = key  # (a key set back to pending since is skipped)
                 break
         if victim is None:
             victim = next(iter(entries))

@@ -8,7 +8,7 @@ user-supplied ``check(record)``) what happened, and marks each entry ``applied``
 deduplicates by it; the reconciler is how you find out without resending.
 
 `InMemoryOutcomeLedger` is bounded (oldest entries are evicted first, resolved before pending).
-`brownout._retry.ledger_redis.RedisOutcomeLedger` shares the ledger across processes.
+`brownout.RedisOutcomeLedger` shares the ledger across processes.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ user-supplied ``check(record)``) what happened, and marks each entry ``applied``
 deduplicates by it; the reconciler is how you find out without resending.
 
 `InMemoryOutcomeLedger` is bounded (oldest entries are evicted first, resolved before pending).
-`brownout._retry.ledger_redis.RedisOutcomeLedger` shares the ledger across processes.
+`brownout.RedisOutcomeLedger` shares the ledger across processes.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class InMemoryOutcomeLedger:
             key = heapq.heappop(self._resolved)[1]
             found = entries.get(key)
             if found is not None and found.state is not OutcomeState.PENDING:
-                victim = key  # (a key set back to pending is skipped, as it was before)
+                victim = key  # (a key set back to pending since is skipped)
                 break
         if victim is None:
             victim = next(iter(entries))

@@ -91,11 +91,24 @@ _GRPC_MAX_SECONDS = _GRPC_MAX_VALUE * 3600
 _GRPC_RE = re.compile(rb"[0-9]{1,8}[HMSmun]")
 
 
+def _floor_scaled(seconds: float, scale: int) -> int:
+    """``floor(seconds * scale)`` computed exactly (``seconds`` finite and >= 0): a float
+    product can round up to the next integer, e.g. ``0.000436 * 1e9 == 436000.0`` although
+    the float ``0.000436`` is 435999.99999999997 ns."""
+    num, den = seconds.as_integer_ratio()
+    return num * scale // den
+
+
+def _grpc_seconds(value: int, unit_ns: int) -> float:
+    return value * unit_ns / 1_000_000_000  # (int / int: correctly rounded)
+
+
 def encode_grpc_timeout(seconds: float) -> str:
     """Encode a duration as a ``grpc-timeout`` value in the finest unit that fits 8 digits.
 
-    Values are rounded *down* (a deadline is never extended in transit); a non-positive
-    duration encodes as ``0n``; anything beyond 99,999,999 hours is capped there.
+    Values are rounded *down* (a deadline is never extended in transit): the value sent is
+    the largest in that unit whose decoding is at most ``seconds``. A non-positive duration
+    encodes as ``0n``; anything beyond 99,999,999 hours is capped there.
     """
     if math.isnan(seconds):
         raise HeaderError("cannot encode a NaN timeout")
@@ -103,12 +116,16 @@ def encode_grpc_timeout(seconds: float) -> str:
         return "0n"
     if seconds >= _GRPC_MAX_SECONDS:  # (also inf and 1e308, whose nanoseconds overflow)
         return f"{_GRPC_MAX_VALUE}H"
-    ns = int(seconds * 1e9)
+    ns = _floor_scaled(seconds, 1_000_000_000)
     for unit, size in _GRPC_UNITS:
         value = ns // size
         if value <= _GRPC_MAX_VALUE:
+            # The exact floor can sit one step below a float that decodes to ``seconds``
+            # itself (1.2 is 1.19999999999999996 s): take that step when it does not exceed.
+            if value < _GRPC_MAX_VALUE and _grpc_seconds(value + 1, size) <= seconds:
+                value += 1
             return f"{value}{unit}"
-    return f"{_GRPC_MAX_VALUE}H"
+    return f"{_GRPC_MAX_VALUE}H"  # pragma: no cover - below _GRPC_MAX_SECONDS, H fits
 
 
 def decode_grpc_timeout(value: str | bytes) -> float:
@@ -116,7 +133,7 @@ def decode_grpc_timeout(value: str | bytes) -> float:
     raw = _ascii(value, GRPC_TIMEOUT_HEADER)
     if _GRPC_RE.fullmatch(raw) is None:
         raise HeaderError(f"malformed {GRPC_TIMEOUT_HEADER}: {raw[:40]!r}")
-    return int(raw[:-1]) * _GRPC_NS[chr(raw[-1])] / 1e9
+    return _grpc_seconds(int(raw[:-1]), _GRPC_NS[chr(raw[-1])])
 
 
 # -- integer milliseconds ----------------------------------------------------------------------
@@ -126,16 +143,23 @@ _ISSUED_RE = re.compile(rb"[0-9]{1,15}")
 
 
 def encode_budget_ms(seconds: float) -> str:
-    """Encode a remaining budget as integer milliseconds, rounded down, never negative."""
+    """Encode a remaining budget as integer milliseconds, rounded down, never negative.
+
+    The value sent is the largest whose decoding is at most ``seconds``, so a decoded budget
+    re-encodes to itself and what is sent never exceeds what is left.
+    """
     if math.isnan(seconds):
         raise HeaderError("cannot encode a NaN budget")
     if seconds <= 0:
         return "0"
     if seconds >= 999_999_999.999:  # the 12-digit cap (also inf and 1e308: no int overflow)
         return "999999999999"
-    # Rounding to the microsecond first keeps a decoded value from re-encoding 1 ms short
-    # through float error; the millisecond itself is rounded down.
-    return str(min(math.floor(round(seconds * 1000, 3)), 999_999_999_999))
+    ms = _floor_scaled(seconds, 1000)
+    # The exact floor can sit one below a float that decodes to ``seconds`` itself (1.234 is
+    # 1.23399999999999998579 s): take that step when it does not exceed ``seconds``.
+    if (ms + 1) / 1000 <= seconds:
+        ms += 1
+    return str(ms)
 
 
 def decode_budget_ms(value: str | bytes, header: str = BUDGET_HEADER) -> float:

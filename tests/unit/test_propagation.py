@@ -6,7 +6,7 @@ import math
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import brownout
@@ -321,6 +321,42 @@ def test_encoders_never_raise_and_never_extend(seconds: float) -> None:
     grpc = encode_grpc_timeout(seconds)
     assert decode_budget_ms(ms) <= max(seconds, 0.0) + 1e-6
     assert decode_grpc_timeout(grpc) <= max(seconds, 0.0) * (1 + 1e-9) + 1e-9
+
+
+# -- encoders round down exactly: what is sent never decodes to more than what is left ----------
+
+_LEFT = st.floats(min_value=0.0, allow_nan=False)  # (with +inf)
+
+
+@settings(max_examples=5000, deadline=None)
+@given(_LEFT)
+@example(0.0019999996)  # budget ms: round(1.9999996, 3) == 2.0 sent 2 ms for 1.9999996 ms
+@example(785.2179999999998)
+@example(6144.999999999999)
+@example(0.00043599999999999997)  # grpc: 436000n for 435999.99999999997 ns
+@example(5168.8279999999995)  # grpc: 5168828m
+@example(0.31527499999999997)
+@example(math.nextafter(0.1, 0.0))
+@example(math.nextafter(99_999_999e-9, math.inf))
+@example(999_999_999.999)
+@example(math.nextafter(999_999_999.999, 0.0))
+def test_encoded_budgets_never_decode_to_more_than_what_is_left(seconds: float) -> None:
+    ms = decode_budget_ms(encode_budget_ms(seconds))
+    assert ms <= seconds
+    if seconds < 999_999_999.999:
+        assert ms > seconds - 0.001 - 1e-12 * seconds  # the floor, not a step lower
+    grpc = decode_grpc_timeout(encode_grpc_timeout(seconds))
+    assert grpc <= seconds
+    if seconds < 99_999_999 * 3600:
+        assert grpc >= seconds * (1 - 1e-5) - 1e-9  # the finest unit that fits
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_LEFT, _LEFT)
+@example(0.0019999996, 0.002)
+def test_encoded_budget_ms_never_grows_as_time_runs_out(a: float, b: float) -> None:
+    less, more = sorted((a, b))
+    assert int(encode_budget_ms(less)) <= int(encode_budget_ms(more))
 
 
 # -- reserve: kept back, never added -----------------------------------------------------------

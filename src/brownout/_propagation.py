@@ -184,6 +184,11 @@ def _ascii(value: str | bytes, header: str) -> bytes:
 # -- signed budgets ----------------------------------------------------------------------------
 
 
+def _mac_text(mac: bytes) -> bytes:
+    """A MAC as unpadded base64url, the only form a signed budget carries it in."""
+    return base64.urlsafe_b64encode(mac).rstrip(b"=")
+
+
 class BudgetSigner:
     """Signs and verifies budgets that cross a trust boundary (HMAC-SHA256, D3).
 
@@ -224,8 +229,7 @@ class BudgetSigner:
         issued = int(self._wall() * 1000)
         message = f"v1.{self._signing_kid}.{ms}.{issued}".encode("ascii")
         secret = self._keys[self._signing_kid.encode("ascii")]
-        sig = base64.urlsafe_b64encode(self._mac(secret, message))
-        return f"{message.decode('ascii')}.{sig.rstrip(b'=').decode('ascii')}"
+        return f"{message.decode('ascii')}.{_mac_text(self._mac(secret, message)).decode()}"
 
     def verify(self, value: str | bytes) -> float:
         """The budget in seconds if the value is authentic and fresh; `HeaderError` otherwise."""
@@ -237,12 +241,12 @@ class BudgetSigner:
         secret = self._keys.get(kid)
         if secret is None:
             raise HeaderError(f"unknown signing key id {kid[:20]!r}", "unknown key")
-        expected = self._mac(secret, b".".join(parts[:4]))
-        try:
-            given = base64.urlsafe_b64decode(sig + b"=" * (-len(sig) % 4))
-        except ValueError:
-            raise HeaderError("malformed signature") from None
-        if not hmac.compare_digest(expected, given):
+        # Compare the text, not what a decoder makes of it: base64 decoders drop characters
+        # outside the alphabet, take "+/" for "-_", padding and other trailing bits, so
+        # many texts decode to one MAC. Only the one canonical text verifies (the MAC's
+        # length is public, so comparing texts of different lengths leaks nothing).
+        expected = _mac_text(self._mac(secret, b".".join(parts[:4])))
+        if not hmac.compare_digest(expected, sig):
             raise HeaderError("bad signature", "bad signature")
         if _ISSUED_RE.fullmatch(issued) is None or _MS_RE.fullmatch(ms) is None:
             raise HeaderError(f"malformed {SIGNED_BUDGET_HEADER}")

@@ -136,6 +136,89 @@ def test_signed_budget_rejects_tampering_and_replay() -> None:
         s.verify(value)
 
 
+_B64URL = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+
+
+def _signed_with(chars: str) -> tuple[BudgetSigner, str]:
+    """A signer and a value of it whose MAC contains one of ``chars``."""
+    now = [1_800_000_000.0]
+    s = signer(now)
+    for ms in range(1, 10_000):
+        value = s.sign(ms / 1000)
+        if any(c in value.rsplit(".", 1)[1] for c in chars):
+            return s, value
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def test_a_mac_with_junk_appended_is_refused() -> None:
+    s, value = _signed_with(_B64URL)
+    for junk in ["!", "*", " ", "~", "!!!!", "=", "==", "\t", "%"]:
+        with pytest.raises(HeaderError):
+            s.verify(value + junk)
+        with pytest.raises(HeaderError):
+            s.verify(value[:-3] + junk + value[-3:])
+    for junk in [b"\xff", b"\x80\x80", b"\x00"]:
+        with pytest.raises(HeaderError):
+            s.verify(value.encode() + junk)
+
+
+def test_a_mac_in_standard_base64_is_refused() -> None:
+    s, value = _signed_with("-_")
+    head, mac = value.rsplit(".", 1)
+    std = mac.replace("-", "+").replace("_", "/")
+    assert std != mac
+    with pytest.raises(HeaderError):
+        s.verify(f"{head}.{std}")
+
+
+def test_a_mac_with_other_trailing_bits_is_refused() -> None:
+    """32 bytes are 43 characters; the last carries 4 bits and 2 zero bits. A character with
+    the same 4 bits and other zero bits decodes to the same MAC: it must not verify."""
+    s, value = _signed_with(_B64URL)
+    head, mac = value.rsplit(".", 1)
+    last = _B64URL.index(mac[-1])
+    for low in (1, 2, 3):
+        twin = mac[:-1] + _B64URL[last ^ low]
+        with pytest.raises(HeaderError):
+            s.verify(f"{head}.{twin}")
+
+
+_VALID = _signed_with(_B64URL)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "replace", "delete", "append"]),
+            st.integers(min_value=0, max_value=200),
+            st.binary(min_size=1, max_size=4),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_any_mutation_of_a_signed_budget_fails_verification(
+    edits: list[tuple[str, int, bytes]],
+) -> None:
+    s, value = _VALID
+    raw = bytearray(value.encode())
+    for op, at, data in edits:
+        at %= len(raw) + 1
+        if op == "insert":
+            raw[at:at] = data
+        elif op == "replace":
+            raw[at : at + len(data)] = data
+        elif op == "delete" and len(raw) > 1:
+            del raw[at : at + len(data)]
+        else:
+            raw += data
+    if bytes(raw) == value.encode():
+        return
+    with pytest.raises(HeaderError):
+        s.verify(bytes(raw))
+
+
 def test_signer_refuses_weak_configuration() -> None:
     with pytest.raises(ValueError):
         BudgetSigner({})

@@ -184,6 +184,10 @@ def test_a_mac_with_other_trailing_bits_is_refused() -> None:
 
 
 _VALID = _signed_with(_B64URL)
+_VALID_V2 = (
+    BudgetSigner({"k1": KEY}, audience="svc-a", wall_clock=lambda: 1_800_000_000.0),
+    BudgetSigner({"k1": KEY}, wall_clock=lambda: 1_800_000_000.0).for_audience("svc-a").sign(1.5),
+)
 
 
 @settings(max_examples=3000, deadline=None)
@@ -196,12 +200,13 @@ _VALID = _signed_with(_B64URL)
         ),
         min_size=1,
         max_size=4,
-    )
+    ),
+    st.booleans(),
 )
 def test_any_mutation_of_a_signed_budget_fails_verification(
-    edits: list[tuple[str, int, bytes]],
+    edits: list[tuple[str, int, bytes]], v2: bool
 ) -> None:
-    s, value = _VALID
+    s, value = _VALID_V2 if v2 else _VALID
     raw = bytearray(value.encode())
     for op, at, data in edits:
         at %= len(raw) + 1
@@ -217,6 +222,105 @@ def test_any_mutation_of_a_signed_budget_fails_verification(
         return
     with pytest.raises(HeaderError):
         s.verify(bytes(raw))
+
+
+# -- signed budgets bind their audience (v2) ---------------------------------------------------
+
+OTHER_KEY = b"another-secret-key-123"
+
+
+def bound(now: list[float], audience: str | None, **keys: bytes) -> BudgetSigner:
+    return BudgetSigner(
+        keys or {"k1": KEY}, audience=audience, skew_tolerance=5.0, wall_clock=lambda: now[0]
+    )
+
+
+def test_a_budget_signed_for_one_service_is_refused_at_another_sharing_the_key() -> None:
+    now = [1_800_000_000.0]
+    at_a, at_b = bound(now, "svc-a"), bound(now, "svc-b")
+    sender = bound(now, None).for_audience("svc-a")  # the caller signs for its callee
+    value = sender.sign(1.5)
+    assert value.startswith("v2.k1.svc-a.1500.")
+    assert at_a.verify(value) == 1.5
+    with pytest.raises(HeaderError, match="audience") as refused:
+        at_b.verify(value)
+    assert refused.value.problem == "wrong audience"
+    assert at_b.verify(at_b.sign(0.5)) == 0.5  # signing with a receiver's signer: for itself
+
+
+def test_an_unbound_v1_budget_is_refused_where_an_audience_is_configured() -> None:
+    now = [1_800_000_000.0]
+    v1 = bound(now, None).sign(1.5)
+    assert v1.startswith("v1.k1.1500.")
+    with pytest.raises(HeaderError) as refused:
+        bound(now, "svc-a").verify(v1)
+    assert refused.value.problem == "no audience"
+    # A receiver without an audience binds nothing (the rollout step): v1 and any v2 pass.
+    unbound = bound(now, None)
+    assert unbound.verify(v1) == 1.5
+    assert unbound.verify(bound(now, "svc-a").sign(2.0)) == 2.0
+
+
+def test_the_audience_is_covered_by_the_signature() -> None:
+    now = [1_800_000_000.0]
+    value = bound(now, "svc-a").sign(1.5)
+    forged = value.replace(".svc-a.", ".svc-b.")
+    with pytest.raises(HeaderError, match="bad signature"):
+        bound(now, "svc-b").verify(forged)
+
+
+def test_a_dotted_audience_binds_exactly() -> None:
+    now = [1_800_000_000.0]
+    value = bound(now, "billing.prod.svc").sign(1.5)
+    assert bound(now, "billing.prod.svc").verify(value) == 1.5
+    for other in ["billing", "billing.prod", "prod.svc", "billing.prod.svc.x"]:
+        with pytest.raises(HeaderError):
+            bound(now, other).verify(value)
+
+
+def test_rotation_keeps_working_with_an_audience() -> None:
+    now = [1_800_000_000.0]
+    old = bound(now, "svc-a", k1=KEY)
+    value = old.sign(1.5)
+    rotated = bound(now, "svc-a", k2=OTHER_KEY, k1=KEY)  # new key first, old still verifies
+    assert rotated.verify(value) == 1.5
+    new_value = rotated.sign(0.25)
+    assert new_value.startswith("v2.k2.svc-a.")
+    assert rotated.verify(new_value) == 0.25
+    assert rotated.for_audience("svc-b").sign(1.0).startswith("v2.k2.svc-b.")
+    with pytest.raises(HeaderError, match="audience"):
+        bound(now, "svc-b", k2=OTHER_KEY, k1=KEY).verify(new_value)
+    with pytest.raises(HeaderError, match="unknown signing key"):
+        bound(now, "svc-a", k2=OTHER_KEY).verify(value)
+
+
+def test_the_policy_ignores_and_reports_a_budget_signed_for_another_service() -> None:
+    now = [1_800_000_000.0]
+    hub = EventHub()
+    stats = hub.subscribe(Stats())
+    policy = InboundDeadlinePolicy(default=1.0, events=hub, signer=bound(now, "svc-b"))
+    for_a = {SIGNED_BUDGET_HEADER: bound(now, "svc-a").sign(7.0)}.get
+    assert policy.resolve(for_a, Trust.SIGNED) == (1.0, "default", False)
+    for_b = {SIGNED_BUDGET_HEADER: bound(now, "svc-b").sign(7.0)}.get
+    assert policy.resolve(for_b, Trust.SIGNED) == (7.0, "signed", False)
+    assert stats.headers_ignored == {(SIGNED_BUDGET_HEADER, "wrong audience"): 1}
+
+
+def test_outbound_headers_sign_for_the_signers_audience() -> None:
+    now = [1_800_000_000.0]
+    ctx = brownout.RequestContext(deadline=Deadline.after(2.0, clock=ManualClock(0.0)))
+    headers = outbound_headers(ctx=ctx, signer=bound(now, None).for_audience("svc-a"))
+    assert bound(now, "svc-a").verify(headers[SIGNED_BUDGET_HEADER]) == 2.0
+    with pytest.raises(HeaderError):
+        bound(now, "svc-b").verify(headers[SIGNED_BUDGET_HEADER])
+
+
+@pytest.mark.parametrize("audience", ["", "a b", "a,b", "caf\u00e9", "a\nb", "x" * 256, '"a"'])
+def test_signer_refuses_an_audience_that_cannot_travel_in_a_header(audience: str) -> None:
+    with pytest.raises(ValueError, match="audience"):
+        BudgetSigner({"k1": KEY}, audience=audience)
+    with pytest.raises(ValueError, match="audience"):
+        BudgetSigner({"k1": KEY}).for_audience(audience)
 
 
 def test_signer_refuses_weak_configuration() -> None:

@@ -464,3 +464,57 @@ async def test_one_key_of_the_wrong_type_does_not_take_the_quota_down_for_everyo
         ]  # untouched
     finally:
         await client.delete(prefix + "tenant-7", prefix + "tenant-8")  # type: ignore[attr-defined]
+
+
+# -- a stalled Redis and requests with short deadlines ---------------------------------------
+@pytest.mark.parametrize("on_failure", ["open", "closed"])
+async def test_a_stalled_redis_gives_40ms_requests_the_fallback_well_before_their_deadline(
+    prefix: str, on_failure: str
+) -> None:
+    """Issue 24: Redis accepts connections and never answers (paused). Every request has 40 ms
+    left, less than the store's 50 ms timeout. Each must get the failure policy's decision
+    with at least a quarter of its time left (the check takes at most half of what is left),
+    and the outage must be counted and announced as a real one: was, every request spent its
+    whole deadline inside the check and the fallback was never announced."""
+
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # never answer
+        writer.close()
+
+    server = await asyncio.start_server(stall, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    c = redis_asyncio.Redis(host="127.0.0.1", port=port, retry=None)
+    sink = ListSink()
+    events = EventHub()
+    events.subscribe(sink)
+    stats = events.subscribe(brownout.Stats())
+    assert isinstance(stats, brownout.Stats)
+    store = RedisQuotaStore(c, prefix=prefix, timeout=0.05)
+    quota = Quota(
+        100.0,
+        20,
+        store=store,
+        name="api",
+        on_store_failure=on_failure,  # type: ignore[arg-type]
+        expected_instances=4,
+        events=events,
+    )
+    try:
+        for _ in range(8):
+            with brownout.deadline(0.04):
+                d = await quota.check("tenant-7")
+                left = brownout.remaining()
+            assert left is not None and left > 0.01, left  # well before the deadline
+            if on_failure == "open":
+                assert d.backend == "fallback" and d.policy == GcraPolicy(25.0, 5)
+            else:
+                assert d.backend == "closed" and d.reason is Reason.DEPENDENCY_UNAVAILABLE
+        assert quota.fallback_active
+        assert 1 <= quota.store_failures == store.calls <= 4  # then not asked until a probe
+        changes = [e for e in sink.events if isinstance(e, QuotaBackendChanged)]
+        assert [e.fallback for e in changes] == [True]
+        assert "did not answer within" in changes[0].detail
+        assert stats.quota_fallback == {"api": True}
+    finally:
+        await c.aclose()
+        server.close()

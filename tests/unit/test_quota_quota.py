@@ -232,6 +232,82 @@ async def test_a_timeout_cut_short_by_the_deadline_does_not_trip_the_fallback() 
     assert quota2.fallback_active
 
 
+async def test_the_store_gets_at_most_half_of_the_remaining_time() -> None:
+    quota, store, _clock, _sink = make()
+    with brownout.deadline(0.04):
+        await quota.check("a")
+    assert store.budgets[-1] is not None and 0.015 < store.budgets[-1] <= 0.02
+    with brownout.deadline(1.0):
+        await quota.check("a")
+    assert store.budgets[-1] == 0.05  # never more than the store's own timeout
+
+
+async def test_deadline_cut_timeouts_add_up_to_an_outage() -> None:
+    """Issue 24: with every request's deadline shorter than the store's timeout, a stalled
+    store was never counted against: each timeout was "the request's own". Now they add up:
+    once they have waited as long as the timeout since the store last answered, it is down."""
+    clock = ManualClock(1000.0)
+    sink = ListSink()
+    events = EventHub()
+    events.subscribe(sink)
+
+    class Stalled(ScriptedStore):
+        async def decide(
+            self, key: str, policy: GcraPolicy, cost: int = 1, budget: float | None = None
+        ) -> GcraOutcome:
+            self.calls += 1
+            self.budgets.append(budget)
+            if self.up:
+                return self.inner.decide_now(key, policy, cost)
+            raise QuotaStoreUnavailable("stalled", timed_out=True)
+
+    store = Stalled(clock)
+    quota = Quota(100.0, 20, store=store, clock=clock, events=events, rng=random.Random(1))
+    store.up = False
+    for _ in range(2):  # 2 x 20 ms < 50 ms
+        with brownout.deadline(0.04):
+            assert (await quota.check("a")).backend == "fallback"
+    assert not quota.fallback_active and quota.store_failures == 2
+    store.up = True  # an answer: what was waited before it no longer counts
+    assert (await quota.check("a")).backend == "shared"
+    store.up = False
+    for _ in range(2):
+        with brownout.deadline(0.04):
+            await quota.check("a")
+    assert not quota.fallback_active
+    with brownout.deadline(0.04):
+        await quota.check("a")  # 3 x 20 ms >= 50 ms
+    assert quota.fallback_active and quota.store_failures == 5
+    assert [type(e) for e in sink.events] == [QuotaBackendChanged]
+    calls = store.calls
+    with brownout.deadline(0.04):
+        assert (await quota.check("a")).backend == "fallback"
+    assert store.calls == calls  # down: decided locally, the store is not asked
+
+
+async def test_a_probe_cut_short_by_its_deadline_still_backs_off() -> None:
+    quota, store, clock, _sink = make()
+    store.up = False
+    await quota.check("a")
+    assert quota.fallback_active
+    clock.advance(1.0)  # a probe is due
+
+    async def stalled(
+        key: str, policy: GcraPolicy, cost: int = 1, budget: float | None = None
+    ) -> GcraOutcome:
+        store.calls += 1
+        raise QuotaStoreUnavailable("stalled", timed_out=True)
+
+    store.decide = stalled  # type: ignore[method-assign]
+    with brownout.deadline(0.01):
+        await quota.check("a")
+    calls = store.calls
+    for _ in range(10):  # every later request would probe again, each losing half its time
+        with brownout.deadline(0.01):
+            await quota.check("a")
+    assert store.calls == calls
+
+
 async def test_stats_sink_shows_the_fallback_as_a_gauge() -> None:
     quota, store, _, _sink = make()
     stats = Stats()

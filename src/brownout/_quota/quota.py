@@ -4,8 +4,9 @@
 ``Retry-After`` and the IETF ``RateLimit`` / ``RateLimit-Policy`` headers (or demotes the
 request to SHEDDABLE when spare capacity exists, S5).
 
-With a shared store (Redis) every call is bounded by the store's timeout, shortened to the
-request's remaining deadline. When the store times out or fails, the failure policy decides:
+With a shared store (Redis) every call is bounded by the store's timeout, shortened to half
+(`DEADLINE_SHARE`) of the request's remaining time. When the store times out or fails, the
+failure policy decides:
 
 - ``"open"`` (default): fall back to a local in-memory quota of ``rate / expected_instances``
   (and ``burst / expected_instances``), so the fleet as a whole stays near the limit while each
@@ -14,6 +15,10 @@ request's remaining deadline. When the store times out or fails, the failure pol
   nothing wrong; the service cannot check its quota). Use it where over-admission is worse
   than unavailability (G4).
 
+A store that fails, or times out after its full timeout, is down at once. Timeouts cut short by
+requests' deadlines count too: once those since the store last answered have waited, together,
+as long as its timeout, it is down (so a stalled Redis is noticed even when every request's
+deadline is shorter than its timeout; one request with a sliver of time left is not enough).
 Entering and leaving the fallback emits `QuotaBackendChanged` (the `Stats` sink keeps it as the
 ``quota_fallback`` gauge). While in fallback, the store is probed again after a jittered,
 doubling backoff, by one request at a time; every other request decides locally, so a dead
@@ -35,7 +40,11 @@ from .gcra import GcraOutcome, GcraPolicy, invalid_cost
 from .memory import InMemoryQuotaStore
 from .store import QuotaStore, QuotaStoreUnavailable
 
-__all__ = ["FailurePolicy", "Quota", "QuotaDecision"]
+__all__ = ["DEADLINE_SHARE", "FailurePolicy", "Quota", "QuotaDecision"]
+
+DEADLINE_SHARE = 0.5
+"""The largest share of a request's remaining time a shared store may take to decide it: the
+rest is the request's own (and the failure policy's, when the store does not answer)."""
 
 FailurePolicy = Literal["open", "closed"]
 
@@ -123,6 +132,7 @@ class Quota:
         "_random",
         "_store",
         "_store_timeout",
+        "_waited",
         "closed_refusals",
         "fallback_decisions",
         "max_probe_backoff",
@@ -178,6 +188,8 @@ class Quota:
         self._probing = False
         self._probe_at = 0.0
         self._backoff = probe_backoff
+        self._waited = 0.0
+        """Seconds that deadline-cut timeouts waited since the store last answered."""
         self.shared_decisions = 0
         """Decisions made by the shared store."""
         self.fallback_decisions = 0
@@ -220,21 +232,32 @@ class Quota:
             probe = self._probing = True
         budget = self._store_timeout
         left = deadline_remaining()
-        deadline_bound = left is not None and left < budget
-        if deadline_bound:
-            budget = left  # type: ignore[assignment]
+        if left is not None and left * DEADLINE_SHARE < budget:
+            # At most a share of what is left: the request keeps the rest for itself, and a
+            # store that does not answer still leaves it time for the failure policy's answer.
+            budget = max(left * DEADLINE_SHARE, 0.0)
         try:
             outcome = await self._store.decide(key, self.policy, cost, budget)
         except QuotaStoreUnavailable as e:
             self.store_failures += 1
-            # A timeout cut short by the request's own deadline says nothing about the store,
-            # nor does one key holding another application's value (`QuotaKeyUnusable`).
-            if not ((e.timed_out and deadline_bound) or e.key_only):
+            if e.key_only:
+                # One key holding another application's value: the store answered.
+                self._waited = 0.0
+            elif budget <= 0:
+                pass  # no time left to ask at all: says nothing about the store
+            elif probe or not e.timed_out or budget >= self._store_timeout:
                 self._trip(e.detail, probe)
+            else:
+                # Cut short by the request's deadline: evidence, but weaker than a full
+                # timeout. Together they count as one once they add up to the timeout.
+                self._waited += budget
+                if self._waited >= self._store_timeout:
+                    self._trip(f"{e.detail} (deadline-cut timeouts add up to the timeout)", probe)
             return self._on_failure(key, cost, self._clock.now())
         finally:
             if probe:
                 self._probing = False
+        self._waited = 0.0
         if self._down:
             self._recover()
         self.shared_decisions += 1
@@ -297,6 +320,7 @@ class Quota:
             self._backoff = min(self._backoff * 2, self.max_probe_backoff)
         else:
             self._down = True
+            self._waited = 0.0
             self._backoff = self.probe_backoff
             if self._events.enabled:
                 how = (

@@ -193,10 +193,10 @@ async def test_keys_expire_by_themselves_when_their_bucket_is_full(
     assert not refused.allowed
     assert refused.reason is Reason.QUOTA
     assert 0 < refused.retry_after <= 0.011
-    ttl = await client.pttl(f"{prefix}caller-42")  # type: ignore[attr-defined]
+    ttl = await client.pttl(store.key_name("caller-42"))  # type: ignore[attr-defined]
     assert 0 < ttl <= 101  # ten units at 100/s: the key matters for at most 100 ms
     await asyncio.sleep(0.25)
-    assert await client.exists(f"{prefix}caller-42") == 0  # type: ignore[attr-defined]
+    assert await client.exists(store.key_name("caller-42")) == 0  # type: ignore[attr-defined]
 
 
 async def test_instances_with_different_clocks_share_one_quota(client: object, prefix: str) -> None:
@@ -446,11 +446,12 @@ async def test_one_key_of_the_wrong_type_does_not_take_the_quota_down_for_everyo
     """Another app's list under one caller's key name (WRONGTYPE) is that key's problem: the
     failure policy decides that key, while every other caller keeps the shared quota."""
     prefix = f"bq-review:{uuid.uuid4().hex[:12]}:"
-    await client.rpush(prefix + "tenant-7", "someone else's data")  # type: ignore[attr-defined]
+    store = RedisQuotaStore(client, prefix=prefix, timeout=1.0)  # type: ignore[arg-type]
+    poisoned_name = store.key_name("tenant-7")
+    await client.rpush(poisoned_name, "someone else's data")  # type: ignore[attr-defined]
     sink = ListSink()
     events = EventHub()
     events.subscribe(sink)
-    store = RedisQuotaStore(client, prefix=prefix, timeout=1.0)  # type: ignore[arg-type]
     quota = Quota(100.0, 5, store=store, on_store_failure="closed", events=events)
     try:
         for _ in range(3):
@@ -459,11 +460,11 @@ async def test_one_key_of_the_wrong_type_does_not_take_the_quota_down_for_everyo
             innocent = await quota.check("tenant-8")
             assert innocent.backend == "shared" and innocent.allowed  # was: 503 for everyone
         assert not quota.fallback_active and sink.events == []
-        assert await client.lrange(prefix + "tenant-7", 0, -1) == [  # type: ignore[attr-defined]
+        assert await client.lrange(poisoned_name, 0, -1) == [  # type: ignore[attr-defined]
             b"someone else's data"
         ]  # untouched
     finally:
-        await client.delete(prefix + "tenant-7", prefix + "tenant-8")  # type: ignore[attr-defined]
+        await client.delete(poisoned_name, store.key_name("tenant-8"))  # type: ignore[attr-defined]
 
 
 # -- a stalled Redis and requests with short deadlines ---------------------------------------
@@ -518,3 +519,60 @@ async def test_a_stalled_redis_gives_40ms_requests_the_fallback_well_before_thei
     finally:
         await c.aclose()
         server.close()
+
+
+@pytest.mark.parametrize("foreign", [b"someone else's session", b"12345", b"1e300"])
+async def test_a_string_another_application_stored_under_the_key_is_left_alone(
+    client: object, foreign: bytes
+) -> None:
+    """Issue 24: a string under the key's name (another application's value, even one that reads
+    as a number) was taken for a quota's state and overwritten. Now: `QuotaKeyUnusable` for
+    that key (its failure policy), every other key keeps the shared quota, and the value stays.
+    """
+    prefix = f"bq-review:{uuid.uuid4().hex[:12]}:"
+    store = RedisQuotaStore(client, prefix=prefix, timeout=1.0)  # type: ignore[arg-type]
+    quota = Quota(100.0, 5, store=store, on_store_failure="closed", events=EventHub())
+    try:
+        assert (await quota.check("tenant-7")).backend == "shared"
+        names = [n async for n in client.scan_iter(match=prefix + "*")]  # type: ignore[attr-defined]
+        assert len(names) == 1  # the one name the store uses for "tenant-7"
+        (name,) = names
+        await client.set(name, foreign)  # type: ignore[attr-defined]
+        for _ in range(3):
+            poisoned = await quota.check("tenant-7")
+            assert not poisoned.allowed and poisoned.reason is Reason.DEPENDENCY_UNAVAILABLE
+            assert (await quota.check("tenant-8")).backend == "shared"
+        assert await client.get(name) == foreign  # type: ignore[attr-defined]
+        assert await client.pttl(name) == -1  # no expiry set on it either  # type: ignore[attr-defined]
+        assert not quota.fallback_active
+    finally:
+        async for n in client.scan_iter(match=prefix + "*"):  # type: ignore[attr-defined]
+            await client.delete(n)  # type: ignore[attr-defined]
+
+
+async def test_nested_prefixes_do_not_share_buckets(client: object) -> None:
+    """Issue 24: ``api:`` with key ``admin:x`` and ``api:admin:`` with key ``x`` were one Redis
+    key, so two quotas shared a bucket."""
+    run = f"bq-review:{uuid.uuid4().hex[:12]}:"
+    outer = Quota(
+        100.0,
+        1,
+        store=RedisQuotaStore(client, prefix=run + "api:", timeout=1.0),  # type: ignore[arg-type]
+        events=EventHub(),
+    )
+    inner = Quota(
+        100.0,
+        1,
+        store=RedisQuotaStore(client, prefix=run + "api:admin:", timeout=1.0),  # type: ignore[arg-type]
+        events=EventHub(),
+    )
+    try:
+        assert (await outer.check("admin:x")).allowed
+        d = await inner.check("x")
+        assert d.backend == "shared" and d.allowed  # its own bucket: was refused
+        assert not (await outer.check("admin:x")).allowed
+        with pytest.raises(ValueError, match="prefix"):
+            RedisQuotaStore(client, prefix="api:\x00")  # type: ignore[arg-type]
+    finally:
+        async for n in client.scan_iter(match=run + "*"):  # type: ignore[attr-defined]
+            await client.delete(n)  # type: ignore[attr-defined]

@@ -207,7 +207,7 @@ async def test_on_the_servers_clock_decisions_are_the_memory_stores_and_keys_exp
             assert mem.reset - elapsed <= red.reset <= mem.reset + 2 * US
             # The TAT is the server's TIME (not this process's clock) plus what still drains.
             assert before - 2 * US <= red.tat - red.reset <= after + 2 * US
-            pttl = await client.pttl(prefix + key)  # type: ignore[attr-defined]
+            pttl = await client.pttl(store.key_name(key))  # type: ignore[attr-defined]
             assert 0 < pttl <= math.ceil(red.reset * 1000) + 1
     finally:
         await client.aclose()  # type: ignore[attr-defined]

@@ -323,13 +323,28 @@ async def test_for_edge_adapts_the_quota_to_a_classification() -> None:
         operation = "export"
 
     quota = Quota(rate=1.0, burst=2, store=InMemoryQuotaStore(clock=ManualClock()))
-    per_caller = quota.for_edge()
+    per_caller = quota.for_edge(key=lambda c: c.caller)
     assert (await per_caller(Classification())).allowed
     per_op = quota.for_edge(key=lambda c: f"{c.caller}:{c.operation}", cost=lambda c: 2)
     d = await per_op(Classification())
     assert d.allowed and d.remaining == 0
     assert not (await per_op(Classification())).allowed
     assert (await per_caller(Classification())).remaining == 0
+
+
+def test_for_edge_has_no_default_caller_and_declares_it_needs_a_classifier() -> None:
+    """Issue 24: ``for_edge()`` keyed every request by its classified caller, which is
+    ``"unknown"`` for all of them without a classifier: one caller's burst got every other
+    caller a 429. The key is now an explicit part of building the hook, and a per-caller hook
+    says that it needs a classifier (the edge refuses it without one)."""
+    quota = Quota(rate=1.0, burst=2, store=InMemoryQuotaStore(clock=ManualClock()))
+    with pytest.raises(TypeError):
+        quota.for_edge()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        quota.for_edge(key="caller")  # type: ignore[arg-type]
+    assert quota.for_edge(key=lambda c: c.caller).requires_classifier
+    shared = quota.for_edge(key=lambda c: c.operation, per_caller=False)
+    assert not shared.requires_classifier
 
 
 @pytest.mark.parametrize(

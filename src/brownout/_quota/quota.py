@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 from .._clock import Clock, default_clock
@@ -40,7 +40,7 @@ from .gcra import GcraOutcome, GcraPolicy, invalid_cost
 from .memory import InMemoryQuotaStore
 from .store import QuotaStore, QuotaStoreUnavailable
 
-__all__ = ["DEADLINE_SHARE", "FailurePolicy", "Quota", "QuotaDecision"]
+__all__ = ["DEADLINE_SHARE", "EdgeQuota", "FailurePolicy", "Quota", "QuotaDecision"]
 
 DEADLINE_SHARE = 0.5
 """The largest share of a request's remaining time a shared store may take to decide it: the
@@ -272,19 +272,22 @@ class Quota:
 
     def for_edge(
         self,
-        key: Callable[[Any], str] = lambda request: str(request.caller),
+        *,
+        key: Callable[[Any], str],
         cost: Callable[[Any], int] | None = None,
-    ) -> Callable[[Any], Awaitable[QuotaDecision]]:
+        per_caller: bool = True,
+    ) -> EdgeQuota:
         """An async hook ``(classification) -> QuotaDecision`` for the edge's quota step.
 
-        ``key`` picks the quota key from what the edge passes (default: its ``caller``);
-        ``cost`` optionally weighs the request.
+        ``key`` (required: there is no default caller) picks the quota key from what the edge
+        passes, e.g. ``lambda c: c.caller`` or ``lambda c: f"{c.caller}:{c.operation}"``;
+        ``cost`` optionally weighs the request. ``per_caller`` (default) declares that the key
+        tells callers apart by the classified caller, so the hook's ``requires_classifier`` is
+        true: without a classifier every caller is ``"unknown"`` and all would share one
+        allowance. Pass ``per_caller=False`` for a limit shared on purpose (per operation, or
+        one for the whole service).
         """
-
-        async def hook(request: Any) -> QuotaDecision:
-            return await self.check(key(request), 1 if cost is None else cost(request))
-
-        return hook
+        return EdgeQuota(self, key, cost, requires_classifier=per_caller)
 
     # -- failure policy ---------------------------------------------------------------------
     def _on_failure(self, key: str, cost: int, now: float) -> QuotaDecision:
@@ -371,3 +374,38 @@ class Quota:
             f"Quota(name={self.name!r}, rate={self.policy.rate!r}, burst={self.policy.burst!r}, "
             f"store={self._store!r}, on_store_failure={self.on_store_failure!r})"
         )
+
+
+class EdgeQuota:
+    """`Quota.for_edge`'s hook: ``await hook(classification)`` decides one request.
+
+    ``requires_classifier`` is true when the key tells callers apart by the classified caller
+    (``for_edge(per_caller=True)``, the default): an edge without a classifier classifies every
+    caller as ``"unknown"``, so one caller's burst would refuse every other caller.
+    """
+
+    __slots__ = ("_cost", "_key", "quota", "requires_classifier")
+
+    def __init__(
+        self,
+        quota: Quota,
+        key: Callable[[Any], str],
+        cost: Callable[[Any], int] | None,
+        *,
+        requires_classifier: bool,
+    ) -> None:
+        if not callable(key):
+            raise TypeError(f"key must be a function of the classification, got {key!r}")
+        if cost is not None and not callable(cost):
+            raise TypeError(f"cost must be a function of the classification, got {cost!r}")
+        self.quota = quota
+        self._key = key
+        self._cost = cost
+        self.requires_classifier = requires_classifier
+
+    async def __call__(self, request: Any) -> QuotaDecision:
+        cost = self._cost
+        return await self.quota.check(self._key(request), 1 if cost is None else cost(request))
+
+    def __repr__(self) -> str:
+        return f"EdgeQuota({self.quota!r}, requires_classifier={self.requires_classifier!r})"

@@ -308,6 +308,28 @@ async def test_a_probe_cut_short_by_its_deadline_still_backs_off() -> None:
     assert store.calls == calls
 
 
+async def test_a_store_of_your_own_that_ignores_its_budget_is_bounded_anyway() -> None:
+    """Found with issue 24: the quota awaited a custom shared store with no bound of its own,
+    trusting it to honour ``budget``; one that hangs held the request for ever."""
+    import asyncio
+
+    class Hangs(ScriptedStore):
+        async def decide(
+            self, key: str, policy: GcraPolicy, cost: int = 1, budget: float | None = None
+        ) -> GcraOutcome:
+            await asyncio.sleep(3600)
+            raise AssertionError("unreachable")
+
+    quota = Quota(100.0, 20, store=Hangs(ManualClock(), timeout=0.02), events=EventHub())
+    async with asyncio.timeout(1.0):
+        with brownout.deadline(0.02):
+            d = await quota.check("a")
+            left = brownout.remaining()
+        assert d.backend == "fallback" and left is not None and left > 0.005
+        d = await quota.check("a")  # the store's full timeout
+    assert d.backend == "fallback" and quota.fallback_active
+
+
 async def test_stats_sink_shows_the_fallback_as_a_gauge() -> None:
     quota, store, _, _sink = make()
     stats = Stats()

@@ -27,6 +27,7 @@ Redis is not hammered. The first successful probe restores the shared quota.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from .._errors import Reason, Rejected
 from ..events import EventHub, QuotaBackendChanged, hub
 from .gcra import GcraOutcome, GcraPolicy, invalid_cost
 from .memory import InMemoryQuotaStore
+from .redis import RedisQuotaStore
 from .store import QuotaStore, QuotaStoreUnavailable
 
 __all__ = ["DEADLINE_SHARE", "EdgeQuota", "FailurePolicy", "Quota", "QuotaDecision"]
@@ -120,6 +122,7 @@ class Quota:
 
     __slots__ = (
         "_backoff",
+        "_bounds_itself",
         "_clock",
         "_down",
         "_events",
@@ -183,6 +186,8 @@ class Quota:
         self._store = store
         self._local = store if isinstance(store, InMemoryQuotaStore) else None
         self._store_timeout: float = getattr(store, "timeout", math.inf)
+        self._bounds_itself = isinstance(store, RedisQuotaStore)
+        """The Redis store bounds each call by its budget itself (connection included)."""
         self._fallback = InMemoryQuotaStore(fallback_max_keys, clock=self._clock)
         self._down = False
         self._probing = False
@@ -237,7 +242,11 @@ class Quota:
             # store that does not answer still leaves it time for the failure policy's answer.
             budget = max(left * DEADLINE_SHARE, 0.0)
         try:
-            outcome = await self._store.decide(key, self.policy, cost, budget)
+            if self._bounds_itself:
+                outcome = await self._store.decide(key, self.policy, cost, budget)
+            else:
+                # A store of your own may ignore ``budget``: the quota bounds it anyway.
+                outcome = await self._bounded(key, cost, budget)
         except QuotaStoreUnavailable as e:
             self.store_failures += 1
             if e.key_only:
@@ -262,6 +271,18 @@ class Quota:
             self._recover()
         self.shared_decisions += 1
         return self._decision(outcome, "shared", self.policy)
+
+    async def _bounded(self, key: str, cost: int, budget: float) -> GcraOutcome:
+        if budget <= 0:
+            raise QuotaStoreUnavailable("no time left to ask the store", timed_out=True)
+        try:
+            async with asyncio.timeout(None if budget == math.inf else budget):
+                return await self._store.decide(key, self.policy, cost, budget)
+        except TimeoutError as e:
+            raise QuotaStoreUnavailable(
+                f"{type(self._store).__name__} did not answer within {budget * 1000:.0f} ms",
+                timed_out=True,
+            ) from e
 
     async def acquire(self, key: str, cost: int = 1) -> QuotaDecision:
         """Like `check`, but raise the decision's `Rejected` when refused."""

@@ -9,6 +9,7 @@ import pytest
 
 from brownout import InMemoryOutcomeLedger, OutcomeState, Reconciler
 from brownout._retry import OutcomeRecord
+from brownout._retry.idempotency import Check
 from brownout.testing import ManualClock
 
 
@@ -154,3 +155,57 @@ async def test_reconciler_run_survives_a_ledger_blip() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+# -- issue 24: a later unknown outcome for a resolved key ------------------------------------
+
+
+async def test_a_new_unknown_for_a_resolved_key_is_pending_again() -> None:
+    """Reconciled NOT_APPLIED, resent by hand with the same key, and the resend timed out
+    too: the resend may have applied it. The ledger kept the old resolution and dropped the
+    new unknown, so nobody reconciled it."""
+    clock = ManualClock(1.0)
+    ledger = InMemoryOutcomeLedger(clock=clock)
+    await ledger.record_unknown("order-7", dependency="payments", detail="read timeout")
+    await ledger.record_unknown("order-8", dependency="payments")
+    await ledger.note_check("order-7")
+    await ledger.resolve("order-7", OutcomeState.NOT_APPLIED)
+    clock.advance(5.0)
+    await ledger.record_unknown("order-7", dependency="payments", detail="timeout again")
+    rec = await ledger.get("order-7")
+    assert rec is not None and rec.state is OutcomeState.PENDING  # was: still NOT_APPLIED
+    assert rec == OutcomeRecord(
+        "order-7",
+        "payments",
+        OutcomeState.PENDING,
+        6.0,  # the new attempt's, so it queues behind older unknowns
+        "timeout again",
+        checks=0,  # a new question for the reconciler
+        previous=OutcomeState.NOT_APPLIED,  # what was known before this attempt
+    )
+    assert [r.key for r in await ledger.pending()] == ["order-8", "order-7"]
+    resolved = await Reconciler(ledger, _always(OutcomeState.APPLIED)).run_once()
+    assert [(r.key, r.state) for r in resolved] == [
+        ("order-8", OutcomeState.APPLIED),
+        ("order-7", OutcomeState.APPLIED),
+    ]
+
+
+async def test_a_reopened_key_is_evicted_in_its_new_place() -> None:
+    ledger = InMemoryOutcomeLedger(max_entries=3)
+    for k in "abc":
+        await ledger.record_unknown(k, dependency="d")
+    await ledger.resolve("a", OutcomeState.APPLIED)
+    await ledger.record_unknown("a", dependency="d")  # newest now, pending
+    await ledger.resolve("b", OutcomeState.APPLIED)
+    await ledger.resolve("a", OutcomeState.APPLIED)
+    await ledger.record_unknown("d", dependency="d")  # b is the oldest resolved entry
+    assert await ledger.get("b") is None and await ledger.get("a") is not None
+    assert ledger.dropped_pending == 0
+
+
+def _always(state: OutcomeState) -> Check:
+    async def check(record: OutcomeRecord) -> OutcomeState:
+        return state
+
+    return check

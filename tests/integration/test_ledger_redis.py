@@ -288,3 +288,38 @@ async def test_pending_with_no_room_returns_nothing_in_both_ledgers(
         assert await ledger.pending(0) == []
         assert await ledger.pending(-1) == []
         assert [r.key for r in await ledger.pending(1)] == ["k1"]
+
+
+# -- issue 24 --------------------------------------------------------------------------------
+async def test_a_new_unknown_for_a_resolved_key_is_pending_again(
+    client: object, ledger_prefix: str
+) -> None:
+    """Reconciled NOT_APPLIED, resent with the same key, unknown again: the resend may have
+    applied it, so it must be reconciled again (the ledger kept the old resolution)."""
+    now = [1000.0]
+    ledger = RedisOutcomeLedger(client, prefix=ledger_prefix, ttl=60, wall=lambda: now[0])
+    await ledger.record_unknown("order-7", dependency="payments", detail="read timeout")
+    await ledger.record_unknown("order-8", dependency="payments")
+    await ledger.note_check("order-7")
+    await ledger.resolve("order-7", OutcomeState.NOT_APPLIED)
+    now[0] = 1005.0
+    await ledger.record_unknown("order-7", dependency="payments", detail="timeout again")
+    rec = await ledger.get("order-7")
+    assert rec is not None and rec.state is OutcomeState.PENDING  # was: still NOT_APPLIED
+    assert rec == OutcomeRecord(
+        "order-7",
+        "payments",
+        OutcomeState.PENDING,
+        1005.0,
+        "timeout again",
+        checks=0,
+        previous=OutcomeState.NOT_APPLIED,
+    )
+    assert [r.key for r in await ledger.pending()] == ["order-8", "order-7"]
+    await ledger.record_unknown("order-7", dependency="payments", detail="third")  # pending
+    again = await ledger.get("order-7")
+    assert again is not None and again.detail == "timeout again"  # the first record stands
+    await ledger.resolve("order-7", OutcomeState.APPLIED)
+    done = await ledger.get("order-7")
+    assert done is not None and done.state is OutcomeState.APPLIED
+    assert done.previous is OutcomeState.NOT_APPLIED

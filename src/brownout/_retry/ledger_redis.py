@@ -3,8 +3,9 @@
 Pass a ``redis.asyncio.Redis`` client; this module never imports redis itself, so the core
 import path stays standard-library only. Layout (``prefix`` defaults to ``brownout``):
 
-* ``{prefix}:outcome:{key}``: a hash (dependency, state, recorded_at, detail, checks) that
-  expires ``ttl`` seconds after it was recorded, so the ledger is bounded in time;
+* ``{prefix}:outcome:{key}``: a hash (dependency, state, recorded_at, detail, checks and,
+  once recorded again after a resolution, previous) that expires ``ttl`` seconds after it
+  was (last) recorded, so the ledger is bounded in time;
 * ``{prefix}:outcomes:pending``: a sorted set of pending keys by record time (oldest first);
   entries whose hash expired are dropped from it when `pending` meets them, and each write
   drops a few more from its head, so the set stays bounded without a reconciler.
@@ -29,9 +30,13 @@ from .idempotency import OutcomeRecord, OutcomeState
 __all__ = ["RedisOutcomeLedger"]
 
 _RECORD = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local earlier = redis.call('HGET', KEYS[1], 'state')
+if earlier == 'pending' then return 0 end
+-- a new key, or a resolved one that a later attempt made unknown again: pending (again)
+redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'dependency', ARGV[1], 'state', 'pending', 'recorded_at', ARGV[2],
            'detail', ARGV[3], 'checks', 0)
+if earlier then redis.call('HSET', KEYS[1], 'previous', earlier) end
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[5])
 redis.call('EXPIRE', KEYS[2], ARGV[4])
@@ -155,6 +160,7 @@ class RedisOutcomeLedger:
             recorded_at=float(fields.get("recorded_at", "0")),
             detail=fields.get("detail", ""),
             checks=int(fields.get("checks", "0")),
+            previous=OutcomeState(fields["previous"]) if "previous" in fields else None,
         )
 
     def __repr__(self) -> str:

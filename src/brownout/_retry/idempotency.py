@@ -24,10 +24,12 @@ from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from .._clock import Clock, default_clock
+from .._errors import BrownoutError
 
 __all__ = [
     "InMemoryOutcomeLedger",
     "OutcomeLedger",
+    "OutcomeLedgerFull",
     "OutcomeRecord",
     "OutcomeState",
     "Reconciler",
@@ -45,6 +47,23 @@ class OutcomeState(StrEnum):
     """The dependency applied it (exactly once, if it deduplicates by key)."""
     NOT_APPLIED = "not_applied"
     """The dependency never applied it: safe to send again, or to report as failed."""
+
+
+class OutcomeLedgerFull(BrownoutError):
+    """A ledger refused to record an unknown outcome: pending entries alone fill it.
+
+    Raised instead of dropping a pending entry (the only record of its mutation) to make
+    room. ``Dependency`` logs it with the key, and its caller still gets `UnknownOutcome`.
+    """
+
+    def __init__(self, key: str, *, pending: int, max_entries: int) -> None:
+        super().__init__(
+            f"outcome ledger full: {pending} pending entries at max_entries={max_entries}; "
+            f"the unknown outcome of key {key!r} was not recorded"
+        )
+        self.key = key
+        self.pending = pending
+        self.max_entries = max_entries
 
 
 @dataclass(frozen=True, slots=True)

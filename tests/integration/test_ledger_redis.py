@@ -471,3 +471,15 @@ async def test_a_hash_tagged_prefix_keeps_every_key_in_one_slot(
 def test_max_entries_must_be_a_finite_bound(bad: float) -> None:
     with pytest.raises(ValueError):
         RedisOutcomeLedger(object(), max_entries=bad)  # type: ignore[arg-type]
+
+
+async def test_a_key_resolved_back_to_pending_is_reconciled(
+    client: object, ledger_prefix: str
+) -> None:
+    """``resolve(key, PENDING)`` (the protocol allows it; the in-memory ledger honours it)
+    set the state but left the key out of the pending index: never reconciled."""
+    ledger = RedisOutcomeLedger(client, prefix=ledger_prefix, ttl=60)
+    await ledger.record_unknown("k", dependency="d")
+    await ledger.resolve("k", OutcomeState.APPLIED)
+    await ledger.resolve("k", OutcomeState.PENDING)
+    assert [r.key for r in await ledger.pending()] == ["k"]

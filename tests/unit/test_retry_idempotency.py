@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import pytest
 
-from brownout import InMemoryOutcomeLedger, OutcomeState, Reconciler
+import brownout
+from brownout import Dependency, InMemoryOutcomeLedger, OutcomeState, Reconciler
 from brownout._retry import OutcomeRecord
 from brownout._retry.idempotency import Check
 from brownout.testing import ManualClock
+from brownout.wire import new_idempotency_key
 
 
 async def test_records_once_and_resolves() -> None:
@@ -209,3 +212,47 @@ def _always(state: OutcomeState) -> Check:
         return state
 
     return check
+
+
+# -- issue 24: idempotency keys must not be guessable ----------------------------------------
+
+
+async def test_generated_keys_do_not_predict_each_other_across_dependencies() -> None:
+    """Keys were one per-process random prefix plus a counter shared by every `Dependency`:
+    a key seen by one third party gave the keys sent to another (same prefix, next
+    numbers). Each key must be unguessable on its own."""
+    seen: dict[str, list[str]] = {"maps": [], "payments": []}
+
+    async def send(name: str) -> None:
+        key = brownout.current().idempotency_key
+        assert key is not None
+        seen[name].append(key)
+
+    maps, payments = Dependency("maps"), Dependency("payments")
+    for _ in range(50):
+        await maps.call(send, "maps")  # mutations: keyed
+        await payments.call(send, "payments")
+    keys = seen["maps"] + seen["payments"] + [new_idempotency_key() for _ in range(50)]
+    assert len(set(keys)) == len(keys) == 150
+    for key in keys:  # 128 random bits, and a valid header value
+        assert len(key) >= 22 and re.fullmatch(r"[A-Za-z0-9_-]+", key), key
+    for a in seen["maps"]:
+        for b in seen["payments"]:
+            # Two random hex keys share 9 leading digits with probability 16**-9 (2,500
+            # pairs: about 4e-8); the old keys shared 25 (the process's prefix and "-").
+            assert _shared_prefix(a, b) < 9, (a, b)
+    for name, sent in seen.items():
+        # Not a sequence: every position varies from key to key (50 draws from 16 symbols
+        # leave 6 or fewer distinct with probability ~4e-18; a prefix and counter keep most
+        # positions fixed).
+        for i in range(22):
+            assert len({k[i] for k in sent}) > 6, (name, i, sent[:3])
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -77,6 +77,7 @@ from ._retry import (
     StopReason,
     TransientError,
 )
+from ._retry.idempotency import OutcomeLedgerFull
 from ._retry.ledger_redis import RedisOutcomeLedger
 from ._stats import Stats
 
@@ -114,6 +115,7 @@ __all__ = [
     "LoopClock",
     "MonotonicClock",
     "OutcomeLedger",
+    "OutcomeLedgerFull",
     "OutcomeState",
     "OverloadLevel",
     "OverloadManager",

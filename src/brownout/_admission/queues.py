@@ -34,8 +34,8 @@ import math
 from collections import deque
 
 from .._errors import Reason
+from .._histogram import LatencyHistogram
 from .._priority import Priority
-from .._stats import LatencyHistogram
 
 __all__ = [
     "AdaptiveLifoQueue",

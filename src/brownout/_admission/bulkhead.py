@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Literal, ParamSpec, Protocol, TypeVar
 
 from .._clock import Clock, default_clock, running_loop
-from .._context import _get_current
+from .._context import get_current
 from .._deadline import Deadline
 from .._errors import Reason, Rejected
 from .._priority import Priority
@@ -262,7 +262,7 @@ class Bulkhead:
         Fields not given come from the request context (`brownout.current()`). Waits in the
         queue when the bulkhead is full; raises `brownout.Rejected` when refused.
         """
-        ctx = _get_current()
+        ctx = get_current()
         # Built field by field rather than through Permit.__init__: one frame less on the
         # hot path (about 100 ns of a ~600 ns admit+release).
         p: Permit = _new(Permit)

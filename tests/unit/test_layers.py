@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     (
         "base",
         (
+            "_checks",
             "_clock",
             "_errors",
             "_priority",

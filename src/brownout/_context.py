@@ -173,7 +173,7 @@ def make_context(
 ) -> RequestContext:
     """Build a RequestContext on the hot path (scopes, the edge, retries), unchecked.
 
-    Filling a layout-identical mutable twin and then switching its class is ~4x cheaper than
+    Filling a layout-identical mutable twin and then switching its class is cheaper than
     ``object.__setattr__`` per field; the result is an ordinary, immutable RequestContext.
     """
     new = _NEW(_ContextBuilder)
@@ -223,7 +223,7 @@ _current: contextvars.ContextVar[RequestContext] = contextvars.ContextVar(
 )
 # The variable's methods, bound once, for other modules' hot paths. CPython 3.11 compiles
 # ``name.method()`` on an imported ``name`` as a module attribute lookup, which a ContextVar
-# defeats: each call would look the method up and build a bound method (~2.5x the cost).
+# defeats: each call would look the method up and build a bound method.
 get_current = _current.get
 set_current = _current.set
 reset_current = _current.reset

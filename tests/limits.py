@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from brownout import Bulkhead, Permit
-from brownout._admission.bulkhead import Untracked
+from brownout._admission.permit import Untracked
 
 
 class CountingBulkhead(Bulkhead):

@@ -12,20 +12,19 @@ The names below are what a service author needs. Specialists live in a few publi
 `brownout.export`. Every other module is private. docs/api.md says what is stable.
 """
 
-from importlib import metadata as _metadata
-
 from ._admission import Bulkhead, Permit
 from ._clock import Clock, LoopClock, MonotonicClock
 from ._context import (
     RequestContext,
     bind,
+    call_budget,
     check_deadline,
     current,
     deadline,
     remaining,
     request,
 )
-from ._deadline import Deadline, call_budget
+from ._deadline import Deadline
 from ._degrade import (
     DegradedMode,
     DegradedModes,
@@ -80,11 +79,7 @@ from ._retry import (
 from ._retry.idempotency import OutcomeLedgerFull
 from ._retry.ledger_redis import RedisOutcomeLedger
 from ._stats import Stats
-
-try:  # the version is written once, in pyproject.toml; installing puts it in the metadata
-    __version__ = _metadata.version("brownout")
-except _metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
-    __version__ = "0+unknown"
+from ._version import VERSION as __version__
 
 __all__ = [
     "Backoff",

@@ -25,6 +25,7 @@ __all__ = [
     "current_task_of",
     "default_clock",
     "loop_and_time",
+    "loop_or_none",
     "now",
     "running_loop",
 ]
@@ -81,13 +82,13 @@ def running_loop() -> AbstractEventLoop:
     the clock's cache of the running loop when it is valid (see the comment on ``_running``).
     Raises `RuntimeError` when no loop runs in this thread, as asyncio does.
     """
-    loop = _loop_or_none()
+    loop = loop_or_none()
     if loop is None:
         raise RuntimeError("no running event loop")
     return loop
 
 
-def _loop_or_none() -> AbstractEventLoop | None:
+def loop_or_none() -> AbstractEventLoop | None:
     """`running_loop`, or None outside a loop (asyncio's ``_get_running_loop``, cached)."""
     cached = _running
     if cached is not None:

@@ -21,24 +21,32 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from ._clock import _loop_or_none, default_clock
 from ._clock import current_task_of as _current_task
-from ._deadline import Deadline, _DeadlineBuilder, _new_deadline
+from ._clock import default_clock, loop_or_none
+from ._deadline import Deadline, DeadlineBuilder, new_deadline
+from ._deadline import call_budget as _budget_within
 from ._errors import DeadlineExceeded
 from ._priority import Priority
 
 __all__ = [
+    "EMPTY",
     "DeadlineScope",
     "RequestContext",
     "attach",
     "bind",
+    "call_budget",
     "check_deadline",
     "current",
     "current_deadline",
     "deadline",
     "detach",
+    "get_current",
+    "inbound_context",
+    "make_context",
     "remaining",
     "request",
+    "reset_current",
+    "set_current",
 ]
 
 P = ParamSpec("P")
@@ -110,7 +118,7 @@ class RequestContext(_ContextSlots):
         if new_deadline is not None:
             deadline = new_deadline.earliest(deadline)
         get = changes.get
-        return _make_context(
+        return make_context(
             deadline,
             get("priority", self.priority),
             get("caller", self.caller),
@@ -123,7 +131,7 @@ class RequestContext(_ContextSlots):
 
     def _with_deadline(self, deadline: Deadline | None) -> RequestContext:
         # The hot path of every deadline scope: a copy with only the deadline changed.
-        return _make_context(
+        return make_context(
             deadline,
             self.priority,
             self.caller,
@@ -153,7 +161,7 @@ class _ContextBuilder(_ContextSlots):
 _FIELDS = frozenset(_ContextSlots.__slots__)
 
 
-def _make_context(
+def make_context(
     deadline: Deadline | None,
     priority: Priority,
     caller: str,
@@ -165,7 +173,7 @@ def _make_context(
 ) -> RequestContext:
     """Build a RequestContext on the hot path (scopes, the edge, retries), unchecked.
 
-    Filling a layout-identical mutable twin and then switching its class is ~4x cheaper than
+    Filling a layout-identical mutable twin and then switching its class is cheaper than
     ``object.__setattr__`` per field; the result is an ordinary, immutable RequestContext.
     """
     new = _NEW(_ContextBuilder)
@@ -181,7 +189,7 @@ def _make_context(
     return new  # type: ignore[return-value]
 
 
-def _inbound_context(
+def inbound_context(
     at: float,
     priority: Priority,
     caller: str,
@@ -190,9 +198,9 @@ def _inbound_context(
     started_at: float,
 ) -> RequestContext:
     """A new inbound request's context, unchecked: a fresh `Deadline` at ``at`` on the default
-    clock, first attempt, no idempotency key. One call for what `_new_deadline` and
-    `_make_context` build (the edge's express path; ``ctx.deadline`` is the deadline)."""
-    d = _NEW(_DeadlineBuilder)
+    clock, first attempt, no idempotency key. One call for what `new_deadline` and
+    `make_context` build (the edge's express path; ``ctx.deadline`` is the deadline)."""
+    d = _NEW(DeadlineBuilder)
     d.at = at
     d.clock = _CLOCK
     d.__class__ = Deadline  # type: ignore[assignment]
@@ -209,16 +217,19 @@ def _inbound_context(
     return new  # type: ignore[return-value]
 
 
-_EMPTY = RequestContext()
+EMPTY = RequestContext()
 _current: contextvars.ContextVar[RequestContext] = contextvars.ContextVar(
-    "brownout_request", default=_EMPTY
+    "brownout_request", default=EMPTY
 )
 # The variable's methods, bound once, for other modules' hot paths. CPython 3.11 compiles
 # ``name.method()`` on an imported ``name`` as a module attribute lookup, which a ContextVar
-# defeats: each call would look the method up and build a bound method (~2.5x the cost).
-_get_current = _current.get
-_set_current = _current.set
-_reset_current = _current.reset
+# defeats: each call would look the method up and build a bound method.
+get_current = _current.get
+set_current = _current.set
+reset_current = _current.reset
+# The old names, until `_edge` and the server adapters import the ones above.
+_get_current, _set_current, _reset_current = get_current, set_current, reset_current
+_EMPTY, _make_context, _inbound_context = EMPTY, make_context, inbound_context
 
 
 def attach(ctx: RequestContext) -> contextvars.Token[RequestContext]:
@@ -322,7 +333,7 @@ class DeadlineScope:
             self._token = None
 
     async def __aenter__(self) -> RequestContext:
-        loop = _loop_or_none()
+        loop = loop_or_none()
         seconds = self._seconds
         if self._changes is None and loop is not None and type(seconds) in (float, int):
             # Fast path of `async with brownout.deadline(s)`: one clock read, no helpers.
@@ -333,7 +344,7 @@ class DeadlineScope:
             at = now + seconds  # type: ignore[operator]
             d = parent.deadline
             if d is None or (d.at > at if d.clock is _CLOCK else d.remaining() > at - now):
-                d = _new_deadline(at)
+                d = new_deadline(at)
                 ctx = parent._with_deadline(d)
             else:
                 ctx = parent
@@ -463,3 +474,27 @@ def bind(fn: Callable[P, R]) -> Callable[P, R]:
         return ctx.copy().run(fn, *args, **kwargs)
 
     return run
+
+
+def call_budget(
+    normal_timeout: float,
+    *,
+    reserve: float = 0.0,
+    min_useful: float = 0.0,
+    deadline: Deadline | None = None,
+) -> float:
+    """How long a dependency call may take (D4): ``min(normal_timeout, remaining - reserve)``.
+
+    ``reserve`` is kept back for the response path and local cleanup. When what is left is
+    below ``min_useful`` (what the call normally needs, e.g. a latency estimate per operation,
+    D7) the call is refused *before it starts* with ``Rejected(Reason.DEADLINE_TOO_SHORT)``:
+    with 40 ms left, a call that needs 150 ms is not worth sending. An already expired deadline
+    raises ``Rejected(Reason.DEADLINE_EXPIRED)``. ``deadline`` defaults to the current
+    request's; without one the normal timeout applies.
+    """
+    return _budget_within(
+        normal_timeout,
+        reserve=reserve,
+        min_useful=min_useful,
+        deadline=_current.get().deadline if deadline is None else deadline,
+    )

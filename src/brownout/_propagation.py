@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
 
+from ._clock import now
 from ._context import RequestContext, current
 from ._errors import HeaderError
 from ._priority import Priority
@@ -403,8 +404,6 @@ class InboundDeadlinePolicy:
 
     def _ignored(self, header: str, problem: str) -> None:
         if self.events.enabled:
-            from ._clock import now
-
             self.events.emit(DeadlineHeaderIgnored(now(), "inbound", header, problem))
 
 

@@ -2,7 +2,9 @@
 
 For writing an adapter for a framework brownout does not cover: the budget and gRPC timeout
 codecs, the outbound headers for the current request, how an answer is classified for retry
-(`classify`, `parse_pushback`), and the marker calls drills rely on (`dependency_call`).
+(`classify`, `parse_pushback`), the rules the bundled client adapters share (`SAFE_METHODS`,
+`is_idempotent`, `needs_retry_layer`, `http_answer_error`, `answer_for_caller`,
+`attempt_budget`), and the marker calls drills rely on (`dependency_call`).
 """
 
 from ._context import attach, detach
@@ -36,6 +38,14 @@ from ._retry import (
     new_idempotency_key,
     parse_pushback,
 )
+from ._retry.outbound import (
+    SAFE_METHODS,
+    answer_for_caller,
+    attempt_budget,
+    http_answer_error,
+    is_idempotent,
+    needs_retry_layer,
+)
 
 __all__ = [
     "ATTEMPT_HEADER",
@@ -51,10 +61,13 @@ __all__ = [
     "RETRYABLE_GRPC_CODES",
     "RETRYABLE_HTTP_STATUSES",
     "RETRY_HEADER",
+    "SAFE_METHODS",
     "SIGNED_BUDGET_HEADER",
     "STALE_AGE_HEADER",
     "Failure",
+    "answer_for_caller",
     "attach",
+    "attempt_budget",
     "classify",
     "context_headers",
     "decode_budget_ms",
@@ -64,6 +77,9 @@ __all__ = [
     "detach",
     "encode_budget_ms",
     "encode_grpc_timeout",
+    "http_answer_error",
+    "is_idempotent",
+    "needs_retry_layer",
     "new_idempotency_key",
     "outbound_headers",
     "parse_priority",

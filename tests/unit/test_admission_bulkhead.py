@@ -862,7 +862,7 @@ async def test_untracked_admissions_only_hold_a_slot() -> None:
     t = now()
     first = b.admit_uncontended(Priority.CRITICAL, "c", "op", t, 1)
     second = b.admit_uncontended(Priority.CRITICAL, "c", "op", t, 1)
-    assert isinstance(first, brownout._admission.bulkhead.Untracked)
+    assert isinstance(first, brownout._admission.permit.Untracked)
     assert first is second  # shared: nothing allocated per admission
     assert b.in_flight == 2
     assert b.admit_uncontended(Priority.CRITICAL, "c", "op", t, 1) is None  # at the limit

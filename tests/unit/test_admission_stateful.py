@@ -71,7 +71,7 @@ from brownout.queues import (
 from brownout.signals import FunctionSignal
 
 EPS = 1e-6
-_NEW, _QUEUED, _ADMITTED, _DONE = 0, 1, 2, 3  # Permit states (bulkhead.py)
+_NEW, _QUEUED, _ADMITTED, _DONE = 0, 1, 2, 3  # Permit states (_admission/permit.py)
 TICK = 0.005  # the script's time grain: many things happen at the same instant
 
 

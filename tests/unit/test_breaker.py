@@ -29,7 +29,7 @@ def run(b: CircuitBreaker, failed: bool, duration: float = 0.0) -> None:
 
 def test_opens_at_the_failure_rate_once_minimum_calls_are_seen() -> None:
     clock = ManualClock()
-    b = CircuitBreaker(0.5, window=10, minimum_calls=10, clock=clock, open_jitter=0.0)
+    b = CircuitBreaker(failure_rate=0.5, window=10, minimum_calls=10, clock=clock, open_jitter=0.0)
     for _ in range(9):
         run(b, failed=True)
     assert b.state is BreakerState.CLOSED  # 9 < minimum_calls
@@ -38,7 +38,7 @@ def test_opens_at_the_failure_rate_once_minimum_calls_are_seen() -> None:
 
 
 def test_stays_closed_below_the_rate_and_the_count_window_forgets_old_calls() -> None:
-    b = CircuitBreaker(0.5, window=10, minimum_calls=10, clock=ManualClock())
+    b = CircuitBreaker(failure_rate=0.5, window=10, minimum_calls=10, clock=ManualClock())
     for i in range(100):
         run(b, failed=i % 3 == 0)  # 33% failures
     assert b.state is BreakerState.CLOSED
@@ -50,7 +50,9 @@ def test_stays_closed_below_the_rate_and_the_count_window_forgets_old_calls() ->
 
 def test_time_window_counts_only_recent_seconds() -> None:
     clock = ManualClock()
-    b = CircuitBreaker(0.5, window=10, window_type="time", minimum_calls=4, clock=clock)
+    b = CircuitBreaker(
+        failure_rate=0.5, window=10, window_type="time", minimum_calls=4, clock=clock
+    )
     for _ in range(4):
         run(b, failed=True)
         clock.advance(3.0)  # failures spread so each falls out before the rate builds
@@ -65,7 +67,7 @@ def test_time_window_counts_only_recent_seconds() -> None:
 
 def test_slow_calls_open_it_too() -> None:
     b = CircuitBreaker(
-        1.0,
+        failure_rate=1.0,
         slow_call_rate=0.5,
         slow_call_duration=1.0,
         window=4,
@@ -286,3 +288,15 @@ def test_count_breaker_with_minimum_calls_above_its_window_still_opens() -> None
             break
         breaker.release(breaker.acquire(), failed=True)
     assert breaker.state is BreakerState.OPEN
+
+
+def test_the_name_comes_first_and_settings_by_keyword() -> None:
+    # CircuitBreaker("inventory") failed with a TypeError from a comparison: the first
+    # parameter was failure_rate. Now it is the name, as in Bulkhead and Dependency.
+    assert CircuitBreaker("inventory").name == "inventory"
+    with pytest.raises(TypeError, match="first argument is its name"):
+        CircuitBreaker(0.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="failure_rate must be a number"):
+        CircuitBreaker("inventory", failure_rate="half")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        CircuitBreaker("inventory", 0.5)  # type: ignore[misc]

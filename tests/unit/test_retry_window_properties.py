@@ -308,7 +308,7 @@ def test_time_window_breaker_follows_its_documented_rules(
     assert slow_d is None or isinstance(slow_d, float)
     clock = ManualClock(float(cfg["start"]))
     breaker = CircuitBreaker(
-        failure_pct / 100,
+        failure_rate=failure_pct / 100,
         window=window,
         window_type="time",
         minimum_calls=minimum,
@@ -399,7 +399,12 @@ def test_time_window_breaker_counts_an_outcome_for_window_one_second_slices(
     always within ``window - 1``)."""
     clock = ManualClock(start)
     b = CircuitBreaker(
-        1.0, window=window, window_type="time", minimum_calls=minimum, clock=clock, events=QUIET
+        failure_rate=1.0,
+        window=window,
+        window_type="time",
+        minimum_calls=minimum,
+        clock=clock,
+        events=QUIET,
     )
     for _ in range(minimum - 1):
         b.release(b.acquire(), failed=True)
@@ -430,7 +435,12 @@ def test_time_window_breaker_forgets_outcomes_older_than_its_window(
     that is still closed decides exactly like a new one: no stale outcome opens it later."""
     clock = ManualClock(7.25)
     make = lambda: CircuitBreaker(  # noqa: E731
-        0.5, window=window, window_type="time", minimum_calls=minimum, clock=clock, events=QUIET
+        failure_rate=0.5,
+        window=window,
+        window_type="time",
+        minimum_calls=minimum,
+        clock=clock,
+        events=QUIET,
     )
     old = make()
     for dt, failed in history:
@@ -470,7 +480,7 @@ def test_breaker_opens_exactly_when_the_failure_rate_is_reached(window_type: str
                 if not 0 <= failures <= calls:
                     continue
                 b = CircuitBreaker(
-                    pct / 100,
+                    failure_rate=pct / 100,
                     window=calls,
                     window_type=window_type,
                     minimum_calls=calls,
@@ -497,7 +507,7 @@ def test_breaker_opens_exactly_when_the_slow_call_rate_is_reached(window_type: s
                 if not 0 <= slows <= calls:
                     continue
                 b = CircuitBreaker(
-                    1.0,
+                    failure_rate=1.0,
                     window=calls,
                     window_type=window_type,
                     minimum_calls=calls,

@@ -1,8 +1,9 @@
 """Admission: limits, bounded wait queues, the `Bulkhead` and latency estimates (A1-A5, D7)."""
 
-from .bulkhead import Bulkhead, Permit
+from .bulkhead import Bulkhead
 from .estimator import LatencyEstimator
 from .limits import AIMDLimit, FixedLimit, Gradient2Limit, Limit, VegasLimit
+from .permit import Permit
 from .queues import (
     AdaptiveLifoQueue,
     CoDelQueue,

@@ -28,11 +28,10 @@ import functools
 import math
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from types import TracebackType
 from typing import Literal, ParamSpec, Protocol, TypeVar
 
 from .._clock import Clock, default_clock, running_loop
-from .._context import _get_current
+from .._context import get_current
 from .._deadline import Deadline
 from .._errors import Reason, Rejected
 from .._priority import Priority
@@ -65,7 +64,16 @@ from .estimator import LatencyEstimator
 from .limits import Limit
 from .loop_lag import LoopLag
 from .loop_lag import loop_lag as _shared_loop_lag
-from .queues import CRITICAL_PLUS_RANK, PriorityCoDelQueue, QueueItem, WaitQueue, rank_of
+from .permit import ADMITTED as _ADMITTED
+from .permit import DONE as _DONE
+from .permit import DROPPED as _DROPPED
+from .permit import IGNORED as _IGNORED
+from .permit import NEW as _NEW
+from .permit import QUEUED as _QUEUED
+from .permit import SUCCESS as _SUCCESS
+from .permit import UNTIMED as _UNTIMED
+from .permit import Permit, Untracked
+from .queues import CRITICAL_PLUS_RANK, PriorityCoDelQueue, WaitQueue, rank_of
 
 __all__ = ["Bulkhead", "OverloadState", "Permit", "Untracked"]
 
@@ -74,10 +82,7 @@ R = TypeVar("R")
 
 _INF = math.inf
 _new = object.__new__
-_UNTIMED = -math.inf
 _UNTIMED_SHARED = -1e300  # untimed, but must take the full release path (share accounting)
-_NEW, _QUEUED, _ADMITTED, _DONE = 0, 1, 2, 3
-_SUCCESS, _FAILED, _DROPPED, _IGNORED = 0, 1, 2, 3
 _CRITICAL_PLUS = Priority.CRITICAL_PLUS
 _MAX_SAMPLES = MAX_SAMPLES
 _FAST, _OFFERED, _ADMITTED_NOW, _COMPLETED, _LATE = FAST, OFFERED, ADMITTED, COMPLETED, LATE
@@ -91,189 +96,6 @@ class OverloadState(Protocol):
 
     @property
     def shed_below(self) -> int: ...
-
-
-class Permit(QueueItem):
-    """The right to run one unit of work in a bulkhead, and its outcome report.
-
-    Settle it exactly once with `success`, `dropped` or `ignore` (later calls are no-ops); it
-    releases the slot and feeds the limit. Also the async context manager returned by
-    `Bulkhead.admit`, which settles it from the way the block exits.
-    """
-
-    __slots__ = (
-        "_bulkhead",
-        "_future",
-        "_row",
-        "_state",
-        "_timer",
-        "admitted_at",
-        "in_flight_at_admit",
-        "queue_wait",
-    )
-
-    _future: asyncio.Future[None]
-    _row: list[int] | None
-    """This permit's row in the bulkhead's `Ledger` while the hub tallies, else None."""
-    _timer: asyncio.TimerHandle | None
-    """Deadline timer, only when the deadline comes before the queue's age bound."""
-    in_flight_at_admit: int
-    admitted_at: float
-    """When the permit was granted (``-inf`` when the bulkhead did not time this one)."""
-    queue_wait: float
-    """Seconds spent waiting in the queue before the grant (0.0 on the fast path)."""
-    """How many permits were held right after this one was granted (itself included)."""
-
-    def __init__(
-        self,
-        bulkhead: Bulkhead,
-        priority: Priority,
-        caller: str,
-        operation: str,
-        deadline_at: float,
-        in_progress: bool,
-    ) -> None:
-        self._bulkhead = bulkhead
-        self.priority = priority
-        self.caller = caller
-        self.operation = operation
-        self.deadline_at = deadline_at
-        self.in_progress = in_progress
-        self._state = _NEW
-        self._row = None
-        # queued, queue_wait, admitted_at are set when they become meaningful (hot path).
-
-    # -- outcome reports -------------------------------------------------------------------
-    def success(self) -> None:
-        """The work completed: release the slot; its rtt is a sample for the limit."""
-        if self.admitted_at == _UNTIMED and self._row is None and self._state == _ADMITTED:
-            # Untimed and untallied (see `__aexit__`): nothing to learn, nothing to count.
-            self._state = _DONE
-            b = self._bulkhead
-            b._in_flight -= 1
-            if b._queue.size:
-                b._drain()
-            return
-        self._bulkhead._release(self, _SUCCESS, None)
-
-    def dropped(self) -> None:
-        """The work was dropped, timed out or cancelled: release; the limit backs off."""
-        self._bulkhead._release(self, _DROPPED, None)
-
-    def ignore(self) -> None:
-        """Release without teaching the limit anything (the work never really ran)."""
-        self._bulkhead._release(self, _IGNORED, None)
-
-    def failed(self, error: str = "error") -> None:
-        """The work ran and failed: release; a success for the limit, `RequestFailed` event."""
-        self._bulkhead._release(self, _FAILED, error)
-
-    @property
-    def settled(self) -> bool:
-        """True once the permit was released (or refused)."""
-        return self._state == _DONE
-
-    # -- async context manager -------------------------------------------------------------
-    async def __aenter__(self) -> Permit:
-        b = self._bulkhead
-        n = b._in_flight
-        # Fast path, inlined: a plain bulkhead (no adaptive limit, no overload manager) with
-        # room and nothing queued, and either nobody listening or every sink taking tallies.
-        if n < b._limit_value and b._plain and not b._queue.size:
-            d_at = self.deadline_at
-            row = self._row
-            if row is not None:
-                # Tallied (see `admit`): count, build no event. With a deadline, the full
-                # path times the work (within the deadline or late is decided at release).
-                fast = d_at == _INF
-            else:
-                # With a deadline, only work that clearly fits stays on the fast path;
-                # refusals (expired, too short) take the full path below, which reports them.
-                fast = not b._events.enabled and (d_at == _INF or b._fits(self.operation, d_at))
-            if fast:
-                if row is not None:
-                    row[_FAST] += 1
-                n += 1
-                b._in_flight = n
-                self.in_flight_at_admit = n
-                self.queue_wait = 0.0
-                self._state = _ADMITTED
-                tick = b._tick - 1
-                if tick:
-                    b._tick = tick
-                    self.admitted_at = _UNTIMED
-                else:
-                    b._time_sample(self)
-                return self
-        if not b._admit_now(self):
-            b._refuse_if_lagging(self)
-            await b._wait(self)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._state != _ADMITTED:
-            return
-        if exc_type is None:
-            if self.admitted_at == _UNTIMED:  # fast path: nothing to learn, nothing to emit
-                self._state = _DONE
-                b = self._bulkhead
-                b._in_flight -= 1
-                row = self._row
-                if row is not None:  # tallied, no deadline (those are timed): goodput
-                    row[_COMPLETED] += 1
-                if b._queue.size:
-                    b._drain()
-                return
-            self._bulkhead._release(self, _SUCCESS, None)
-        else:
-            self.settle_raised(exc_type)
-
-    def settle_raised(self, exc_type: type[BaseException]) -> None:
-        """Settle by the exception the work raised, as ``async with`` does: a timeout or a
-        cancellation is a drop, a downstream `brownout.Rejected` is ignored, anything else
-        failed (for adapters that hold a permit without the context manager)."""
-        if issubclass(exc_type, (TimeoutError, asyncio.CancelledError)):
-            self._bulkhead._release(self, _DROPPED, exc_type.__name__)
-        elif issubclass(exc_type, Rejected):
-            self._bulkhead._release(self, _IGNORED, exc_type.__name__)
-        else:
-            self._bulkhead._release(self, _FAILED, exc_type.__name__)
-
-    def __repr__(self) -> str:
-        state = ("new", "queued", "admitted", "done")[self._state]
-        return f"<Permit {self._bulkhead.name} {self.priority.label} {state}>"
-
-
-class Untracked:
-    """An admission nothing learns from (`Bulkhead.admit_uncontended`): settling it only
-    frees the slot. One per bulkhead, shared by every such admission; the caller settles
-    each admission exactly once (nothing here can tell two apart)."""
-
-    __slots__ = ("_bulkhead",)
-
-    def __init__(self, bulkhead: Bulkhead) -> None:
-        self._bulkhead = bulkhead
-
-    def success(self) -> None:
-        b = self._bulkhead
-        b._in_flight -= 1
-        if b._queue.size:
-            b._drain()
-
-    def failed(self, error: str = "error") -> None:
-        # Untracked only while nobody listens (the hub was off): nothing to report.
-        self.success()
-
-    def ignore(self) -> None:
-        self.success()
-
-    def settle_raised(self, exc_type: type[BaseException]) -> None:
-        self.success()
 
 
 class Bulkhead:
@@ -440,9 +262,9 @@ class Bulkhead:
         Fields not given come from the request context (`brownout.current()`). Waits in the
         queue when the bulkhead is full; raises `brownout.Rejected` when refused.
         """
-        ctx = _get_current()
+        ctx = get_current()
         # Built field by field rather than through Permit.__init__: one frame less on the
-        # hot path (about 100 ns of a ~600 ns admit+release).
+        # hot path.
         p: Permit = _new(Permit)
         p._bulkhead = self
         p.priority = priority = ctx.priority if priority is None else priority

@@ -34,8 +34,8 @@ import math
 from collections import deque
 
 from .._errors import Reason
+from .._histogram import LatencyHistogram
 from .._priority import Priority
-from .._stats import LatencyHistogram
 
 __all__ = [
     "AdaptiveLifoQueue",
@@ -601,8 +601,7 @@ class PriorityCoDelQueue(WaitQueue):
     dependency (1 s x 4 slots: a slot frees every 250 ms) a 5 ms or 100 ms bound would age every
     waiter out before any slot frees and leave slots idle while work is refused; and in front of
     25 ms work on a saturated host, whose event loop frees slots in bursts once per 10-20 ms
-    turn, a 5 ms bound refuses every waiter before the next burst (the lab lost 40% of its
-    goodput at 10x so).
+    turn, a 5 ms bound refuses every waiter before the next burst.
 
     Defaults: ``target`` 5 ms, ``interval`` 100 ms (CoDel's), ``lifo`` on; ``max_wait`` (1 s)
     still caps both bounds, ``max_size`` the depth (a `Bulkhead` keeps its default queue as
@@ -647,11 +646,10 @@ class PriorityCoDelQueue(WaitQueue):
         # evenly. An event loop that takes 10-20 ms per turn (its host's CPU saturated, by a
         # flood of refusals to write, say) frees them in bursts, once per turn; a bound
         # shorter than a turn has refused every waiter by then, and the freed slots idle
-        # until new requests are read. The lab's 10x step on a 2-core machine lost 40% of its
-        # goodput to a 5 ms bound in front of 25 ms work; with one round trip it lost none.
-        # The queue is one round trip deep (the `Bulkhead` default), so no waiter that could
-        # be served in turn is refused; the stale ones still go at that bound, not the
-        # interval. Both measured, not configured; the interval at least the target.
+        # until new requests are read. The queue is one round trip deep (the `Bulkhead`
+        # default), so no waiter that could be served in turn is refused; the stale ones
+        # still go at that bound, not the interval. Both measured, not configured; the
+        # interval at least the target.
         short = 2.0 * self.release_gap
         if short < self.service_time:
             short = self.service_time

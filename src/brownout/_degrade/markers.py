@@ -29,9 +29,12 @@ the adaptive limit's latency samples: a fallback's speed says nothing about the 
 
 
 # Bound once for other modules' hot paths (see `brownout._context._get_current`).
-_set_fallback_marks = served_by_fallback.set
-_reset_fallback_marks = served_by_fallback.reset
-_fallback_marks = served_by_fallback.get
+set_fallback_marks = served_by_fallback.set
+reset_fallback_marks = served_by_fallback.reset
+fallback_marks = served_by_fallback.get
+# The old names, until the server adapters (branch edge) import the ones above.
+_set_fallback_marks, _reset_fallback_marks = set_fallback_marks, reset_fallback_marks
+_fallback_marks = fallback_marks
 
 
 def note_fallback_served(mode: str) -> None:

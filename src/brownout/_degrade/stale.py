@@ -27,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Generic, NamedTuple, TypeVar
 
+from .._checks import name_arg
 from .._clock import Clock, default_clock
 from .._context import request
 from .._errors import FailClosed
@@ -94,16 +95,17 @@ class StaleCache(Generic[K, V]):
 
     def __init__(
         self,
+        name: str = "stale-cache",
         *,
         max_entries: int,
         fresh_for: float,
         max_staleness: float,
         load_timeout: float | None = None,
         failure_backoff: float = 1.0,
-        name: str = "stale-cache",
         clock: Clock = _CLOCK,
         events: EventHub = hub,
     ) -> None:
+        name_arg("StaleCache", name)
         if not 1 <= max_entries < math.inf:  # (NaN too: memory stays bounded)
             raise ValueError("max_entries must be >= 1")
         # G2: how stale a value may be is declared, and bounded (NaN and inf refused).

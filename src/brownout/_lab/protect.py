@@ -90,7 +90,7 @@ def outbound_dependency() -> Dependency:
             name="backend",
         ),
         breaker=CircuitBreaker(
-            0.5,
+            failure_rate=0.5,
             window=50,
             minimum_calls=20,
             open_for=1.0,

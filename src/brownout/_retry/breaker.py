@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from .._checks import name_arg, number_arg
 from .._clock import Clock, default_clock
 from .._context import current
 from .._errors import Reason, Rejected
@@ -168,8 +169,9 @@ class CircuitBreaker:
 
     def __init__(
         self,
-        failure_rate: float = 0.5,
+        name: str = "breaker",
         *,
+        failure_rate: float = 0.5,
         window: int = 20,
         window_type: str = "count",
         minimum_calls: int | None = None,
@@ -180,11 +182,20 @@ class CircuitBreaker:
         half_open_probes: int = 3,
         fallback: Callable[[Rejected], Awaitable[Any]] | None = None,
         is_failure: Callable[[BaseException], bool | None] = default_is_failure,
-        name: str = "breaker",
         rng: random.Random | None = None,
         clock: Clock | None = None,
         events: EventHub = hub,
     ) -> None:
+        name_arg("CircuitBreaker", name)
+        for field, value in (
+            ("failure_rate", failure_rate),
+            ("slow_call_rate", slow_call_rate),
+            ("window", window),
+            ("open_for", open_for),
+            ("open_jitter", open_jitter),
+            ("half_open_probes", half_open_probes),
+        ):
+            number_arg("CircuitBreaker", field, value)
         if not 0.0 < failure_rate <= 1.0 or not 0.0 < slow_call_rate <= 1.0:
             raise ValueError("rates must be within (0, 1]")
         # Written as "not (valid)" so NaN is refused too: a NaN open_for or window would

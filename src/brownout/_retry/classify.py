@@ -29,8 +29,8 @@ from .._propagation import DO_NOT_RETRY_VALUE, GRPC_PUSHBACK_KEY, RETRY_HEADER
 __all__ = [
     "RETRYABLE_GRPC_CODES",
     "RETRYABLE_HTTP_STATUSES",
-    "Classifier",
     "Failure",
+    "FailureClassifier",
     "ResponseError",
     "RetriesExhausted",
     "StopReason",
@@ -134,7 +134,7 @@ class Failure:
         )
 
 
-Classifier = Callable[[BaseException], "Failure | None"]
+FailureClassifier = Callable[[BaseException], "Failure | None"]
 """A user classifier: a `Failure` for errors it knows, ``None`` to fall back to `classify`."""
 
 _NOT_SENT = Failure(transient=True, sent=False)

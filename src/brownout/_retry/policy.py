@@ -35,7 +35,7 @@ from .._errors import Rejected, UnknownOutcome
 from ..events import AttemptRetried, EventHub, OutcomeUnknown, RetryBudgetExhausted, hub
 from .backoff import Backoff, ExponentialBackoff
 from .budget import RetryAllowance, RetryBudget
-from .classify import Classifier, Failure, RetriesExhausted, StopReason, classify
+from .classify import Failure, FailureClassifier, RetriesExhausted, StopReason, classify
 
 __all__ = [
     "AttemptFn",
@@ -144,7 +144,7 @@ class RetryPolicy:
         *,
         budget: RetryAllowance | None = None,
         backoff: Backoff | None = None,
-        classifier: Classifier | None = None,
+        classifier: FailureClassifier | None = None,
         expected_attempt_time: float | None = None,
         reserve: float = 0.0,
         max_concurrent_retries: int | None = None,

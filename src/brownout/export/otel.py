@@ -25,8 +25,10 @@ except ModuleNotFoundError as e:  # the extra is not installed
     raise missing_extra(__name__, "otel", e) from e
 
 from .._clock import Clock, default_clock
+from .._histogram import LatencyHistogram
 from .._snapshot import items_of
-from .._stats import Gauge, LabelCap, LatencyHistogram, Stats
+from .._stats import Gauge, LabelCap, Stats
+from .._version import VERSION
 from ..events import Event, RequestAdmitted, RequestCompleted, RequestOffered, RequestsTallied
 from ._catalog import COUNTERS, GAUGES, HISTOGRAMS, STATE_COUNTERS
 
@@ -40,9 +42,7 @@ _Callback = Callable[[CallbackOptions], Iterable[Observation]]
 def _meter(meter: Meter | None, meter_provider: MeterProvider | None) -> Meter:
     if meter is not None:
         return meter
-    from .. import __version__
-
-    return metrics.get_meter("brownout", __version__, meter_provider=meter_provider)
+    return metrics.get_meter("brownout", VERSION, meter_provider=meter_provider)
 
 
 class OtelMetrics:

@@ -47,12 +47,16 @@ from .._propagation import (
     BudgetSigner,
     outbound_headers,
 )
-from .._retry.classify import ResponseError, RetriesExhausted, TransientError, parse_pushback
+from .._retry.classify import ResponseError, RetriesExhausted, TransientError
+from .._retry.outbound import (
+    SAFE_METHODS,
+    answer_for_caller,
+    http_answer_error,
+    is_idempotent,
+    needs_retry_layer,
+)
 
 __all__ = ["SAFE_METHODS", "BrownoutClientMiddleware"]
-
-SAFE_METHODS: frozenset[str] = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
-"""Methods without side effects (RFC 9110): retried freely, never an unknown outcome."""
 
 # Failures that prove the request never left this process: resending cannot apply it twice.
 _NOT_SENT = (ClientConnectorError, ConnectionTimeoutError)
@@ -86,22 +90,19 @@ class BrownoutClientMiddleware:
         self.return_exhausted = return_exhausted
 
     async def __call__(self, request: ClientRequest, handler: ClientHandlerType) -> ClientResponse:
-        idempotent = request.method in self.safe_methods
+        idempotent = is_idempotent(request.method, self.safe_methods)
         key = None if idempotent else request.headers.get(IDEMPOTENCY_HEADER)
         try:
             return await self.dependency.call(
                 self._attempt, request, handler, idempotent=idempotent, idempotency_key=key
             )
-        except ResponseError as answer:
-            # An answer this layer does not retry: the caller gets it as a response.
-            if isinstance(answer.response, ClientResponse):
-                return answer.response
-            raise
-        except RetriesExhausted as gave_up:
-            response = gave_up.response
-            if self.return_exhausted and isinstance(response, ClientResponse):
-                return response
-            raise
+        except (ResponseError, RetriesExhausted) as error:
+            answer = answer_for_caller(
+                error, ClientResponse, return_exhausted=self.return_exhausted
+            )
+            if answer is None:
+                raise
+            return answer
 
     async def _attempt(self, request: ClientRequest, handler: ClientHandlerType) -> ClientResponse:
         # Inside an attempt the context's deadline already is the attempt's budget.
@@ -112,8 +113,7 @@ class BrownoutClientMiddleware:
             raise TransientError(f"{type(e).__name__}: {e}", sent=False) from e
         except _MAYBE_SENT as e:
             raise TransientError(f"{type(e).__name__}: {e}", sent=True) from e
-        status = response.status
-        if status < 500 and status != 429:
+        if not needs_retry_layer(response.status):
             return response
         try:
             # Reading to the end frees the connection for a retry and keeps the body for the
@@ -122,5 +122,4 @@ class BrownoutClientMiddleware:
         except BaseException:
             response.release()
             raise
-        retry_after, never = parse_pushback(response.headers)
-        raise ResponseError(status, retry_after=retry_after, do_not_retry=never, response=response)
+        raise http_answer_error(response.status, response.headers, response)

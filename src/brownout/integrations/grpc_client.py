@@ -47,7 +47,6 @@ except ModuleNotFoundError as e:  # the extra is not installed
     raise missing_extra(__name__, "grpc", e) from e
 
 from .._context import RequestContext, current
-from .._deadline import call_budget
 from .._dependency import Dependency
 from .._errors import DeadlineExceeded
 from .._propagation import (
@@ -59,6 +58,7 @@ from .._propagation import (
     context_headers,
 )
 from .._retry.classify import ResponseError, TransientError, parse_pushback
+from .._retry.outbound import answer_for_caller, attempt_budget
 
 __all__ = [
     "BrownoutClientInterceptor",
@@ -69,7 +69,6 @@ __all__ = [
 ]
 
 _OURS = frozenset({ATTEMPT_HEADER, IDEMPOTENCY_HEADER, PRIORITY_HEADER})
-_UNBOUNDED = float("inf")
 
 
 def _method_name(method: str | bytes) -> str:
@@ -201,15 +200,12 @@ class BrownoutClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
                 idempotent=method in self.idempotent_methods,
                 idempotency_key=_metadata_value(client_call_details.metadata, IDEMPOTENCY_HEADER),
             )
-        except ResponseError as answer:
-            # An answer this layer does not retry: the caller sees gRPC's own error.
-            if isinstance(answer.response, grpc.aio.AioRpcError):
-                raise answer.response from None
-            raise
-        except TransientError as lost:
-            if isinstance(lost.__cause__, grpc.aio.AioRpcError):
-                raise lost.__cause__ from None
-            raise
+        except (ResponseError, TransientError) as error:
+            # The caller sees gRPC's own error for what this layer does not retry.
+            answer = answer_for_caller(error, grpc.aio.AioRpcError)
+            if answer is None:
+                raise
+            raise answer from None
 
     @staticmethod
     async def _attempt(
@@ -248,13 +244,11 @@ class _StreamingBudget:
     def _stream_details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         dep = self.dependency
         ctx = current()
-        budget = call_budget(
-            _UNBOUNDED if dep.timeout is None else dep.timeout,
-            reserve=dep.reserve,
-            min_useful=dep.min_useful,
-            deadline=ctx.deadline,
+        # The same budget a unary attempt gets from the dependency (`attempt_budget`).
+        budget = attempt_budget(
+            dep.timeout, reserve=dep.reserve, min_useful=dep.min_useful, deadline=ctx.deadline
         )
-        return _details(details, ctx, None if budget == _UNBOUNDED else budget)
+        return _details(details, ctx, budget)
 
 
 class BrownoutUnaryStreamInterceptor(_StreamingBudget, grpc.aio.UnaryStreamClientInterceptor):

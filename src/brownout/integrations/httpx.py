@@ -54,12 +54,16 @@ from .._propagation import (
     BudgetSigner,
     outbound_headers,
 )
-from .._retry.classify import ResponseError, RetriesExhausted, TransientError, parse_pushback
+from .._retry.classify import ResponseError, RetriesExhausted, TransientError
+from .._retry.outbound import (
+    SAFE_METHODS,
+    answer_for_caller,
+    http_answer_error,
+    is_idempotent,
+    needs_retry_layer,
+)
 
 __all__ = ["IDEMPOTENT_EXTENSION", "SAFE_METHODS", "BrownoutTransport", "SendsRequests"]
-
-SAFE_METHODS: frozenset[str] = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
-"""Methods without side effects (RFC 9110): retried freely, never an unknown outcome."""
 
 IDEMPOTENT_EXTENSION = "brownout.idempotent"
 """Request extension overriding the method rule for one request (``True``: no side effect)."""
@@ -110,7 +114,7 @@ class BrownoutTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         dep = self.dependency
         flag = request.extensions.get(IDEMPOTENT_EXTENSION)
-        idempotent = bool(flag) if flag is not None else request.method in self.safe_methods
+        idempotent = is_idempotent(request.method, self.safe_methods, flag)
         if dep.retry.attempts > 1:
             await request.aread()  # a streamed body must be replayable before a retry
         # A safe request needs no key; skipping the header lookup keeps GETs cheap.
@@ -119,16 +123,13 @@ class BrownoutTransport(httpx.AsyncBaseTransport):
             return await dep.call(
                 self._attempt, request, idempotent=idempotent, idempotency_key=key
             )
-        except ResponseError as answer:
-            # An answer this layer does not retry: the caller gets it as a response.
-            if isinstance(answer.response, httpx.Response):
-                return answer.response
-            raise
-        except RetriesExhausted as gave_up:
-            response = gave_up.response
-            if self.return_exhausted and isinstance(response, httpx.Response):
-                return response
-            raise
+        except (ResponseError, RetriesExhausted) as error:
+            answer = answer_for_caller(
+                error, httpx.Response, return_exhausted=self.return_exhausted
+            )
+            if answer is None:
+                raise
+            return answer
 
     async def _attempt(self, request: httpx.Request) -> httpx.Response:
         ctx = current()
@@ -150,8 +151,7 @@ class BrownoutTransport(httpx.AsyncBaseTransport):
         except httpx.TransportError as e:
             # Read/write timeouts, resets, a server that hung up: it may have been applied.
             raise TransientError(f"{type(e).__name__}: {e}", sent=True) from e
-        status = response.status_code
-        if status < 500 and status != 429:
+        if not needs_retry_layer(response.status_code):
             return response
         raise await _answer_error(response)
 
@@ -174,7 +174,4 @@ async def _answer_error(response: httpx.Response) -> ResponseError:
         stream=httpx.ByteStream(raw),
         extensions=response.extensions,
     )
-    retry_after, never = parse_pushback(response.headers)  # Retry-After, brownout-retry: never
-    return ResponseError(
-        response.status_code, retry_after=retry_after, do_not_retry=never, response=copy
-    )
+    return http_answer_error(response.status_code, response.headers, copy)

@@ -1,4 +1,4 @@
-"""In-memory accounting of every decision: the `Stats` sink (O1, O2, O3, O5, S8).
+"""The `Stats` sink: in-memory accounting of every decision (O1, O2, O3, O5, S8).
 
 `Stats` counts offered, queued, admitted, shed (by reason), expired, completed within the
 deadline (goodput), completed late (wasted work), failed, abandoned, retried and
@@ -19,18 +19,18 @@ balance) is *pulled* at read time from registered `Observable` objects (`Stats.w
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
-from ._clock import Clock, default_clock
-from ._priority import Priority
-from ._snapshot import items_of
-from .events import (
+from .._clock import Clock, default_clock
+from .._histogram import LatencyHistogram
+from .._priority import Priority
+from .._snapshot import items_of
+from ..events import (
     AttemptRetried,
     BreakerStateChanged,
     DeadlineHeaderIgnored,
@@ -54,38 +54,12 @@ from .events import (
     RetryBudgetExhausted,
     StaleServed,
 )
+from .gauges import BREAKER_STATES, Gauge, GaugeFn, Observable
+from .labels import OTHER, LabelCap, TopKLabels
 
-__all__ = [
-    "BREAKER_STATES",
-    "COUNTER_KINDS",
-    "GAUGE_KINDS",
-    "OTHER",
-    "Gauge",
-    "LabelCap",
-    "LatencyHistogram",
-    "Observable",
-    "Stats",
-    "TopKLabels",
-    "label_value",
-]
+__all__ = ["COUNTER_KINDS", "Key", "Row", "Stats"]
 
 _log = logging.getLogger("brownout.stats")
-
-OTHER = "other"
-"""The label value that stands for every value beyond a cap."""
-
-
-def label_value(value: str) -> str:
-    """``value`` as a capped label shows it: unchanged, except that ``"other"`` and the values
-    ``"_other"``, ``"__other"``, ... gain one leading underscore.
-
-    So a real caller (or operation, source) named ``"other"`` shows as ``"_other"`` and is
-    never merged with the overflow row `OTHER`; the shift keeps every value distinct.
-    """
-    if value.endswith(OTHER) and value.lstrip("_") == OTHER:
-        return "_" + value
-    return value
-
 
 COUNTER_KINDS = (
     "offered",
@@ -104,263 +78,6 @@ COUNTER_KINDS = (
 )
 """Every counter `Stats` keeps. ``completed`` is goodput (useful successes)."""
 
-GAUGE_KINDS = (
-    "in_flight",
-    "limit",
-    "queue_depth",
-    "queue_oldest_age",
-    "retry_budget_balance",
-    "breaker_state",
-    "overload_level",
-    "degraded_mode_active",
-    "degraded_mode_active_seconds",
-    "degraded_mode_max_seconds",
-    "quota_fallback_active",
-)
-"""Gauge names exporters know how to name and describe. Observables may report these (with a
-``source`` label, or ``mode`` for degraded modes); other names are exported generically."""
-
-BREAKER_STATES = ("closed", "open", "half_open")
-
-Gauge = tuple[str, Mapping[str, str], float]
-"""(name, labels, value): one reading of live state."""
-
-
-@runtime_checkable
-class Observable(Protocol):
-    """Something with live state worth exporting, read at scrape time (never on the hot path).
-
-    A `Bulkhead` would yield ``("in_flight", {"source": name}, n)``, ``("limit", ...)``,
-    ``("queue_depth", ...)`` and ``("queue_oldest_age", ...)``; a `RetryBudget`
-    ``("retry_budget_balance", {"source": name}, tokens)``.
-    """
-
-    def gauges(self) -> Iterable[Gauge]: ...
-
-
-class LabelCap:
-    """Maps label values to themselves until ``max_values`` are known, then to ``"other"``.
-
-    First come, first served: cheap, and right for labels whose values are declared in code
-    (operations, sources). For callers prefer `TopKLabels`. A value that would read as the
-    overflow label is shown shifted (`label_value`).
-    """
-
-    __slots__ = ("_known", "max_values")
-
-    def __init__(self, max_values: int = 100) -> None:
-        if not 1 <= max_values < math.inf:  # (NaN too: label sets stay bounded)
-            raise ValueError("max_values must be >= 1")
-        self.max_values = max_values
-        self._known: set[str] = set()
-
-    def __call__(self, value: str, weight: int = 1) -> str:
-        value = label_value(value)
-        known = self._known
-        if value in known:
-            return value
-        if len(known) < self.max_values:
-            known.add(value)
-            return value
-        return OTHER
-
-    def __len__(self) -> int:
-        return len(self._known)
-
-    def values(self) -> frozenset[str]:
-        return frozenset(self._known)
-
-
-class TopKLabels:
-    """Keeps a slot for each of the ``max_values`` most active label values; the rest are
-    ``"other"``.
-
-    A first-come cap lets whoever showed up first after a restart hold the slots forever, so a
-    new heavy caller stays invisible as ``"other"``. Here values beyond the cap are counted in
-    a Misra-Gries sketch (bounded, amortized O(1)); every ``epoch`` lookups, candidates that
-    clearly out-hit the weakest slot holders (by ``promote_ratio``) take their slots. The
-    evicted values are passed to ``on_evict`` so their history can be folded into ``"other"``
-    (sums over callers stay monotonic). Activity decays by half each epoch.
-    """
-
-    __slots__ = (
-        "_candidates",
-        "_hits",
-        "_max_candidates",
-        "_seen",
-        "epoch",
-        "evictions",
-        "max_values",
-        "on_evict",
-        "promote_ratio",
-    )
-
-    def __init__(
-        self,
-        max_values: int = 100,
-        *,
-        epoch: int | None = None,
-        promote_ratio: float = 2.0,
-        on_evict: Callable[[frozenset[str]], None] | None = None,
-    ) -> None:
-        if not 1 <= max_values < math.inf:  # (NaN too: label sets stay bounded)
-            raise ValueError("max_values must be >= 1")
-        self.max_values = max_values
-        self.epoch = epoch if epoch is not None else max(10_000, 100 * max_values)
-        self.promote_ratio = promote_ratio
-        self.on_evict = on_evict
-        self.evictions = 0
-        self._hits: dict[str, int] = {}
-        self._candidates: dict[str, int] = {}
-        self._max_candidates = 4 * max_values
-        self._seen = 0
-
-    def __call__(self, value: str, weight: int = 1) -> str:
-        """The label for ``value`` (shifted as `label_value` says); ``weight``: how many hits
-        this lookup stands for (a tally of several requests is looked up once)."""
-        value = label_value(value)
-        self._seen += weight
-        if self._seen >= self.epoch:
-            self._rebalance()
-        hits = self._hits
-        n = hits.get(value)
-        if n is not None:
-            hits[value] = n + weight
-            return value
-        if len(hits) < self.max_values:
-            hits[value] = weight
-            return value
-        cand = self._candidates
-        c = cand.get(value)
-        if c is not None:
-            cand[value] = c + weight
-        elif len(cand) < self._max_candidates:
-            cand[value] = weight
-        else:
-            # Misra-Gries: decrement everyone; one-shot values vanish, heavy ones survive.
-            self._candidates = {k: v - 1 for k, v in cand.items() if v > 1}
-        return OTHER
-
-    def _rebalance(self, activity: Mapping[str, int] | None = None) -> None:
-        self._seen = 0
-        hits = self._hits
-        if activity is not None:  # the owner counted slot holders' activity itself
-            for k in hits:
-                hits[k] = activity.get(k, 0)
-        if self._candidates and len(hits) >= self.max_values:
-            challengers = sorted(self._candidates.items(), key=lambda kv: kv[1], reverse=True)
-            holders = sorted(hits.items(), key=lambda kv: kv[1])
-            budget = max(1, self.max_values // 10)  # bounded churn per epoch
-            evicted: set[str] = set()
-            for (value, count), (weak, weak_hits) in zip(challengers[:budget], holders):
-                if count <= self.promote_ratio * max(weak_hits, 1):
-                    break
-                del hits[weak]
-                hits[value] = count
-                evicted.add(weak)
-            if evicted:
-                self.evictions += len(evicted)
-                if self.on_evict is not None:
-                    self.on_evict(frozenset(evicted))
-        for k in hits:
-            hits[k] //= 2
-        self._candidates = {}
-
-    def __len__(self) -> int:
-        return len(self._hits)
-
-    def values(self) -> frozenset[str]:
-        return frozenset(self._hits)
-
-
-def _default_bounds() -> tuple[float, ...]:
-    # 100 us .. ~100 s, 8 buckets per decade: quantiles within ~15% relative error.
-    return tuple(round(1e-4 * 10 ** (i / 8), 9) for i in range(0, 6 * 8 + 1))
-
-
-_BOUNDS = _default_bounds()
-
-
-class LatencyHistogram:
-    """A fixed-bucket latency histogram (seconds) with quantile estimates.
-
-    Buckets are log-spaced, so memory is constant however many samples arrive.
-    """
-
-    __slots__ = ("bounds", "count", "counts", "max", "sum")
-
-    def __init__(self, bounds: tuple[float, ...] = _BOUNDS) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last bucket is +Inf
-        self.count = 0
-        self.sum = 0.0
-        self.max = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
-        self.count += 1
-        self.sum += seconds
-        if seconds > self.max:
-            self.max = seconds
-
-    def observe_all(self, values: Sequence[float]) -> None:
-        """Observe every value (a batch from a tally)."""
-        if not values:
-            return
-        counts = self.counts
-        bounds = self.bounds
-        for seconds in values:
-            counts[bisect.bisect_left(bounds, seconds)] += 1
-        self.count += len(values)
-        self.sum += math.fsum(values)
-        top = max(values)
-        if top > self.max:
-            self.max = top
-
-    def observe_many(self, seconds: float, n: int) -> None:
-        """``n`` observations of the same value (e.g. zero queue waits from a tally)."""
-        if n <= 0:
-            return
-        self.counts[bisect.bisect_left(self.bounds, seconds)] += n
-        self.count += n
-        self.sum += seconds * n
-        if seconds > self.max:
-            self.max = seconds
-
-    def quantile(self, q: float) -> float:
-        """Estimate the ``q`` quantile (0..1) by interpolating inside the bucket; NaN if empty."""
-        if self.count == 0:
-            return math.nan
-        rank = q * self.count
-        seen = 0
-        for i, n in enumerate(self.counts):
-            if n and seen + n >= rank:
-                lo = self.bounds[i - 1] if i > 0 else 0.0
-                hi = self.bounds[i] if i < len(self.bounds) else self.max
-                hi = min(hi, self.max) if self.max > lo else hi
-                return lo + (hi - lo) * ((rank - seen) / n)
-            seen += n
-        return self.max
-
-    def cumulative(self) -> list[tuple[float, int]]:
-        """(upper bound, cumulative count) pairs, ending with +Inf: Prometheus' shape."""
-        out: list[tuple[float, int]] = []
-        acc = 0
-        for bound, n in zip((*self.bounds, math.inf), list(self.counts)):
-            acc += n
-            out.append((bound, acc))
-        return out
-
-    def merge(self, other: LatencyHistogram) -> None:
-        if other.bounds != self.bounds:
-            raise ValueError("cannot merge histograms with different buckets")
-        for i, n in enumerate(other.counts):
-            self.counts[i] += n
-        self.count += other.count
-        self.sum += other.sum
-        self.max = max(self.max, other.max)
-
-
 Key = tuple[str, str, str, str, str]
 """(kind, operation, priority, caller, reason): the shape `Stats.series` returns."""
 
@@ -370,18 +87,6 @@ Row = tuple[str, str, str, str, str, str]
 _PRIORITY_LABELS = tuple(p.label for p in sorted(Priority))
 _Labels = tuple[str, str, str, str]  # (source, operation, priority, caller), capped
 _LABEL_CACHE_SIZE = 4096
-
-
-class _GaugeFn:
-    __slots__ = ("fn", "labels", "name")
-
-    def __init__(self, name: str, labels: Mapping[str, str], fn: Callable[[], float]) -> None:
-        self.name = name
-        self.labels = dict(labels)
-        self.fn = fn
-
-    def gauges(self) -> Iterable[Gauge]:
-        yield (self.name, self.labels, float(self.fn()))
 
 
 class Stats:
@@ -777,7 +482,7 @@ class Stats:
         self, name: str, labels: Mapping[str, str], fn: Callable[[], float]
     ) -> Observable:
         """Export ``fn()`` as gauge ``name`` with ``labels``, read at scrape time."""
-        return self.watch(_GaugeFn(name, labels, fn))
+        return self.watch(GaugeFn(name, labels, fn))
 
     def unwatch(self, observable: Observable) -> None:
         with self._watching:

@@ -226,8 +226,9 @@ async def test_http_exceptions_count_as_answers_and_streams_pass_through(
 FLOOD_SERVER = """
 import asyncio, sys
 from aiohttp import web
-from brownout import Bulkhead, FifoQueue, FixedLimit
-from brownout._edge import EdgePolicy
+from brownout import Bulkhead, EdgePolicy
+from brownout.limits import FixedLimit
+from brownout.queues import FifoQueue
 from brownout.integrations.aiohttp_server import brownout_middleware
 
 async def work(request):

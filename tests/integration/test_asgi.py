@@ -272,8 +272,9 @@ FLOOD_SERVER = """
 import asyncio, sys
 import uvicorn
 from fastapi import FastAPI
-from brownout import Bulkhead, FifoQueue, FixedLimit
-from brownout._edge import EdgePolicy
+from brownout import Bulkhead, EdgePolicy
+from brownout.limits import FixedLimit
+from brownout.queues import FifoQueue
 from brownout.integrations.asgi import BrownoutMiddleware
 
 app = FastAPI()

@@ -308,8 +308,9 @@ async def test_quota_refusal_is_resource_exhausted() -> None:
 FLOOD_SERVER = """
 import asyncio, sys
 import grpc, grpc.aio
-from brownout import Bulkhead, FifoQueue, FixedLimit
-from brownout._edge import EdgePolicy
+from brownout import Bulkhead, EdgePolicy
+from brownout.limits import FixedLimit
+from brownout.queues import FifoQueue
 from brownout.integrations.grpc_server import BrownoutServerInterceptor
 
 async def work(request, context):

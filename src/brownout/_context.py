@@ -23,11 +23,12 @@ from typing import Any, ParamSpec, TypeVar
 
 from ._clock import _loop_or_none, default_clock
 from ._clock import current_task_of as _current_task
-from ._deadline import Deadline, _DeadlineBuilder, _new_deadline
+from ._deadline import Deadline, _DeadlineBuilder, new_deadline
 from ._errors import DeadlineExceeded
 from ._priority import Priority
 
 __all__ = [
+    "NO_REQUEST",
     "DeadlineScope",
     "RequestContext",
     "attach",
@@ -37,8 +38,13 @@ __all__ = [
     "current_deadline",
     "deadline",
     "detach",
+    "get_current",
+    "inbound_context",
+    "make_context",
     "remaining",
     "request",
+    "reset_current",
+    "set_current",
 ]
 
 P = ParamSpec("P")
@@ -110,7 +116,7 @@ class RequestContext(_ContextSlots):
         if new_deadline is not None:
             deadline = new_deadline.earliest(deadline)
         get = changes.get
-        return _make_context(
+        return make_context(
             deadline,
             get("priority", self.priority),
             get("caller", self.caller),
@@ -123,7 +129,7 @@ class RequestContext(_ContextSlots):
 
     def _with_deadline(self, deadline: Deadline | None) -> RequestContext:
         # The hot path of every deadline scope: a copy with only the deadline changed.
-        return _make_context(
+        return make_context(
             deadline,
             self.priority,
             self.caller,
@@ -153,7 +159,7 @@ class _ContextBuilder(_ContextSlots):
 _FIELDS = frozenset(_ContextSlots.__slots__)
 
 
-def _make_context(
+def make_context(
     deadline: Deadline | None,
     priority: Priority,
     caller: str,
@@ -181,7 +187,7 @@ def _make_context(
     return new  # type: ignore[return-value]
 
 
-def _inbound_context(
+def inbound_context(
     at: float,
     priority: Priority,
     caller: str,
@@ -190,8 +196,8 @@ def _inbound_context(
     started_at: float,
 ) -> RequestContext:
     """A new inbound request's context, unchecked: a fresh `Deadline` at ``at`` on the default
-    clock, first attempt, no idempotency key. One call for what `_new_deadline` and
-    `_make_context` build (the edge's express path; ``ctx.deadline`` is the deadline)."""
+    clock, first attempt, no idempotency key. One call for what `new_deadline` and
+    `make_context` build (the edge's express path; ``ctx.deadline`` is the deadline)."""
     d = _NEW(_DeadlineBuilder)
     d.at = at
     d.clock = _CLOCK
@@ -209,16 +215,17 @@ def _inbound_context(
     return new  # type: ignore[return-value]
 
 
-_EMPTY = RequestContext()
+NO_REQUEST = RequestContext()
 _current: contextvars.ContextVar[RequestContext] = contextvars.ContextVar(
-    "brownout_request", default=_EMPTY
+    "brownout_request", default=NO_REQUEST
 )
 # The variable's methods, bound once, for other modules' hot paths. CPython 3.11 compiles
 # ``name.method()`` on an imported ``name`` as a module attribute lookup, which a ContextVar
 # defeats: each call would look the method up and build a bound method (~2.5x the cost).
-_get_current = _current.get
-_set_current = _current.set
-_reset_current = _current.reset
+get_current = _current.get
+set_current = _current.set
+reset_current = _current.reset
+_get_current = get_current  # the name `_admission/bulkhead.py` still imports (branch core)
 
 
 def attach(ctx: RequestContext) -> contextvars.Token[RequestContext]:
@@ -333,7 +340,7 @@ class DeadlineScope:
             at = now + seconds  # type: ignore[operator]
             d = parent.deadline
             if d is None or (d.at > at if d.clock is _CLOCK else d.remaining() > at - now):
-                d = _new_deadline(at)
+                d = new_deadline(at)
                 ctx = parent._with_deadline(d)
             else:
                 ctx = parent

@@ -11,7 +11,7 @@ import pytest
 
 from brownout import Deadline, LoopClock
 from brownout._clock import current_task_of, loop_and_time, now, running_loop
-from brownout._deadline import _new_deadline
+from brownout._deadline import new_deadline
 
 
 class FixedTimeLoop(asyncio.SelectorEventLoop):
@@ -143,8 +143,8 @@ def test_loop_and_time_answer_as_the_loop_does_from_the_cache_or_not() -> None:
         loop_and_time()  # the cached loop stopped: no stale answer
 
 
-def test_new_deadline_is_an_ordinary_immutable_deadline() -> None:
-    d = _new_deadline(12.5)
+def testnew_deadline_is_an_ordinary_immutable_deadline() -> None:
+    d = new_deadline(12.5)
     assert type(d) is Deadline and d.at == 12.5 and d == Deadline(12.5)
     with pytest.raises(AttributeError):
         d.at = 1.0  # type: ignore[misc]

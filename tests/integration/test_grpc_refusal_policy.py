@@ -117,3 +117,8 @@ async def test_grpc_codes_override_the_http_equivalent() -> None:
         assert policy.refusal(Reason.QUEUE_TIMEOUT).status == 429  # HTTP keeps its own
     finally:
         await server.stop(None)
+
+
+def test_grpc_codes_are_checked_when_the_policy_is_made() -> None:
+    with pytest.raises(ValueError, match="UNAVAILBLE"):
+        EdgePolicy(grpc_codes={Reason.QUOTA: "UNAVAILBLE"})

@@ -67,6 +67,7 @@ from .protocols import (
 from .refusals import (
     DEFAULT_DO_NOT_RETRY,
     DETAILS,
+    STATUS_FOR_GRPC_CODE,
     Refusal,
     grpc_code_for_status,
     problem_body,
@@ -169,6 +170,9 @@ class EdgePolicy:
             raise ValueError('on_quota_exceeded must be "reject" or "demote"')
         if self.retry_after_jitter < 0:
             raise ValueError("retry_after_jitter must be >= 0")
+        unknown = set(self.grpc_codes.values()) - STATUS_FOR_GRPC_CODE.keys()
+        if unknown:
+            raise ValueError(f"grpc_codes: not grpc.StatusCode names: {sorted(unknown)}")
         self.health_paths = frozenset(self.health_paths)
         self._trust_fn: Callable[[Any], Trust] | None = (
             None if isinstance(self.trust, Trust) else self.trust

@@ -2,7 +2,7 @@
 """Set up and run brownout from a fresh clone with nothing but Python 3.11+.
 
     python3 dev.py lab     # the main job: the overload lab on the embedded demo system
-    python3 dev.py test    # the whole suite: ruff, mypy --strict, pytest
+    python3 dev.py test    # the whole suite: ruff, mypy --strict, the docs build, pytest
 
 Both create (or refresh, when pyproject.toml changed) a virtual environment in ./.venv and
 install brownout with every extra into it, so nothing needs installing by hand.
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import venv
 from pathlib import Path
 
@@ -29,7 +31,12 @@ def _fingerprint() -> str:
 
 
 def ensure_venv() -> None:
-    """Create ./.venv and install brownout[dev] into it unless it is already current."""
+    """Create ./.venv with brownout[all] and the `dev` dependency group, unless it is current.
+
+    The `dev` group (PEP 735, pyproject.toml's [dependency-groups]) holds the test, lint, type
+    and docs tools; it is not a published extra. `pip install --group` needs pip >= 25.1, so pip
+    is upgraded first.
+    """
     if sys.version_info < (3, 11):  # noqa: UP036 - dev.py runs under whatever python3 is
         sys.exit(f"brownout needs Python 3.11 or newer; this is {sys.version.split()[0]}")
     wanted = _fingerprint()
@@ -38,29 +45,37 @@ def ensure_venv() -> None:
     if not PY.exists():
         print("dev.py: creating .venv", flush=True)
         venv.EnvBuilder(with_pip=True, clear=False).create(VENV)
-    print("dev.py: installing brownout[dev] into .venv (first run takes a minute)", flush=True)
+    print("dev.py: installing brownout[all] and the dev group into .venv", flush=True)
     pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, "-e", f"{ROOT}[dev]"], check=True)
+    subprocess.run([*pip, "--upgrade", "pip>=25.1"], check=True)
+    subprocess.run([*pip, "-e", ".[all]", "--group", "dev"], check=True, cwd=ROOT)
     STAMP.write_text(wanted)
 
 
 def run(*args: str) -> int:
     print("$", " ".join(args), flush=True)
-    return subprocess.run(list(args), cwd=ROOT).returncode
+    # NO_MKDOCS_2_WARNING: mkdocs-material's end-of-life banner, printed on every build.
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    return subprocess.run(list(args), cwd=ROOT, env=env).returncode
 
 
 def cmd_test(extra: list[str]) -> int:
     ensure_redis()
     # Only folders that exist: a fresh clone has no empty folders.
     paths = [p for p in ("src", "tests", "bench", "examples", "dev.py") if (ROOT / p).exists()]
+    # The docs site (mkdocs.yml): strict, so a broken link or anchor fails; a few seconds.
+    site = tempfile.mkdtemp(prefix="brownout-site-")
     steps = [
         [str(BIN / "ruff"), "check", *paths],
         [str(BIN / "ruff"), "format", "--check", *paths],
         [str(BIN / "mypy"), "--strict", "src"],
+        [str(BIN / "mkdocs"), "build", "--strict", "--site-dir", site],
         [str(PY), "-m", "pytest", "-q", *extra],
     ]
-    failed = [" ".join(s[:2]) for s in steps if run(*s) != 0]
+    try:
+        failed = [" ".join(s[:2]) for s in steps if run(*s) != 0]
+    finally:
+        shutil.rmtree(site, ignore_errors=True)
     if failed:
         print("dev.py: FAILED:", ", ".join(failed), flush=True)
         return 1
@@ -74,7 +89,6 @@ def ensure_redis() -> None:
     The quota tests need a real Redis; they skip loudly (with the reason) only when no
     redis-server binary exists at all.
     """
-    import shutil
     import socket
 
     try:

@@ -36,7 +36,7 @@ from ._degrade import (
     fallback_scope,
 )
 from ._dependency import Dependency
-from ._edge import Classification, EdgePolicy, Route
+from ._edge import Classification, EdgePolicy, Route, SlowedRejections
 from ._errors import (
     BrownoutError,
     DeadlineExceeded,
@@ -48,16 +48,18 @@ from ._errors import (
 )
 from ._overload import OverloadLevel, OverloadManager
 from ._priority import Priority
-from ._propagation import BudgetSigner, InboundDeadlinePolicy, Trust
+from ._propagation import BudgetSigner, InboundBudget, InboundDeadlinePolicy, Trust
 from ._quota import (
     InMemoryQuotaStore,
     Quota,
     QuotaDecision,
+    QuotaKeyUnusable,
     QuotaStore,
     QuotaStoreUnavailable,
     RedisQuotaStore,
 )
 from ._retry import (
+    Backoff,
     BreakerState,
     CircuitBreaker,
     ClientThrottle,
@@ -75,6 +77,8 @@ from ._retry import (
     StopReason,
     TransientError,
 )
+from ._retry.idempotency import OutcomeLedgerFull
+from ._retry.ledger_redis import RedisOutcomeLedger
 from ._stats import Stats
 
 try:  # the version is written once, in pyproject.toml; installing puts it in the metadata
@@ -83,6 +87,7 @@ except _metadata.PackageNotFoundError:  # a source tree on sys.path, never insta
     __version__ = "0+unknown"
 
 __all__ = [
+    "Backoff",
     "BreakerState",
     "BrownoutError",
     "BudgetSigner",
@@ -105,10 +110,12 @@ __all__ = [
     "HeaderError",
     "InMemoryOutcomeLedger",
     "InMemoryQuotaStore",
+    "InboundBudget",
     "InboundDeadlinePolicy",
     "LoopClock",
     "MonotonicClock",
     "OutcomeLedger",
+    "OutcomeLedgerFull",
     "OutcomeState",
     "OverloadLevel",
     "OverloadManager",
@@ -116,10 +123,12 @@ __all__ = [
     "Priority",
     "Quota",
     "QuotaDecision",
+    "QuotaKeyUnusable",
     "QuotaStore",
     "QuotaStoreUnavailable",
     "Reason",
     "Reconciler",
+    "RedisOutcomeLedger",
     "RedisQuotaStore",
     "Rejected",
     "RequestContext",
@@ -129,6 +138,7 @@ __all__ = [
     "RetryPolicy",
     "Route",
     "Served",
+    "SlowedRejections",
     "StaleCache",
     "Stats",
     "StopReason",

@@ -42,16 +42,15 @@ class Clock(Protocol):
 _STOCK_TIME = BaseEventLoop.time
 
 # (loop, its class, thread id, the loop's time function): the last loop found running.
-# On CPython 3.11, `asyncio._get_running_loop()` makes a getpid() system call on every
-# call (~180 ns here). A stock loop records the thread running it in ``_thread_id`` (None
-# once stopped), so a loop whose ``_thread_id`` is this thread *is* this thread's running
-# loop (one loop runs per thread at a time). A mismatch (another thread, a stopped loop, no
-# loop) takes the slow path and refreshes the cache. Only stock loops are cached; a stock
-# loop's `time()` is ``time.monotonic()``, called directly; a subclass that overrides
-# `time()` (virtual time, e.g. looptime) is read through its own method. The class is
-# checked on every hit because looptime switches a loop's ``__class__`` between runs; a
-# ``time`` attribute set on the instance makes the loop uncacheable. The cache keeps the
-# last loop alive until another replaces it.
+# On CPython 3.11, `asyncio._get_running_loop()` makes a getpid() system call on every call. A
+# stock loop records the thread running it in ``_thread_id`` (None once stopped), so a loop
+# whose ``_thread_id`` is this thread *is* this thread's running loop (one loop runs per thread
+# at a time). A mismatch (another thread, a stopped loop, no loop) takes the slow path and
+# refreshes the cache. Only stock loops are cached; a stock loop's `time()` is
+# ``time.monotonic()``, called directly; a subclass that overrides `time()` (virtual time, e.g.
+# looptime) is read through its own method. The class is checked on every hit because looptime
+# switches a loop's ``__class__`` between runs; a ``time`` attribute set on the instance makes
+# the loop uncacheable. The cache keeps the last loop alive until another replaces it.
 _running: tuple[Any, Any, int, Callable[[], float]] | None = None
 
 

@@ -110,9 +110,9 @@ class HeaderError(BrownoutError, ValueError):
     """A propagation header (grpc-timeout, budget, signature) could not be parsed or verified.
 
     ``problem`` names what was wrong in a few fixed words (``"malformed"``, ``"not ascii"``,
-    ``"unknown key"``, ``"bad signature"``, ``"stale"``): what `DeadlineHeaderIgnored` reports
-    and metrics label. The message may quote the value; a label must not, or forged headers
-    would each make a new one.
+    ``"unknown key"``, ``"bad signature"``, ``"stale"``, ``"no audience"``, ``"wrong audience"``):
+    what `DeadlineHeaderIgnored` reports and metrics label. The message may quote the value; a
+    label must not, or forged headers would each make a new one.
     """
 
     def __init__(self, detail: str, problem: str = "malformed") -> None:

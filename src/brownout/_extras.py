@@ -1,8 +1,8 @@
 """The error for an optional dependency that is not installed.
 
 Each integration and exporter needs a package that brownout installs only with an extra
-(``brownout[grpc]``, ``brownout[prometheus]``...). Without it, importing the module said
-``No module named 'grpc'``; this says which extra brings it.
+(``brownout[grpc]``, ``brownout[prometheus]``...). Without it, importing the module fails with
+``No module named 'grpc'``, which does not say what to install; this error names the extra.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ does not matter. Four codecs live here:
   unit H, M, S, m, u or n);
 - ``brownout-budget-ms``: the remaining budget in integer milliseconds, for HTTP inside the
   platform (trusted); Envoy's ``x-envoy-expected-rq-timeout-ms`` can be read inbound too;
-- ``brownout-signed-budget``: the budget signed with HMAC-SHA256 for crossing a trust boundary;
+- ``brownout-signed-budget``: the budget signed with HMAC-SHA256 for crossing a trust boundary,
+  bound to the service it is for;
 - the outbound header set: budget minus reserve, priority, idempotency key and attempt.
 
 Every parser raises only `HeaderError`. `InboundDeadlinePolicy` turns what arrived into the
@@ -18,6 +19,7 @@ events, never raised into the application.
 from __future__ import annotations
 
 import base64
+import copy
 import hashlib
 import hmac
 import math
@@ -60,7 +62,8 @@ __all__ = [
 BUDGET_HEADER = "brownout-budget-ms"
 """Remaining budget in integer milliseconds; trusted only inside the platform."""
 SIGNED_BUDGET_HEADER = "brownout-signed-budget"
-"""``v1.<key id>.<budget ms>.<issued unix ms>.<base64url HMAC-SHA256>``."""
+"""``v2.<key id>.<audience>.<budget ms>.<issued unix ms>.<base64url HMAC-SHA256>``, or without
+an audience ``v1.<key id>.<budget ms>.<issued unix ms>.<base64url HMAC-SHA256>``."""
 ENVOY_TIMEOUT_HEADER = "x-envoy-expected-rq-timeout-ms"
 GRPC_TIMEOUT_HEADER = "grpc-timeout"
 PRIORITY_HEADER = "brownout-priority"
@@ -91,11 +94,24 @@ _GRPC_MAX_SECONDS = _GRPC_MAX_VALUE * 3600
 _GRPC_RE = re.compile(rb"[0-9]{1,8}[HMSmun]")
 
 
+def _floor_scaled(seconds: float, scale: int) -> int:
+    """``floor(seconds * scale)`` computed exactly (``seconds`` finite and >= 0): a float
+    product can round up to the next integer, e.g. ``0.000436 * 1e9 == 436000.0`` although
+    the float ``0.000436`` is 435999.99999999997 ns."""
+    num, den = seconds.as_integer_ratio()
+    return num * scale // den
+
+
+def _grpc_seconds(value: int, unit_ns: int) -> float:
+    return value * unit_ns / 1_000_000_000  # (int / int: correctly rounded)
+
+
 def encode_grpc_timeout(seconds: float) -> str:
     """Encode a duration as a ``grpc-timeout`` value in the finest unit that fits 8 digits.
 
-    Values are rounded *down* (a deadline is never extended in transit); a non-positive
-    duration encodes as ``0n``; anything beyond 99,999,999 hours is capped there.
+    Values are rounded *down* (a deadline is never extended in transit): the value sent is
+    the largest in that unit whose decoding is at most ``seconds``. A non-positive duration
+    encodes as ``0n``; anything beyond 99,999,999 hours is capped there.
     """
     if math.isnan(seconds):
         raise HeaderError("cannot encode a NaN timeout")
@@ -103,12 +119,16 @@ def encode_grpc_timeout(seconds: float) -> str:
         return "0n"
     if seconds >= _GRPC_MAX_SECONDS:  # (also inf and 1e308, whose nanoseconds overflow)
         return f"{_GRPC_MAX_VALUE}H"
-    ns = int(seconds * 1e9)
+    ns = _floor_scaled(seconds, 1_000_000_000)
     for unit, size in _GRPC_UNITS:
         value = ns // size
         if value <= _GRPC_MAX_VALUE:
+            # The exact floor can sit one step below a float that decodes to ``seconds``
+            # itself (1.2 is 1.19999999999999996 s): take that step when it does not exceed.
+            if value < _GRPC_MAX_VALUE and _grpc_seconds(value + 1, size) <= seconds:
+                value += 1
             return f"{value}{unit}"
-    return f"{_GRPC_MAX_VALUE}H"
+    return f"{_GRPC_MAX_VALUE}H"  # pragma: no cover - below _GRPC_MAX_SECONDS, H fits
 
 
 def decode_grpc_timeout(value: str | bytes) -> float:
@@ -116,7 +136,7 @@ def decode_grpc_timeout(value: str | bytes) -> float:
     raw = _ascii(value, GRPC_TIMEOUT_HEADER)
     if _GRPC_RE.fullmatch(raw) is None:
         raise HeaderError(f"malformed {GRPC_TIMEOUT_HEADER}: {raw[:40]!r}")
-    return int(raw[:-1]) * _GRPC_NS[chr(raw[-1])] / 1e9
+    return _grpc_seconds(int(raw[:-1]), _GRPC_NS[chr(raw[-1])])
 
 
 # -- integer milliseconds ----------------------------------------------------------------------
@@ -126,16 +146,23 @@ _ISSUED_RE = re.compile(rb"[0-9]{1,15}")
 
 
 def encode_budget_ms(seconds: float) -> str:
-    """Encode a remaining budget as integer milliseconds, rounded down, never negative."""
+    """Encode a remaining budget as integer milliseconds, rounded down, never negative.
+
+    The value sent is the largest whose decoding is at most ``seconds``, so a decoded budget
+    re-encodes to itself and what is sent never exceeds what is left.
+    """
     if math.isnan(seconds):
         raise HeaderError("cannot encode a NaN budget")
     if seconds <= 0:
         return "0"
     if seconds >= 999_999_999.999:  # the 12-digit cap (also inf and 1e308: no int overflow)
         return "999999999999"
-    # Rounding to the microsecond first keeps a decoded value from re-encoding 1 ms short
-    # through float error; the millisecond itself is rounded down.
-    return str(min(math.floor(round(seconds * 1000, 3)), 999_999_999_999))
+    ms = _floor_scaled(seconds, 1000)
+    # The exact floor can sit one below a float that decodes to ``seconds`` itself (1.234 is
+    # 1.23399999999999998579 s): take that step when it does not exceed ``seconds``.
+    if (ms + 1) / 1000 <= seconds:
+        ms += 1
+    return str(ms)
 
 
 def decode_budget_ms(value: str | bytes, header: str = BUDGET_HEADER) -> float:
@@ -160,6 +187,22 @@ def _ascii(value: str | bytes, header: str) -> bytes:
 # -- signed budgets ----------------------------------------------------------------------------
 
 
+def _mac_text(mac: bytes) -> bytes:
+    """A MAC as unpadded base64url, the only form a signed budget carries it in."""
+    return base64.urlsafe_b64encode(mac).rstrip(b"=")
+
+
+_AUDIENCE_RE = re.compile(r"[A-Za-z0-9._~:/@+-]{1,255}")
+
+
+def _check_audience(audience: str) -> bytes:
+    if not isinstance(audience, str) or _AUDIENCE_RE.fullmatch(audience) is None:
+        raise ValueError(
+            f"audience {audience!r} must be 1 to 255 of the characters A-Z a-z 0-9 . _ ~ : / @ + -"
+        )
+    return audience.encode("ascii")
+
+
 class BudgetSigner:
     """Signs and verifies budgets that cross a trust boundary (HMAC-SHA256, D3).
 
@@ -167,12 +210,21 @@ class BudgetSigner:
     rotated by adding the new one, moving it first, then removing the old one. The signature
     covers the budget and the issue time (wall clock, used *only* to bound replay, never to
     measure the budget); a value older or newer than ``skew_tolerance`` seconds is refused.
+
+    ``audience`` names the service the budgets are for, and the signature covers it too
+    (format ``v2``), so a budget signed for one service is refused by another that shares the
+    key. A receiver sets its own name and then accepts only ``v2`` budgets for that name (an
+    unbound ``v1`` is refused); a caller signs for its callee with
+    ``signer.for_audience("billing")``. Without an audience, ``sign`` issues ``v1`` and
+    ``verify`` checks no audience: it accepts ``v1`` and ``v2`` for any audience (the step
+    between upgrading and naming receivers).
     """
 
     def __init__(
         self,
         keys: Mapping[str, bytes],
         *,
+        audience: str | None = None,
         skew_tolerance: float = 5.0,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -185,41 +237,70 @@ class BudgetSigner:
                 raise ValueError(f"the secret for key {kid!r} is shorter than 16 bytes")
         self._keys = {kid.encode("ascii"): secret for kid, secret in keys.items()}
         self._signing_kid = next(iter(keys))
+        self._audience = None if audience is None else _check_audience(audience)
         if not skew_tolerance >= 0:  # (NaN would accept a value of any age: no replay bound)
             raise ValueError("skew_tolerance must be >= 0")
         self.skew_tolerance = skew_tolerance
         self._wall = wall_clock
+
+    @property
+    def audience(self) -> str | None:
+        """The service the budgets are for, or ``None`` (unbound, ``v1``)."""
+        return None if self._audience is None else self._audience.decode("ascii")
+
+    def for_audience(self, audience: str) -> BudgetSigner:
+        """The same keys, skew tolerance and clock, signing and verifying for ``audience``."""
+        bound = copy.copy(self)
+        bound._audience = _check_audience(audience)
+        return bound
 
     @staticmethod
     def _mac(secret: bytes, message: bytes) -> bytes:
         return hmac.new(secret, message, hashlib.sha256).digest()
 
     def sign(self, seconds: float) -> str:
-        """The header value for a budget of ``seconds``."""
+        """The header value for a budget of ``seconds``, bound to `audience` if it is set."""
         ms = encode_budget_ms(seconds)
         issued = int(self._wall() * 1000)
-        message = f"v1.{self._signing_kid}.{ms}.{issued}".encode("ascii")
-        secret = self._keys[self._signing_kid.encode("ascii")]
-        sig = base64.urlsafe_b64encode(self._mac(secret, message))
-        return f"{message.decode('ascii')}.{sig.rstrip(b'=').decode('ascii')}"
+        kid = self._signing_kid
+        if self._audience is None:
+            message = f"v1.{kid}.{ms}.{issued}".encode("ascii")
+        else:
+            message = b"v2.%s.%s.%s.%d" % (kid.encode("ascii"), self._audience, ms.encode(), issued)
+        secret = self._keys[kid.encode("ascii")]
+        return f"{message.decode('ascii')}.{_mac_text(self._mac(secret, message)).decode()}"
 
     def verify(self, value: str | bytes) -> float:
-        """The budget in seconds if the value is authentic and fresh; `HeaderError` otherwise."""
+        """The budget in seconds if the value is authentic, fresh and for this signer's
+        audience (when it has one); `HeaderError` otherwise."""
         raw = _ascii(value, SIGNED_BUDGET_HEADER)
         parts = raw.split(b".")
-        if len(parts) != 5 or parts[0] != b"v1":
+        audience: bytes | None
+        if parts[0] == b"v1" and len(parts) == 5:
+            audience = None
+        elif parts[0] == b"v2" and len(parts) >= 6:
+            # The audience may hold dots: every other field is dot-free, so it is what lies
+            # between the key id and the last three fields.
+            audience = b".".join(parts[2:-3])
+        else:
             raise HeaderError(f"malformed {SIGNED_BUDGET_HEADER}")
-        _, kid, ms, issued, sig = parts
+        kid = parts[1]
+        ms, issued, sig = parts[-3:]
         secret = self._keys.get(kid)
         if secret is None:
             raise HeaderError(f"unknown signing key id {kid[:20]!r}", "unknown key")
-        expected = self._mac(secret, b".".join(parts[:4]))
-        try:
-            given = base64.urlsafe_b64decode(sig + b"=" * (-len(sig) % 4))
-        except ValueError:
-            raise HeaderError("malformed signature") from None
-        if not hmac.compare_digest(expected, given):
+        # Compare the text, not what a decoder makes of it: base64 decoders drop characters
+        # outside the alphabet, take "+/" for "-_", padding and other trailing bits, so
+        # many texts decode to one MAC. Only the one canonical text verifies (the MAC's
+        # length is public, so comparing texts of different lengths leaks nothing).
+        expected = _mac_text(self._mac(secret, raw[: len(raw) - len(sig) - 1]))
+        if not hmac.compare_digest(expected, sig):
             raise HeaderError("bad signature", "bad signature")
+        if self._audience is not None:
+            if audience is None:
+                raise HeaderError("a v1 signed budget binds no audience", "no audience")
+            if audience != self._audience:
+                raise HeaderError(f"signed budget for audience {audience[:40]!r}", "wrong audience")
         if _ISSUED_RE.fullmatch(issued) is None or _MS_RE.fullmatch(ms) is None:
             raise HeaderError(f"malformed {SIGNED_BUDGET_HEADER}")
         age = self._wall() - int(issued) / 1000

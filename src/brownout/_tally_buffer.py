@@ -1,10 +1,10 @@
 """`Ledger`: routine per-request decisions counted by the component that made them (O1).
 
-Building and dispatching an event costs about a microsecond; a bulkhead's whole admit and
-release costs less. So when every sink on a hub accepts tallies (`EventHub.tallying`), a
-bulkhead counts the routine outcomes (offered, admitted without waiting, completed within or
-after the deadline) in its ledger: a dict lookup at admission and integer increments, no event
-objects, no sink calls. The ledger turns the counts into one `RequestsTallied` event:
+Building and dispatching an event costs more than a bulkhead's whole admit and release. So when
+every sink on a hub accepts tallies (`EventHub.tallying`), a bulkhead counts the routine
+outcomes (offered, admitted without waiting, completed within or after the deadline) in its
+ledger: a dict lookup at admission and integer increments, no event objects, no sink calls. The
+ledger turns the counts into one `RequestsTallied` event:
 
 - when a reader asks (`EventHub.flush`, which `Stats` calls before every read, so a scrape
   always sees every request that has finished);
@@ -65,7 +65,8 @@ _PRIORITIES = len(_BY_VALUE)
 
 Index = dict[str, dict[str, list[list[int] | None]]]
 """caller -> operation -> a row per priority (None until used). Nested rather than keyed by a
-tuple: three subscripts cost half a tuple's build, hash and lookup on the admission path."""
+tuple: on the admission path, three subscripts are cheaper than a tuple's build, hash and
+lookup."""
 
 
 def held(row: list[int]) -> int:

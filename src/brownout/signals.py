@@ -1,4 +1,4 @@
-"""Overload signals an `brownout.OverloadManager` reads to choose its level.
+"""Overload signals a `brownout.OverloadManager` reads to choose its level.
 
 Each reads one resource and returns a pressure in [0, 1]; `FunctionSignal` wraps your own
 function, `Signal` is the protocol. `LoopLag` is the event-loop probe a bulkhead shares.

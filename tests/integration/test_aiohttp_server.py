@@ -226,9 +226,10 @@ async def test_http_exceptions_count_as_answers_and_streams_pass_through(
 FLOOD_SERVER = """
 import asyncio, sys
 from aiohttp import web
-from brownout import Bulkhead, EdgePolicy
-from brownout.limits import FixedLimit
+from brownout import Bulkhead
 from brownout.queues import FifoQueue
+from brownout.limits import FixedLimit
+from brownout import EdgePolicy
 from brownout.integrations.aiohttp_server import brownout_middleware
 
 async def work(request):

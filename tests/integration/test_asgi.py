@@ -272,9 +272,10 @@ FLOOD_SERVER = """
 import asyncio, sys
 import uvicorn
 from fastapi import FastAPI
-from brownout import Bulkhead, EdgePolicy
-from brownout.limits import FixedLimit
+from brownout import Bulkhead
 from brownout.queues import FifoQueue
+from brownout.limits import FixedLimit
+from brownout import EdgePolicy
 from brownout.integrations.asgi import BrownoutMiddleware
 
 app = FastAPI()

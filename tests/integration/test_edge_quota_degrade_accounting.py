@@ -521,7 +521,7 @@ async def test_a_demoted_request_without_idle_capacity_is_counted_as_a_quota_ref
     quota = Quota(1.0, 1, name="api", events=hub)
     policy = EdgePolicy(
         bulkhead=bulkhead,
-        quota=quota.for_edge(),
+        quota=quota.for_edge(key=lambda c: c.caller),
         on_quota_exceeded="demote",
         classifier=lambda request, default: default._replace(caller="tenant"),
         events=hub,

@@ -308,9 +308,10 @@ async def test_quota_refusal_is_resource_exhausted() -> None:
 FLOOD_SERVER = """
 import asyncio, sys
 import grpc, grpc.aio
-from brownout import Bulkhead, EdgePolicy
-from brownout.limits import FixedLimit
+from brownout import Bulkhead
 from brownout.queues import FifoQueue
+from brownout.limits import FixedLimit
+from brownout import EdgePolicy
 from brownout.integrations.grpc_server import BrownoutServerInterceptor
 
 async def work(request, context):

@@ -6,8 +6,10 @@ Uses the shared Redis at 127.0.0.1:6379 with a unique key prefix per test (clean
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -23,6 +25,7 @@ from brownout import (
     UnknownOutcome,
 )
 from brownout._retry import OutcomeRecord
+from brownout._retry.idempotency import OutcomeLedgerFull
 from brownout._retry.ledger_redis import RedisOutcomeLedger
 
 redis_asyncio = pytest.importorskip("redis.asyncio")
@@ -288,3 +291,195 @@ async def test_pending_with_no_room_returns_nothing_in_both_ledgers(
         assert await ledger.pending(0) == []
         assert await ledger.pending(-1) == []
         assert [r.key for r in await ledger.pending(1)] == ["k1"]
+
+
+# -- issue 24 --------------------------------------------------------------------------------
+async def test_a_new_unknown_for_a_resolved_key_is_pending_again(
+    client: object, ledger_prefix: str
+) -> None:
+    """Reconciled NOT_APPLIED, resent with the same key, unknown again: the resend may have
+    applied it, so it must be reconciled again (the ledger kept the old resolution)."""
+    now = [1000.0]
+    ledger = RedisOutcomeLedger(client, prefix=ledger_prefix, ttl=60, wall=lambda: now[0])
+    await ledger.record_unknown("order-7", dependency="payments", detail="read timeout")
+    await ledger.record_unknown("order-8", dependency="payments")
+    await ledger.note_check("order-7")
+    await ledger.resolve("order-7", OutcomeState.NOT_APPLIED)
+    now[0] = 1005.0
+    await ledger.record_unknown("order-7", dependency="payments", detail="timeout again")
+    rec = await ledger.get("order-7")
+    assert rec is not None and rec.state is OutcomeState.PENDING  # was: still NOT_APPLIED
+    assert rec == OutcomeRecord(
+        "order-7",
+        "payments",
+        OutcomeState.PENDING,
+        1005.0,
+        "timeout again",
+        checks=0,
+        previous=OutcomeState.NOT_APPLIED,
+    )
+    assert [r.key for r in await ledger.pending()] == ["order-8", "order-7"]
+    await ledger.record_unknown("order-7", dependency="payments", detail="third")  # pending
+    again = await ledger.get("order-7")
+    assert again is not None and again.detail == "timeout again"  # the first record stands
+    await ledger.resolve("order-7", OutcomeState.APPLIED)
+    done = await ledger.get("order-7")
+    assert done is not None and done.state is OutcomeState.APPLIED
+    assert done.previous is OutcomeState.NOT_APPLIED
+
+
+async def _stored(client: Any, prefix: str) -> tuple[int, int]:
+    """(records, index rows) under ``prefix``: what the ledger costs Redis."""
+    records = [k async for k in client.scan_iter(match=f"{prefix}:outcome:*")]
+    rows = sum([await client.zcard(f"{prefix}:outcomes:{name}") for name in INDEXES])
+    return len(records), rows
+
+
+INDEXES = ("pending", "resolved")
+
+
+async def test_bounded_by_max_entries_resolved_first_pending_never_dropped(
+    client: Any, ledger_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bounded only by its 7-day expiry, an outage's worth of keys (100,000 cost 44 MiB)
+    stayed in Redis. At ``max_entries`` the oldest resolved record goes; when pending records
+    alone fill it, the new one is refused with `OutcomeLedgerFull`, never dropped unsaid."""
+    ledger = RedisOutcomeLedger(client, prefix=ledger_prefix, ttl=60, max_entries=5)
+    for k in "abcde":
+        await ledger.record_unknown(k, dependency="payments")
+    await ledger.resolve("d", OutcomeState.APPLIED)
+    await ledger.resolve("b", OutcomeState.NOT_APPLIED)
+    await ledger.record_unknown("f", dependency="payments")  # evicts b (recorded before d)
+    assert await ledger.get("b") is None and await ledger.get("d") is not None
+    await ledger.record_unknown("g", dependency="payments")  # evicts d
+    assert await ledger.get("d") is None and ledger.evicted == 2
+    assert await _stored(client, ledger_prefix) == (5, 5)
+
+    with pytest.raises(OutcomeLedgerFull) as full:  # five pending: no room, nothing to evict
+        await ledger.record_unknown("h", dependency="payments")
+    assert full.value.key == "h" and full.value.max_entries == 5
+    assert ledger.refused == 1 and await ledger.get("h") is None
+    assert [r.key for r in await ledger.pending()] == list("acefg")  # none dropped
+    assert await _stored(client, ledger_prefix) == (5, 5)
+
+    await ledger.resolve("a", OutcomeState.APPLIED)
+    await ledger.record_unknown("a", dependency="payments")  # pending again: no new entry
+    await ledger.resolve("c", OutcomeState.APPLIED)
+    await ledger.record_unknown("h", dependency="payments")  # room again: evicts c
+    assert await ledger.get("c") is None
+    assert [r.key for r in await ledger.pending()] == list("efgah")
+    assert await _stored(client, ledger_prefix) == (5, 5)
+
+    # A Dependency whose ledger is full: the caller still gets UnknownOutcome, and the
+    # refused key is logged (the only record of it), never silently lost.
+    shop = Dependency("shop", timeout=0.05, retry=RetryPolicy(1), ledger=ledger)
+
+    async def charge() -> str:
+        await asyncio.sleep(10)  # sent, never answered
+        return "never"
+
+    with caplog.at_level(logging.ERROR, logger="brownout"), pytest.raises(UnknownOutcome) as lost:
+        await shop.call(charge)
+    assert ledger.refused == 2
+    assert lost.value.idempotency_key is not None
+    assert lost.value.idempotency_key in caplog.text and "OutcomeLedgerFull" in caplog.text
+
+
+async def test_a_lowered_bound_shrinks_the_ledger_and_expired_records_make_room(
+    client: Any, ledger_prefix: str
+) -> None:
+    roomy = RedisOutcomeLedger(client, prefix=ledger_prefix, ttl=60, max_entries=100)
+    for i in range(20):
+        await roomy.record_unknown(f"old-{i}", dependency="d")
+        await roomy.resolve(f"old-{i}", OutcomeState.APPLIED)
+    tight = RedisOutcomeLedger(client, prefix=ledger_prefix, ttl=60, max_entries=3)
+    await tight.record_unknown("new-1", dependency="d")  # evicts what one write may (16)
+    await tight.record_unknown("new-2", dependency="d")
+    assert await _stored(client, ledger_prefix) == (3, 3)
+
+    short = RedisOutcomeLedger(client, prefix=ledger_prefix, ttl=1, max_entries=3)
+    await short.record_unknown("brief", dependency="d")  # evicts the last old one
+    assert await _stored(client, ledger_prefix) == (3, 3)
+    await asyncio.sleep(1.3)  # "brief" expired: its place is free, though still pending
+    await tight.record_unknown("new-3", dependency="d")
+    assert [r.key for r in await tight.pending()] == ["new-1", "new-2", "new-3"]
+
+
+def _slot(key: bytes) -> int:
+    """The Redis Cluster hash slot of a key (CRC16/XMODEM of its hash tag, mod 16384)."""
+    start = key.find(b"{")
+    if start >= 0:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            key = key[start + 1 : end]
+    crc = 0
+    for byte in key:
+        crc ^= byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021 if crc & 0x8000 else crc << 1) & 0xFFFF
+    return crc % 16384
+
+
+def test_slot_matches_the_cluster_spec() -> None:
+    assert _slot(b"123456789") == 0x31C3 % 16384  # the spec's CRC16 check value
+    assert _slot(b"{user1000}.following") == _slot(b"{user1000}.followers")
+
+
+class _SlotCheckingClient:
+    """Passes calls through, checking every script's keys share one hash slot (Cluster)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.scripts = 0
+
+    async def eval(self, script: str, numkeys: int, *args: Any) -> Any:
+        keys = [k if isinstance(k, bytes) else k.encode() for k in args[:numkeys]]
+        assert len({_slot(k) for k in keys}) == 1, keys
+        self.scripts += 1
+        return await self.inner.eval(script, numkeys, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_a_hash_tagged_prefix_keeps_every_key_in_one_slot(
+    client: Any, ledger_prefix: str
+) -> None:
+    """On Redis Cluster a script's keys (and the records it evicts) must share a slot: with a
+    hash tag in the prefix they do, including the resolved index and evicted records."""
+    prefix = "{" + ledger_prefix + "}"  # (not under the fixture's prefix: cleaned up here)
+    checking = _SlotCheckingClient(client)
+    ledger = RedisOutcomeLedger(checking, prefix=prefix, ttl=60, max_entries=2)
+    try:
+        for k in ("a", "b", "ключ:{slot}"):
+            await ledger.record_unknown(k, dependency="d")
+            await ledger.note_check(k)
+            await ledger.resolve(k, OutcomeState.APPLIED)
+        await ledger.record_unknown("a", dependency="d")
+        await ledger.pending()
+        assert checking.scripts == 10 and ledger.evicted == 2  # a, then b
+        stored = [k async for k in client.scan_iter(match=f"{prefix}:*")]
+        assert len(stored) == 4  # two records, two indexes
+        assert len({_slot(k) for k in stored}) == 1
+    finally:
+        stored = [k async for k in client.scan_iter(match=f"{prefix}:*")]
+        if stored:
+            await client.delete(*stored)
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf")])
+def test_max_entries_must_be_a_finite_bound(bad: float) -> None:
+    with pytest.raises(ValueError):
+        RedisOutcomeLedger(object(), max_entries=bad)  # type: ignore[arg-type]
+
+
+async def test_a_key_resolved_back_to_pending_is_reconciled(
+    client: object, ledger_prefix: str
+) -> None:
+    """``resolve(key, PENDING)`` (the protocol allows it; the in-memory ledger honours it)
+    set the state but left the key out of the pending index: never reconciled."""
+    ledger = RedisOutcomeLedger(client, prefix=ledger_prefix, ttl=60)
+    await ledger.record_unknown("k", dependency="d")
+    await ledger.resolve("k", OutcomeState.APPLIED)
+    await ledger.resolve("k", OutcomeState.PENDING)
+    assert [r.key for r in await ledger.pending()] == ["k"]

@@ -1,8 +1,8 @@
 """A quota refusal over grpc.aio: RESOURCE_EXHAUSTED with ``grpc-retry-pushback-ms`` (S2, F1).
 
 A real grpc.aio server on an ephemeral port, the edge's `BrownoutServerInterceptor` with
-``EdgePolicy(quota=quota.for_edge())``, and a real grpc.aio client. The caller comes from
-metadata through a classifier (standing in for authentication).
+``EdgePolicy(quota=quota.for_edge(key=lambda c: c.caller))``, and a real grpc.aio client. The
+caller comes from metadata through a classifier (standing in for authentication).
 """
 
 from __future__ import annotations
@@ -37,7 +37,11 @@ async def say(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> by
 
 
 async def start_server(quota: Quota) -> tuple[grpc.aio.Server, int]:
-    policy = EdgePolicy(quota=quota.for_edge(), classifier=caller_from_metadata, events=EventHub())
+    policy = EdgePolicy(
+        quota=quota.for_edge(key=lambda c: c.caller),
+        classifier=caller_from_metadata,
+        events=EventHub(),
+    )
     server = grpc.aio.server(interceptors=[BrownoutServerInterceptor(policy)])
     server.add_generic_rpc_handlers(
         (

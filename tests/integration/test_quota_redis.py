@@ -193,10 +193,10 @@ async def test_keys_expire_by_themselves_when_their_bucket_is_full(
     assert not refused.allowed
     assert refused.reason is Reason.QUOTA
     assert 0 < refused.retry_after <= 0.011
-    ttl = await client.pttl(f"{prefix}caller-42")  # type: ignore[attr-defined]
+    ttl = await client.pttl(store.key_name("caller-42"))  # type: ignore[attr-defined]
     assert 0 < ttl <= 101  # ten units at 100/s: the key matters for at most 100 ms
     await asyncio.sleep(0.25)
-    assert await client.exists(f"{prefix}caller-42") == 0  # type: ignore[attr-defined]
+    assert await client.exists(store.key_name("caller-42")) == 0  # type: ignore[attr-defined]
 
 
 async def test_instances_with_different_clocks_share_one_quota(client: object, prefix: str) -> None:
@@ -224,7 +224,8 @@ async def test_instances_with_different_clocks_share_one_quota(client: object, p
 WORKER = r"""
 import asyncio, sys, time
 import redis.asyncio as redis
-from brownout import Quota, RedisQuotaStore, EventHub
+from brownout import Quota, RedisQuotaStore
+from brownout.events import EventHub
 
 async def main(port, prefix, rate, burst, offered, seconds):
     client = redis.Redis(host="127.0.0.1", port=port)
@@ -445,11 +446,12 @@ async def test_one_key_of_the_wrong_type_does_not_take_the_quota_down_for_everyo
     """Another app's list under one caller's key name (WRONGTYPE) is that key's problem: the
     failure policy decides that key, while every other caller keeps the shared quota."""
     prefix = f"bq-review:{uuid.uuid4().hex[:12]}:"
-    await client.rpush(prefix + "tenant-7", "someone else's data")  # type: ignore[attr-defined]
+    store = RedisQuotaStore(client, prefix=prefix, timeout=1.0)  # type: ignore[arg-type]
+    poisoned_name = store.key_name("tenant-7")
+    await client.rpush(poisoned_name, "someone else's data")  # type: ignore[attr-defined]
     sink = ListSink()
     events = EventHub()
     events.subscribe(sink)
-    store = RedisQuotaStore(client, prefix=prefix, timeout=1.0)  # type: ignore[arg-type]
     quota = Quota(100.0, 5, store=store, on_store_failure="closed", events=events)
     try:
         for _ in range(3):
@@ -458,8 +460,119 @@ async def test_one_key_of_the_wrong_type_does_not_take_the_quota_down_for_everyo
             innocent = await quota.check("tenant-8")
             assert innocent.backend == "shared" and innocent.allowed  # was: 503 for everyone
         assert not quota.fallback_active and sink.events == []
-        assert await client.lrange(prefix + "tenant-7", 0, -1) == [  # type: ignore[attr-defined]
+        assert await client.lrange(poisoned_name, 0, -1) == [  # type: ignore[attr-defined]
             b"someone else's data"
         ]  # untouched
     finally:
-        await client.delete(prefix + "tenant-7", prefix + "tenant-8")  # type: ignore[attr-defined]
+        await client.delete(poisoned_name, store.key_name("tenant-8"))  # type: ignore[attr-defined]
+
+
+# -- a stalled Redis and requests with short deadlines ---------------------------------------
+@pytest.mark.parametrize("on_failure", ["open", "closed"])
+async def test_a_stalled_redis_gives_40ms_requests_the_fallback_well_before_their_deadline(
+    prefix: str, on_failure: str
+) -> None:
+    """Issue 24: Redis accepts connections and never answers (paused). Every request has 40 ms
+    left, less than the store's 50 ms timeout. Each must get the failure policy's decision
+    with at least a quarter of its time left (the check takes at most half of what is left),
+    and the outage must be counted and announced as a real one: was, every request spent its
+    whole deadline inside the check and the fallback was never announced."""
+
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # never answer
+        writer.close()
+
+    server = await asyncio.start_server(stall, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    c = redis_asyncio.Redis(host="127.0.0.1", port=port, retry=None)
+    sink = ListSink()
+    events = EventHub()
+    events.subscribe(sink)
+    stats = events.subscribe(brownout.Stats())
+    assert isinstance(stats, brownout.Stats)
+    store = RedisQuotaStore(c, prefix=prefix, timeout=0.05)
+    quota = Quota(
+        100.0,
+        20,
+        store=store,
+        name="api",
+        on_store_failure=on_failure,  # type: ignore[arg-type]
+        expected_instances=4,
+        events=events,
+    )
+    try:
+        for _ in range(8):
+            with brownout.deadline(0.04):
+                d = await quota.check("tenant-7")
+                left = brownout.remaining()
+            assert left is not None and left > 0.01, left  # well before the deadline
+            if on_failure == "open":
+                assert d.backend == "fallback" and d.policy == GcraPolicy(25.0, 5)
+            else:
+                assert d.backend == "closed" and d.reason is Reason.DEPENDENCY_UNAVAILABLE
+        assert quota.fallback_active
+        assert 1 <= quota.store_failures == store.calls <= 4  # then not asked until a probe
+        changes = [e for e in sink.events if isinstance(e, QuotaBackendChanged)]
+        assert [e.fallback for e in changes] == [True]
+        assert "did not answer within" in changes[0].detail
+        assert stats.quota_fallback == {"api": True}
+    finally:
+        await c.aclose()
+        server.close()
+
+
+@pytest.mark.parametrize("foreign", [b"someone else's session", b"12345", b"1e300"])
+async def test_a_string_another_application_stored_under_the_key_is_left_alone(
+    client: object, foreign: bytes
+) -> None:
+    """Issue 24: a string under the key's name (another application's value, even one that reads
+    as a number) was taken for a quota's state and overwritten. Now: `QuotaKeyUnusable` for
+    that key (its failure policy), every other key keeps the shared quota, and the value stays.
+    """
+    prefix = f"bq-review:{uuid.uuid4().hex[:12]}:"
+    store = RedisQuotaStore(client, prefix=prefix, timeout=1.0)  # type: ignore[arg-type]
+    quota = Quota(100.0, 5, store=store, on_store_failure="closed", events=EventHub())
+    try:
+        assert (await quota.check("tenant-7")).backend == "shared"
+        names = [n async for n in client.scan_iter(match=prefix + "*")]  # type: ignore[attr-defined]
+        assert len(names) == 1  # the one name the store uses for "tenant-7"
+        (name,) = names
+        await client.set(name, foreign)  # type: ignore[attr-defined]
+        for _ in range(3):
+            poisoned = await quota.check("tenant-7")
+            assert not poisoned.allowed and poisoned.reason is Reason.DEPENDENCY_UNAVAILABLE
+            assert (await quota.check("tenant-8")).backend == "shared"
+        assert await client.get(name) == foreign  # type: ignore[attr-defined]
+        assert await client.pttl(name) == -1  # no expiry set on it either  # type: ignore[attr-defined]
+        assert not quota.fallback_active
+    finally:
+        async for n in client.scan_iter(match=prefix + "*"):  # type: ignore[attr-defined]
+            await client.delete(n)  # type: ignore[attr-defined]
+
+
+async def test_nested_prefixes_do_not_share_buckets(client: object) -> None:
+    """Issue 24: ``api:`` with key ``admin:x`` and ``api:admin:`` with key ``x`` were one Redis
+    key, so two quotas shared a bucket."""
+    run = f"bq-review:{uuid.uuid4().hex[:12]}:"
+    outer = Quota(
+        100.0,
+        1,
+        store=RedisQuotaStore(client, prefix=run + "api:", timeout=1.0),  # type: ignore[arg-type]
+        events=EventHub(),
+    )
+    inner = Quota(
+        100.0,
+        1,
+        store=RedisQuotaStore(client, prefix=run + "api:admin:", timeout=1.0),  # type: ignore[arg-type]
+        events=EventHub(),
+    )
+    try:
+        assert (await outer.check("admin:x")).allowed
+        d = await inner.check("x")
+        assert d.backend == "shared" and d.allowed  # its own bucket: was refused
+        assert not (await outer.check("admin:x")).allowed
+        with pytest.raises(ValueError, match="prefix"):
+            RedisQuotaStore(client, prefix="api:\x00")  # type: ignore[arg-type]
+    finally:
+        async for n in client.scan_iter(match=run + "*"):  # type: ignore[attr-defined]
+            await client.delete(n)  # type: ignore[attr-defined]

@@ -207,7 +207,7 @@ async def test_on_the_servers_clock_decisions_are_the_memory_stores_and_keys_exp
             assert mem.reset - elapsed <= red.reset <= mem.reset + 2 * US
             # The TAT is the server's TIME (not this process's clock) plus what still drains.
             assert before - 2 * US <= red.tat - red.reset <= after + 2 * US
-            pttl = await client.pttl(prefix + key)  # type: ignore[attr-defined]
+            pttl = await client.pttl(store.key_name(key))  # type: ignore[attr-defined]
             assert 0 < pttl <= math.ceil(red.reset * 1000) + 1
     finally:
         await client.aclose()  # type: ignore[attr-defined]
@@ -321,12 +321,12 @@ async def test_an_unreachable_redis_gets_the_failure_policy_within_the_timeout(
     steps: list[tuple[str, int, float, float | None]],
 ) -> None:
     """docs/quotas.md, "When Redis is slow or unreachable": every check returns within the
-    store's timeout (or the request's shorter deadline); fail-open decides by the local share
-    (``rate / expected_instances``, ``burst / expected_instances``, costs clamped to it),
-    fail-closed refuses with DEPENDENCY_UNAVAILABLE and Retry-After = time to the next probe;
-    the dead store is asked only when a probe is due (jittered 0.5..1 x a backoff doubling up to
-    its cap), one outage is announced once, and a timeout cut short by the request's own
-    deadline does not count against Redis."""
+    store's timeout (or half the request's remaining time, if shorter); fail-open decides by
+    the local share (``rate / expected_instances``, ``burst / expected_instances``, costs
+    clamped to it), fail-closed refuses with DEPENDENCY_UNAVAILABLE and Retry-After = time to
+    the next probe; the dead store is asked only when a probe is due (jittered 0.5..1 x a
+    backoff doubling up to its cap), one outage is announced once, and timeouts cut short by
+    the requests' own deadlines count against Redis once they add up to its timeout."""
     kwargs: dict[str, object] = {} if client_retries else {"retry": None}
     client = redis_asyncio.Redis(host="127.0.0.1", port=DEAD_PORT, **kwargs)
     store = RedisQuotaStore(client, prefix=fresh_prefix(), timeout=TIMEOUT)
@@ -353,6 +353,7 @@ async def test_an_unreachable_redis_gets_the_failure_policy_within_the_timeout(
     down = False  # has the outage been noticed (by the model)?
     backoff = probe_backoff
     last_call = -math.inf
+    waited = 0.0  # what timeouts cut short by a deadline have waited (the model)
     try:
         for key, cost, advance, own_deadline in steps:
             clock.advance(advance)
@@ -365,7 +366,7 @@ async def test_an_unreachable_redis_gets_the_failure_policy_within_the_timeout(
                 else:
                     with brownout.deadline(own_deadline):
                         d = await quota.check(key, cost)
-            bound = TIMEOUT if own_deadline is None else min(TIMEOUT, own_deadline)
+            bound = TIMEOUT if own_deadline is None else min(TIMEOUT, own_deadline / 2)
             assert loop.time() - started < bound + MARGIN
             asked = store.calls - calls
             assert asked <= 1
@@ -378,10 +379,18 @@ async def test_an_unreachable_redis_gets_the_failure_policy_within_the_timeout(
             else:
                 assert asked == 1  # nothing known yet: the store is asked
             if asked:
-                # A failure trips the fallback unless it is a timeout cut short by the
-                # request's own deadline (redis-py's retries turn "refused" into a timeout).
-                cut_short = client_retries and own_deadline is not None and own_deadline < TIMEOUT
-                if not cut_short:
+                # A failure trips the fallback, and a failed probe backs off. A timeout cut
+                # short by the request's own deadline (redis-py's retries turn "refused" into
+                # a timeout) counts once those cut short add up to the store's timeout.
+                cut = own_deadline / 2 if own_deadline is not None else TIMEOUT
+                trip = True
+                if client_retries and cut < TIMEOUT and not down:
+                    waited += cut
+                    if abs(waited - TIMEOUT) < cut / 2:  # within the clock's drift: either
+                        trip = quota.fallback_active
+                    else:
+                        trip = waited >= TIMEOUT
+                if trip:
                     if down:
                         backoff = min(backoff * 2, max_backoff)
                     down = True

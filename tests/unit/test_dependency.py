@@ -682,7 +682,7 @@ async def test_bounded_unknown_outcome_writes_leave_no_reference_behind(
     (10,000, not 100,000: each call runs the whole retry and deadline machinery)."""
     from brownout._dependency import _LEDGER_WRITES
 
-    caplog.set_level(logging.ERROR, logger="brownout._retry")  # one warning per dropped key
+    caplog.set_level(logging.ERROR, logger="brownout.retry")  # one warning per dropped key
 
     async def hangs() -> None:
         await asyncio.sleep(10)

@@ -98,7 +98,7 @@ def test_histogram_sink_records_useful_successes_only(reader_and_provider):  # O
     assert success.count == 1
     assert success.sum == pytest.approx(0.05)
     assert m["brownout.queue.wait"][0].attributes["source"] == "db"
-    assert m["brownout._deadline.remaining"][0].sum == pytest.approx(0.3)
+    assert m["brownout.deadline.remaining"][0].sum == pytest.approx(0.3)
 
 
 def test_the_library_needs_only_the_api():

@@ -6,7 +6,7 @@ import math
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import brownout
@@ -134,6 +134,193 @@ def test_signed_budget_rejects_tampering_and_replay() -> None:
     now[0] += 6.0  # beyond the skew tolerance: a replayed header is refused
     with pytest.raises(HeaderError, match="replay"):
         s.verify(value)
+
+
+_B64URL = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+
+
+def _signed_with(chars: str) -> tuple[BudgetSigner, str]:
+    """A signer and a value of it whose MAC contains one of ``chars``."""
+    now = [1_800_000_000.0]
+    s = signer(now)
+    for ms in range(1, 10_000):
+        value = s.sign(ms / 1000)
+        if any(c in value.rsplit(".", 1)[1] for c in chars):
+            return s, value
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def test_a_mac_with_junk_appended_is_refused() -> None:
+    s, value = _signed_with(_B64URL)
+    for junk in ["!", "*", " ", "~", "!!!!", "=", "==", "\t", "%"]:
+        with pytest.raises(HeaderError):
+            s.verify(value + junk)
+        with pytest.raises(HeaderError):
+            s.verify(value[:-3] + junk + value[-3:])
+    for junk in [b"\xff", b"\x80\x80", b"\x00"]:
+        with pytest.raises(HeaderError):
+            s.verify(value.encode() + junk)
+
+
+def test_a_mac_in_standard_base64_is_refused() -> None:
+    s, value = _signed_with("-_")
+    head, mac = value.rsplit(".", 1)
+    std = mac.replace("-", "+").replace("_", "/")
+    assert std != mac
+    with pytest.raises(HeaderError):
+        s.verify(f"{head}.{std}")
+
+
+def test_a_mac_with_other_trailing_bits_is_refused() -> None:
+    """32 bytes are 43 characters; the last carries 4 bits and 2 zero bits. A character with
+    the same 4 bits and other zero bits decodes to the same MAC: it must not verify."""
+    s, value = _signed_with(_B64URL)
+    head, mac = value.rsplit(".", 1)
+    last = _B64URL.index(mac[-1])
+    for low in (1, 2, 3):
+        twin = mac[:-1] + _B64URL[last ^ low]
+        with pytest.raises(HeaderError):
+            s.verify(f"{head}.{twin}")
+
+
+_VALID = _signed_with(_B64URL)
+_VALID_V2 = (
+    BudgetSigner({"k1": KEY}, audience="svc-a", wall_clock=lambda: 1_800_000_000.0),
+    BudgetSigner({"k1": KEY}, wall_clock=lambda: 1_800_000_000.0).for_audience("svc-a").sign(1.5),
+)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "replace", "delete", "append"]),
+            st.integers(min_value=0, max_value=200),
+            st.binary(min_size=1, max_size=4),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.booleans(),
+)
+def test_any_mutation_of_a_signed_budget_fails_verification(
+    edits: list[tuple[str, int, bytes]], v2: bool
+) -> None:
+    s, value = _VALID_V2 if v2 else _VALID
+    raw = bytearray(value.encode())
+    for op, at, data in edits:
+        at %= len(raw) + 1
+        if op == "insert":
+            raw[at:at] = data
+        elif op == "replace":
+            raw[at : at + len(data)] = data
+        elif op == "delete" and len(raw) > 1:
+            del raw[at : at + len(data)]
+        else:
+            raw += data
+    if bytes(raw) == value.encode():
+        return
+    with pytest.raises(HeaderError):
+        s.verify(bytes(raw))
+
+
+# -- signed budgets bind their audience (v2) ---------------------------------------------------
+
+OTHER_KEY = b"another-secret-key-123"
+
+
+def bound(now: list[float], audience: str | None, **keys: bytes) -> BudgetSigner:
+    return BudgetSigner(
+        keys or {"k1": KEY}, audience=audience, skew_tolerance=5.0, wall_clock=lambda: now[0]
+    )
+
+
+def test_a_budget_signed_for_one_service_is_refused_at_another_sharing_the_key() -> None:
+    now = [1_800_000_000.0]
+    at_a, at_b = bound(now, "svc-a"), bound(now, "svc-b")
+    sender = bound(now, None).for_audience("svc-a")  # the caller signs for its callee
+    value = sender.sign(1.5)
+    assert value.startswith("v2.k1.svc-a.1500.")
+    assert at_a.verify(value) == 1.5
+    with pytest.raises(HeaderError, match="audience") as refused:
+        at_b.verify(value)
+    assert refused.value.problem == "wrong audience"
+    assert at_b.verify(at_b.sign(0.5)) == 0.5  # signing with a receiver's signer: for itself
+
+
+def test_an_unbound_v1_budget_is_refused_where_an_audience_is_configured() -> None:
+    now = [1_800_000_000.0]
+    v1 = bound(now, None).sign(1.5)
+    assert v1.startswith("v1.k1.1500.")
+    with pytest.raises(HeaderError) as refused:
+        bound(now, "svc-a").verify(v1)
+    assert refused.value.problem == "no audience"
+    # A receiver without an audience binds nothing (the rollout step): v1 and any v2 pass.
+    unbound = bound(now, None)
+    assert unbound.verify(v1) == 1.5
+    assert unbound.verify(bound(now, "svc-a").sign(2.0)) == 2.0
+
+
+def test_the_audience_is_covered_by_the_signature() -> None:
+    now = [1_800_000_000.0]
+    value = bound(now, "svc-a").sign(1.5)
+    forged = value.replace(".svc-a.", ".svc-b.")
+    with pytest.raises(HeaderError, match="bad signature"):
+        bound(now, "svc-b").verify(forged)
+
+
+def test_a_dotted_audience_binds_exactly() -> None:
+    now = [1_800_000_000.0]
+    value = bound(now, "billing.prod.svc").sign(1.5)
+    assert bound(now, "billing.prod.svc").verify(value) == 1.5
+    for other in ["billing", "billing.prod", "prod.svc", "billing.prod.svc.x"]:
+        with pytest.raises(HeaderError):
+            bound(now, other).verify(value)
+
+
+def test_rotation_keeps_working_with_an_audience() -> None:
+    now = [1_800_000_000.0]
+    old = bound(now, "svc-a", k1=KEY)
+    value = old.sign(1.5)
+    rotated = bound(now, "svc-a", k2=OTHER_KEY, k1=KEY)  # new key first, old still verifies
+    assert rotated.verify(value) == 1.5
+    new_value = rotated.sign(0.25)
+    assert new_value.startswith("v2.k2.svc-a.")
+    assert rotated.verify(new_value) == 0.25
+    assert rotated.for_audience("svc-b").sign(1.0).startswith("v2.k2.svc-b.")
+    with pytest.raises(HeaderError, match="audience"):
+        bound(now, "svc-b", k2=OTHER_KEY, k1=KEY).verify(new_value)
+    with pytest.raises(HeaderError, match="unknown signing key"):
+        bound(now, "svc-a", k2=OTHER_KEY).verify(value)
+
+
+def test_the_policy_ignores_and_reports_a_budget_signed_for_another_service() -> None:
+    now = [1_800_000_000.0]
+    hub = EventHub()
+    stats = hub.subscribe(Stats())
+    policy = InboundDeadlinePolicy(default=1.0, events=hub, signer=bound(now, "svc-b"))
+    for_a = {SIGNED_BUDGET_HEADER: bound(now, "svc-a").sign(7.0)}.get
+    assert policy.resolve(for_a, Trust.SIGNED) == (1.0, "default", False)
+    for_b = {SIGNED_BUDGET_HEADER: bound(now, "svc-b").sign(7.0)}.get
+    assert policy.resolve(for_b, Trust.SIGNED) == (7.0, "signed", False)
+    assert stats.headers_ignored == {(SIGNED_BUDGET_HEADER, "wrong audience"): 1}
+
+
+def test_outbound_headers_sign_for_the_signers_audience() -> None:
+    now = [1_800_000_000.0]
+    ctx = brownout.RequestContext(deadline=Deadline.after(2.0, clock=ManualClock(0.0)))
+    headers = outbound_headers(ctx=ctx, signer=bound(now, None).for_audience("svc-a"))
+    assert bound(now, "svc-a").verify(headers[SIGNED_BUDGET_HEADER]) == 2.0
+    with pytest.raises(HeaderError):
+        bound(now, "svc-b").verify(headers[SIGNED_BUDGET_HEADER])
+
+
+@pytest.mark.parametrize("audience", ["", "a b", "a,b", "caf\u00e9", "a\nb", "x" * 256, '"a"'])
+def test_signer_refuses_an_audience_that_cannot_travel_in_a_header(audience: str) -> None:
+    with pytest.raises(ValueError, match="audience"):
+        BudgetSigner({"k1": KEY}, audience=audience)
+    with pytest.raises(ValueError, match="audience"):
+        BudgetSigner({"k1": KEY}).for_audience(audience)
 
 
 def test_signer_refuses_weak_configuration() -> None:
@@ -321,6 +508,42 @@ def test_encoders_never_raise_and_never_extend(seconds: float) -> None:
     grpc = encode_grpc_timeout(seconds)
     assert decode_budget_ms(ms) <= max(seconds, 0.0) + 1e-6
     assert decode_grpc_timeout(grpc) <= max(seconds, 0.0) * (1 + 1e-9) + 1e-9
+
+
+# -- encoders round down exactly: what is sent never decodes to more than what is left ----------
+
+_LEFT = st.floats(min_value=0.0, allow_nan=False)  # (with +inf)
+
+
+@settings(max_examples=5000, deadline=None)
+@given(_LEFT)
+@example(0.0019999996)  # budget ms: round(1.9999996, 3) == 2.0 sent 2 ms for 1.9999996 ms
+@example(785.2179999999998)
+@example(6144.999999999999)
+@example(0.00043599999999999997)  # grpc: 436000n for 435999.99999999997 ns
+@example(5168.8279999999995)  # grpc: 5168828m
+@example(0.31527499999999997)
+@example(math.nextafter(0.1, 0.0))
+@example(math.nextafter(99_999_999e-9, math.inf))
+@example(999_999_999.999)
+@example(math.nextafter(999_999_999.999, 0.0))
+def test_encoded_budgets_never_decode_to_more_than_what_is_left(seconds: float) -> None:
+    ms = decode_budget_ms(encode_budget_ms(seconds))
+    assert ms <= seconds
+    if seconds < 999_999_999.999:
+        assert ms > seconds - 0.001 - 1e-12 * seconds  # the floor, not a step lower
+    grpc = decode_grpc_timeout(encode_grpc_timeout(seconds))
+    assert grpc <= seconds
+    if seconds < 99_999_999 * 3600:
+        assert grpc >= seconds * (1 - 1e-5) - 1e-9  # the finest unit that fits
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_LEFT, _LEFT)
+@example(0.0019999996, 0.002)
+def test_encoded_budget_ms_never_grows_as_time_runs_out(a: float, b: float) -> None:
+    less, more = sorted((a, b))
+    assert int(encode_budget_ms(less)) <= int(encode_budget_ms(more))
 
 
 # -- reserve: kept back, never added -----------------------------------------------------------

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 import brownout
 from brownout import (
     Bulkhead,
@@ -41,7 +43,9 @@ def quota() -> Quota:
 
 
 async def test_over_quota_is_refused_with_429_and_the_decision() -> None:
-    policy = EdgePolicy(quota=quota().for_edge(), classifier=tenant, events=EventHub())
+    policy = EdgePolicy(
+        quota=quota().for_edge(key=lambda c: c.caller), classifier=tenant, events=EventHub()
+    )
     assert await serve(policy) is Priority.CRITICAL
     refused = await serve(policy)
     assert isinstance(refused, Refusal)
@@ -55,7 +59,7 @@ async def test_over_quota_uses_idle_capacity_at_sheddable_only() -> None:
     bulkhead = Bulkhead("reports", FixedLimit(1), events=EventHub())
     policy = EdgePolicy(
         bulkhead=bulkhead,
-        quota=quota().for_edge(),
+        quota=quota().for_edge(key=lambda c: c.caller),
         on_quota_exceeded="demote",
         classifier=tenant,
         events=EventHub(),
@@ -69,3 +73,14 @@ async def test_over_quota_uses_idle_capacity_at_sheddable_only() -> None:
         assert refused.status == 429
     finally:
         held.ignore()
+
+
+@pytest.mark.xfail(
+    strict=True, reason="issue 24: EdgePolicy must refuse a per-caller quota without a classifier"
+)
+def test_a_per_caller_quota_without_a_classifier_is_refused_at_construction() -> None:
+    """Without a classifier every caller is "unknown": one allowance for all of them."""
+    with pytest.raises(ValueError, match="classifier"):
+        EdgePolicy(quota=quota().for_edge(key=lambda c: c.caller), events=EventHub())
+    # A limit shared on purpose needs none.
+    EdgePolicy(quota=quota().for_edge(key=lambda c: "all", per_caller=False), events=EventHub())

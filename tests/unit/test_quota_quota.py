@@ -232,6 +232,104 @@ async def test_a_timeout_cut_short_by_the_deadline_does_not_trip_the_fallback() 
     assert quota2.fallback_active
 
 
+async def test_the_store_gets_at_most_half_of_the_remaining_time() -> None:
+    quota, store, _clock, _sink = make()
+    with brownout.deadline(0.04):
+        await quota.check("a")
+    assert store.budgets[-1] is not None and 0.015 < store.budgets[-1] <= 0.02
+    with brownout.deadline(1.0):
+        await quota.check("a")
+    assert store.budgets[-1] == 0.05  # never more than the store's own timeout
+
+
+async def test_deadline_cut_timeouts_add_up_to_an_outage() -> None:
+    """Issue 24: with every request's deadline shorter than the store's timeout, a stalled
+    store was never counted against: each timeout was "the request's own". Now they add up:
+    once they have waited as long as the timeout since the store last answered, it is down."""
+    clock = ManualClock(1000.0)
+    sink = ListSink()
+    events = EventHub()
+    events.subscribe(sink)
+
+    class Stalled(ScriptedStore):
+        async def decide(
+            self, key: str, policy: GcraPolicy, cost: int = 1, budget: float | None = None
+        ) -> GcraOutcome:
+            self.calls += 1
+            self.budgets.append(budget)
+            if self.up:
+                return self.inner.decide_now(key, policy, cost)
+            raise QuotaStoreUnavailable("stalled", timed_out=True)
+
+    store = Stalled(clock)
+    quota = Quota(100.0, 20, store=store, clock=clock, events=events, rng=random.Random(1))
+    store.up = False
+    for _ in range(2):  # 2 x 20 ms < 50 ms
+        with brownout.deadline(0.04):
+            assert (await quota.check("a")).backend == "fallback"
+    assert not quota.fallback_active and quota.store_failures == 2
+    store.up = True  # an answer: what was waited before it no longer counts
+    assert (await quota.check("a")).backend == "shared"
+    store.up = False
+    for _ in range(2):
+        with brownout.deadline(0.04):
+            await quota.check("a")
+    assert not quota.fallback_active
+    with brownout.deadline(0.04):
+        await quota.check("a")  # 3 x 20 ms >= 50 ms
+    assert quota.fallback_active and quota.store_failures == 5
+    assert [type(e) for e in sink.events] == [QuotaBackendChanged]
+    calls = store.calls
+    with brownout.deadline(0.04):
+        assert (await quota.check("a")).backend == "fallback"
+    assert store.calls == calls  # down: decided locally, the store is not asked
+
+
+async def test_a_probe_cut_short_by_its_deadline_still_backs_off() -> None:
+    quota, store, clock, _sink = make()
+    store.up = False
+    await quota.check("a")
+    assert quota.fallback_active
+    clock.advance(1.0)  # a probe is due
+
+    async def stalled(
+        key: str, policy: GcraPolicy, cost: int = 1, budget: float | None = None
+    ) -> GcraOutcome:
+        store.calls += 1
+        raise QuotaStoreUnavailable("stalled", timed_out=True)
+
+    store.decide = stalled  # type: ignore[method-assign]
+    with brownout.deadline(0.01):
+        await quota.check("a")
+    calls = store.calls
+    for _ in range(10):  # every later request would probe again, each losing half its time
+        with brownout.deadline(0.01):
+            await quota.check("a")
+    assert store.calls == calls
+
+
+async def test_a_store_of_your_own_that_ignores_its_budget_is_bounded_anyway() -> None:
+    """Found with issue 24: the quota awaited a custom shared store with no bound of its own,
+    trusting it to honour ``budget``; one that hangs held the request for ever."""
+    import asyncio
+
+    class Hangs(ScriptedStore):
+        async def decide(
+            self, key: str, policy: GcraPolicy, cost: int = 1, budget: float | None = None
+        ) -> GcraOutcome:
+            await asyncio.sleep(3600)
+            raise AssertionError("unreachable")
+
+    quota = Quota(100.0, 20, store=Hangs(ManualClock(), timeout=0.02), events=EventHub())
+    async with asyncio.timeout(1.0):
+        with brownout.deadline(0.02):
+            d = await quota.check("a")
+            left = brownout.remaining()
+        assert d.backend == "fallback" and left is not None and left > 0.005
+        d = await quota.check("a")  # the store's full timeout
+    assert d.backend == "fallback" and quota.fallback_active
+
+
 async def test_stats_sink_shows_the_fallback_as_a_gauge() -> None:
     quota, store, _, _sink = make()
     stats = Stats()
@@ -247,13 +345,28 @@ async def test_for_edge_adapts_the_quota_to_a_classification() -> None:
         operation = "export"
 
     quota = Quota(rate=1.0, burst=2, store=InMemoryQuotaStore(clock=ManualClock()))
-    per_caller = quota.for_edge()
+    per_caller = quota.for_edge(key=lambda c: c.caller)
     assert (await per_caller(Classification())).allowed
     per_op = quota.for_edge(key=lambda c: f"{c.caller}:{c.operation}", cost=lambda c: 2)
     d = await per_op(Classification())
     assert d.allowed and d.remaining == 0
     assert not (await per_op(Classification())).allowed
     assert (await per_caller(Classification())).remaining == 0
+
+
+def test_for_edge_has_no_default_caller_and_declares_it_needs_a_classifier() -> None:
+    """Issue 24: ``for_edge()`` keyed every request by its classified caller, which is
+    ``"unknown"`` for all of them without a classifier: one caller's burst got every other
+    caller a 429. The key is now an explicit part of building the hook, and a per-caller hook
+    says that it needs a classifier (the edge refuses it without one)."""
+    quota = Quota(rate=1.0, burst=2, store=InMemoryQuotaStore(clock=ManualClock()))
+    with pytest.raises(TypeError):
+        quota.for_edge()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        quota.for_edge(key="caller")  # type: ignore[arg-type]
+    assert quota.for_edge(key=lambda c: c.caller).requires_classifier
+    shared = quota.for_edge(key=lambda c: c.operation, per_caller=False)
+    assert not shared.requires_classifier
 
 
 @pytest.mark.parametrize(

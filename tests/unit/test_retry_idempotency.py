@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import pytest
 
-from brownout import InMemoryOutcomeLedger, OutcomeState, Reconciler
+import brownout
+from brownout import Dependency, InMemoryOutcomeLedger, OutcomeState, Reconciler
 from brownout._retry import OutcomeRecord
+from brownout._retry.idempotency import Check
 from brownout.testing import ManualClock
+from brownout.wire import new_idempotency_key
 
 
 async def test_records_once_and_resolves() -> None:
@@ -71,7 +75,7 @@ async def test_bounded_100k_unknown_outcomes_keep_max_entries_at_a_small_cost_ea
     distinct keys. The ledger keeps ``max_entries``, resolved entries evicted first, and
     finding the entry to evict does not scan the ledger (a scan per record took ~1 ms at
     10,000 pending entries, on the event loop, for every call during the outage)."""
-    caplog.set_level(logging.ERROR, logger="brownout._retry")  # one warning per dropped key
+    caplog.set_level(logging.ERROR, logger="brownout.retry")  # one warning per dropped key
     ledger = InMemoryOutcomeLedger(max_entries=10_000)
     for i in range(100_000):
         await ledger.record_unknown(f"order-{i}", dependency="payments")
@@ -154,3 +158,101 @@ async def test_reconciler_run_survives_a_ledger_blip() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+# -- issue 24: a later unknown outcome for a resolved key ------------------------------------
+
+
+async def test_a_new_unknown_for_a_resolved_key_is_pending_again() -> None:
+    """Reconciled NOT_APPLIED, resent by hand with the same key, and the resend timed out
+    too: the resend may have applied it. The ledger kept the old resolution and dropped the
+    new unknown, so nobody reconciled it."""
+    clock = ManualClock(1.0)
+    ledger = InMemoryOutcomeLedger(clock=clock)
+    await ledger.record_unknown("order-7", dependency="payments", detail="read timeout")
+    await ledger.record_unknown("order-8", dependency="payments")
+    await ledger.note_check("order-7")
+    await ledger.resolve("order-7", OutcomeState.NOT_APPLIED)
+    clock.advance(5.0)
+    await ledger.record_unknown("order-7", dependency="payments", detail="timeout again")
+    rec = await ledger.get("order-7")
+    assert rec is not None and rec.state is OutcomeState.PENDING  # was: still NOT_APPLIED
+    assert rec == OutcomeRecord(
+        "order-7",
+        "payments",
+        OutcomeState.PENDING,
+        6.0,  # the new attempt's, so it queues behind older unknowns
+        "timeout again",
+        checks=0,  # a new question for the reconciler
+        previous=OutcomeState.NOT_APPLIED,  # what was known before this attempt
+    )
+    assert [r.key for r in await ledger.pending()] == ["order-8", "order-7"]
+    resolved = await Reconciler(ledger, _always(OutcomeState.APPLIED)).run_once()
+    assert [(r.key, r.state) for r in resolved] == [
+        ("order-8", OutcomeState.APPLIED),
+        ("order-7", OutcomeState.APPLIED),
+    ]
+
+
+async def test_a_reopened_key_is_evicted_in_its_new_place() -> None:
+    ledger = InMemoryOutcomeLedger(max_entries=3)
+    for k in "abc":
+        await ledger.record_unknown(k, dependency="d")
+    await ledger.resolve("a", OutcomeState.APPLIED)
+    await ledger.record_unknown("a", dependency="d")  # newest now, pending
+    await ledger.resolve("b", OutcomeState.APPLIED)
+    await ledger.resolve("a", OutcomeState.APPLIED)
+    await ledger.record_unknown("d", dependency="d")  # b is the oldest resolved entry
+    assert await ledger.get("b") is None and await ledger.get("a") is not None
+    assert ledger.dropped_pending == 0
+
+
+def _always(state: OutcomeState) -> Check:
+    async def check(record: OutcomeRecord) -> OutcomeState:
+        return state
+
+    return check
+
+
+# -- issue 24: idempotency keys must not be guessable ----------------------------------------
+
+
+async def test_generated_keys_do_not_predict_each_other_across_dependencies() -> None:
+    """Keys were one per-process random prefix plus a counter shared by every `Dependency`:
+    a key seen by one third party gave the keys sent to another (same prefix, next
+    numbers). Each key must be unguessable on its own."""
+    seen: dict[str, list[str]] = {"maps": [], "payments": []}
+
+    async def send(name: str) -> None:
+        key = brownout.current().idempotency_key
+        assert key is not None
+        seen[name].append(key)
+
+    maps, payments = Dependency("maps"), Dependency("payments")
+    for _ in range(50):
+        await maps.call(send, "maps")  # mutations: keyed
+        await payments.call(send, "payments")
+    keys = seen["maps"] + seen["payments"] + [new_idempotency_key() for _ in range(50)]
+    assert len(set(keys)) == len(keys) == 150
+    for key in keys:  # 128 random bits, and a valid header value
+        assert len(key) >= 22 and re.fullmatch(r"[A-Za-z0-9_-]+", key), key
+    for a in seen["maps"]:
+        for b in seen["payments"]:
+            # Two random hex keys share 9 leading digits with probability 16**-9 (2,500
+            # pairs: about 4e-8); the old keys shared 25 (the process's prefix and "-").
+            assert _shared_prefix(a, b) < 9, (a, b)
+    for name, sent in seen.items():
+        # Not a sequence: every position varies from key to key (50 draws from 16 symbols
+        # leave 6 or fewer distinct with probability ~4e-18; a prefix and counter keep most
+        # positions fixed).
+        for i in range(22):
+            assert len({k[i] for k in sent}) > 6, (name, i, sent[:3])
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

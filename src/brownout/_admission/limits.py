@@ -6,7 +6,7 @@ in `brownout.Bulkhead`; the per-request bookkeeping in its `Permit`. This is the
 Netflix's concurrency-limits (Limit vs Limiter vs Listener), so the same algorithm runs on the
 event loop, in the simulator and in unit tests without any timer.
 
-Safeguards every adaptive limit here shares (learned the hard way by published implementations):
+Safeguards every adaptive limit here shares:
 
 - a *dropped* sample (rejected downstream, timed out, cancelled) never feeds the rtt estimates:
   its rtt is meaningless (often ~0 for a fast rejection); it only tells the limit to back off;
@@ -353,9 +353,8 @@ class _ProbingLimit:
                         # held before carried now needs ``new / old`` times as many in
                         # flight (a host lagging every request, say). Scale it once, and let
                         # the gradient take it from there. Not a new slow start: a probe's
-                        # median is itself noisy (~5% at 20 samples of a +/-20% service), and
-                        # a search restarted on that noise overshot to 3x the knee in the
-                        # knee model before its feedback came back.
+                        # median is itself noisy, and a search restarted on that noise
+                        # overshoots far past the knee before its feedback comes back.
                         scaled = self._value_before_probe * new / old
                         self._value = min(self.max_limit, max(self._value, scaled))
                     # An early probe that found the baseline where it was says the cut was
@@ -414,7 +413,7 @@ class _ProbingLimit:
         if self._slow_start:
             # HyStart (RFC 9406): the fastest of the last few samples, not the median of two
             # round trips, ends slow start; the median lags while the limit grows by half per
-            # round trip, and a burst let in at once overshot to several times the knee.
+            # round trip, and lets in a burst far past the knee.
             fresh = self._fresh_rtts
             fresh.append(rtt)
             if len(fresh) == _SLOW_START_ROUND and min(fresh) > base * _SLOW_START_QUEUED:

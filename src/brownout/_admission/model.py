@@ -7,8 +7,7 @@ quickly: drops), multiplicative noise on service times and a ``slowdown`` factor
 change over time. `run_saturated` drives a `Limit` against it with more demand than it can
 take (a client that always keeps ``limit`` requests in flight) and records the limit over
 time. Deterministic (seeded), discrete-event, no event loop: a minute of traffic at
-thousands of requests per second runs in well under a second. The simulator (``brownout.sim``)
-can grow from this model.
+thousands of requests per second takes a fraction of that to run.
 """
 
 from __future__ import annotations

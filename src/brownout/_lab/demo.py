@@ -8,7 +8,7 @@
   reached it per 100 ms (retry amplification, thundering herds).
 - **front** (the service under test): ``GET /api/interactive`` and ``GET /api/batch`` call the
   backend through a pooled aiohttp client, passing the remaining budget with
-  `brownout._propagation.outbound_headers`; ``GET /healthz`` answers directly. The same handler
+  `brownout.wire.outbound_headers`; ``GET /healthz`` answers directly. The same handler
   code runs in every configuration: ``unprotected``, ``fixed`` and ``adaptive`` (the latter two
   add brownout's ASGI middleware through the public API, nothing else, plus
   ``GET /lab/bulkhead`` showing the limit, in-flight count and queue depth), and uvicorn's
@@ -448,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     # one is still importing uvicorn and the app.
     sock = _listen()
     print(f"PORT {sock.getsockname()[1]}", flush=True)
-    # The generator's pool (1,024 connections) plus this server's own to its dependency: a
-    # stock soft limit of 1,024 made the front refuse connections (EMFILE) under the flood.
+    # The generator's pool (1,024 connections) plus this server's own to its dependency: more
+    # than a stock soft limit of 1,024, and the front would refuse connections (EMFILE).
     fit_fd_limit(_SERVER_CONNECTIONS)
 
     import uvicorn
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(
         app,
         loop="uvloop",
-        http="auto",  # httptools when installed (the lab extra brings it): h11 is 3x slower
+        http="auto",  # httptools when installed (the lab extra brings it): h11 is slower
         lifespan=lifespan,
         # uvicorn logs each connection its --limit-concurrency refuses at warning level: tens
         # of thousands of lines over the lab's console, for refusals the lab counts anyway.

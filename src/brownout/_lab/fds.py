@@ -23,7 +23,7 @@ def fit_fd_limit(connections: int) -> int:
     """Raise the soft ``RLIMIT_NOFILE`` so ``connections`` sockets fit; return how many fit.
 
     A stock soft limit (1024 on Linux, 256 on macOS) is below a 1024-connection pool: connects
-    failed with EMFILE and the generator's own shortage was counted as server ``errors``. When
+    would fail with EMFILE, and the generator's own shortage count as server ``errors``. When
     the hard limit forbids enough, the pool shrinks instead: requests wait for a connection and
     expire unsent, which is what ``timeouts_unsent`` means (the generator's own limit).
     """

@@ -530,8 +530,8 @@ class _Pool:
             req.on_done(req, outcome, latency)
         if req.retries is not None:
             req.retries.after(req, outcome, never)
-        # Only now: a retry scheduled just above is outstanding too. Checking before it made
-        # the last failure of a run signal "drained" with its retry still to come.
+        # Only now: a retry scheduled just above is outstanding too. Checked before it, the
+        # last failure of a run would signal "drained" with its retry still to come.
         if self.outstanding == 0 and self.drained is not None:
             self.drained.set()
 

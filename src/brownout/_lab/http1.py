@@ -1,10 +1,10 @@
 """A minimal, correct, incremental HTTP/1.1 response parser for the load generator.
 
 The generator needs to read tens of thousands of small responses a second on one core, so it
-cannot afford a general-purpose client (httpx manages about 500 requests/s here). This parser
-handles exactly what a client of a keep-alive HTTP/1.1 server meets: the status line, header
-fields (names lower-cased, repeats joined with ``", "``), bodies framed by ``Content-Length``,
-by ``Transfer-Encoding: chunked`` (with trailers) or by connection close, interim ``1xx``
+cannot afford a general-purpose client, which manages far fewer. This parser handles exactly
+what a client of a keep-alive HTTP/1.1 server meets: the status line, header fields (names
+lower-cased, repeats joined with ``", "``), bodies framed by ``Content-Length``, by
+``Transfer-Encoding: chunked`` (with trailers) or by connection close, interim ``1xx``
 responses (skipped), and bodiless statuses (``204``, ``304``). Anything else is a
 `ResponseParseError`: the generator counts it as an error and drops the connection.
 """

@@ -428,14 +428,12 @@ $ brownout lab --quick                # under a minute: ramp + priority mix
 $ brownout lab --target http://127.0.0.1:8000/api/items --health-path /healthz
 ```
 
-**The demo system** is real: a dependency (uvicorn, 8 concurrent x 40 ms, about 200
-requests/s, queueing beyond that; sized so that a 10x flood fits a 2-core machine with a
-neighbour on the front's core: at 8 x 20 ms the front needed more than the half core a
-nice-0 neighbour leaves it, and every configuration collapsed, see
-[benchmarks](benchmarks.md#the-front-short-of-cpu-issue-22)) and a front service (uvicorn +
-Starlette) whose endpoints call it through a pooled aiohttp client, passing the remaining
-budget. Both run in their own processes, pinned to a different core than the load generator
-where the machine allows.
+**The demo system** is real: a dependency (uvicorn, 8 concurrent x 40 ms, about 200 requests/s,
+queueing beyond that; sized so that a 10x flood fits a 2-core machine with a neighbour on the
+front's core, see [benchmarks](benchmarks.md#the-front-short-of-cpu-issue-22)) and a front
+service (uvicorn + Starlette) whose endpoints call it through a pooled aiohttp client, passing
+the remaining budget. Both run in their own processes, pinned to a different core than the load
+generator where the machine allows.
 The same front runs in four configurations, side by side, each on fresh processes per
 scenario:
 
@@ -509,10 +507,10 @@ degraded goodput.
   baseline, left below 1.5x, held at least 1 s) serves them from a `StaleCache`; responses
   carrying `brownout-degraded` are counted and their goodput reported apart (G3). With
   `--drill recommendations` the mode is forced on from the start (a drill). Answers served
-  by a fallback count as goodput but are never samples of the adaptive limit: learning from
-  the fast degraded responses, `Gradient2Limit()` took them as its no-load latency and, once
-  the mode left, read the normal 20 ms as queueing and fell to a quarter of the demand (fixed
-  in 37223a4; the step after recovery shows it).
+  by a fallback count as goodput but are never samples of the adaptive limit: a fallback's
+  speed says nothing about the dependency, and taken as its no-load latency it would make the
+  normal latency read as queueing once the mode left (the step after recovery shows the
+  limit holding).
 
 The three-layer chain (front -> mid -> backend) is not a lab scenario: it is measured by
 counts in `tests/integration/test_retry_chain.py` (20 originals: 23 attempts at the bottom

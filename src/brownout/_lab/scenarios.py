@@ -271,7 +271,7 @@ register(
     )
 )
 OPT_IN_SCENARIOS = ("retry-storm", "partial-errors", "outage", "degraded")
-"""Scenarios run only when named with ``--scenarios`` (about 40 s each on the demo)."""
+"""Scenarios run only when named with ``--scenarios`` (each lengthens the run)."""
 
 QUICK_RAMP_LOADS = (0.8, 2.0, 4.0, 10.0)
 

@@ -35,7 +35,7 @@ class ServerProcess:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()  # a demo server has nothing to flush; a graceful stop costs 0.4 s
+            self.proc.kill()  # a demo server has nothing to flush; a graceful stop only costs time
             self.proc.wait(5)
         if self.proc.stdout is not None:
             self.proc.stdout.close()

@@ -5,12 +5,13 @@ See `docs/quotas.md`. `RedisQuotaStore` imports ``redis`` only when built.
 
 from .gcra import GcraOutcome, GcraPolicy, decide
 from .memory import InMemoryQuotaStore
-from .quota import FailurePolicy, Quota, QuotaDecision, policy_window
+from .quota import EdgeQuota, FailurePolicy, Quota, QuotaDecision, policy_window
 from .redis import GCRA_SCRIPT, RedisQuotaStore
 from .store import QuotaKeyUnusable, QuotaStore, QuotaStoreUnavailable
 
 __all__ = [
     "GCRA_SCRIPT",
+    "EdgeQuota",
     "FailurePolicy",
     "GcraOutcome",
     "GcraPolicy",

@@ -5,7 +5,7 @@ bucket would be full again if nothing more arrived. A request of ``cost`` units 
 TAT forward by ``cost / rate`` seconds; it is allowed when the new TAT is no further than
 ``burst / rate`` seconds past now. That is exactly a token bucket of capacity ``burst``
 refilled at ``rate`` per second, but with a single float of state and no refill timer, which
-is why the same arithmetic fits in a Redis script (`brownout._quota.redis`).
+is why the same arithmetic fits in a Redis script (`brownout.RedisQuotaStore`).
 
 The functions here are pure: time is an argument, so the property tests run on virtual time
 and the Redis script can be checked against them decision by decision.

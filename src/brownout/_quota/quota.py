@@ -4,8 +4,9 @@
 ``Retry-After`` and the IETF ``RateLimit`` / ``RateLimit-Policy`` headers (or demotes the
 request to SHEDDABLE when spare capacity exists, S5).
 
-With a shared store (Redis) every call is bounded by the store's timeout, shortened to the
-request's remaining deadline. When the store times out or fails, the failure policy decides:
+With a shared store (Redis) every call is bounded by the store's timeout, shortened to half
+(`DEADLINE_SHARE`) of the request's remaining time. When the store times out or fails, the
+failure policy decides:
 
 - ``"open"`` (default): fall back to a local in-memory quota of ``rate / expected_instances``
   (and ``burst / expected_instances``), so the fleet as a whole stays near the limit while each
@@ -14,6 +15,10 @@ request's remaining deadline. When the store times out or fails, the failure pol
   nothing wrong; the service cannot check its quota). Use it where over-admission is worse
   than unavailability (G4).
 
+A store that fails, or times out after its full timeout, is down at once. Timeouts cut short by
+requests' deadlines count too: once those since the store last answered have waited, together,
+as long as its timeout, it is down (so a stalled Redis is noticed even when every request's
+deadline is shorter than its timeout; one request with a sliver of time left is not enough).
 Entering and leaving the fallback emits `QuotaBackendChanged` (the `Stats` sink keeps it as the
 ``quota_fallback`` gauge). While in fallback, the store is probed again after a jittered,
 doubling backoff, by one request at a time; every other request decides locally, so a dead
@@ -22,9 +27,10 @@ Redis is not hammered. The first successful probe restores the shared quota.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 from .._clock import Clock, default_clock
@@ -33,9 +39,14 @@ from .._errors import Reason, Rejected
 from ..events import EventHub, QuotaBackendChanged, hub
 from .gcra import GcraOutcome, GcraPolicy, invalid_cost
 from .memory import InMemoryQuotaStore
+from .redis import RedisQuotaStore
 from .store import QuotaStore, QuotaStoreUnavailable
 
-__all__ = ["FailurePolicy", "Quota", "QuotaDecision"]
+__all__ = ["DEADLINE_SHARE", "EdgeQuota", "FailurePolicy", "Quota", "QuotaDecision"]
+
+DEADLINE_SHARE = 0.5
+"""The largest share of a request's remaining time a shared store may take to decide it: the
+rest is the request's own (and the failure policy's, when the store does not answer)."""
 
 FailurePolicy = Literal["open", "closed"]
 
@@ -111,6 +122,7 @@ class Quota:
 
     __slots__ = (
         "_backoff",
+        "_bounds_itself",
         "_clock",
         "_down",
         "_events",
@@ -123,6 +135,7 @@ class Quota:
         "_random",
         "_store",
         "_store_timeout",
+        "_waited",
         "closed_refusals",
         "fallback_decisions",
         "max_probe_backoff",
@@ -173,11 +186,15 @@ class Quota:
         self._store = store
         self._local = store if isinstance(store, InMemoryQuotaStore) else None
         self._store_timeout: float = getattr(store, "timeout", math.inf)
+        self._bounds_itself = isinstance(store, RedisQuotaStore)
+        """The Redis store bounds each call by its budget itself (connection included)."""
         self._fallback = InMemoryQuotaStore(fallback_max_keys, clock=self._clock)
         self._down = False
         self._probing = False
         self._probe_at = 0.0
         self._backoff = probe_backoff
+        self._waited = 0.0
+        """Seconds that deadline-cut timeouts waited since the store last answered."""
         self.shared_decisions = 0
         """Decisions made by the shared store."""
         self.fallback_decisions = 0
@@ -220,25 +237,52 @@ class Quota:
             probe = self._probing = True
         budget = self._store_timeout
         left = deadline_remaining()
-        deadline_bound = left is not None and left < budget
-        if deadline_bound:
-            budget = left  # type: ignore[assignment]
+        if left is not None and left * DEADLINE_SHARE < budget:
+            # At most a share of what is left: the request keeps the rest for itself, and a
+            # store that does not answer still leaves it time for the failure policy's answer.
+            budget = max(left * DEADLINE_SHARE, 0.0)
         try:
-            outcome = await self._store.decide(key, self.policy, cost, budget)
+            if self._bounds_itself:
+                outcome = await self._store.decide(key, self.policy, cost, budget)
+            else:
+                # A store of your own may ignore ``budget``: the quota bounds it anyway.
+                outcome = await self._bounded(key, cost, budget)
         except QuotaStoreUnavailable as e:
             self.store_failures += 1
-            # A timeout cut short by the request's own deadline says nothing about the store,
-            # nor does one key holding another application's value (`QuotaKeyUnusable`).
-            if not ((e.timed_out and deadline_bound) or e.key_only):
+            if e.key_only:
+                # One key holding another application's value: the store answered.
+                self._waited = 0.0
+            elif budget <= 0:
+                pass  # no time left to ask at all: says nothing about the store
+            elif probe or not e.timed_out or budget >= self._store_timeout:
                 self._trip(e.detail, probe)
+            else:
+                # Cut short by the request's deadline: evidence, but weaker than a full
+                # timeout. Together they count as one once they add up to the timeout.
+                self._waited += budget
+                if self._waited >= self._store_timeout:
+                    self._trip(f"{e.detail} (deadline-cut timeouts add up to the timeout)", probe)
             return self._on_failure(key, cost, self._clock.now())
         finally:
             if probe:
                 self._probing = False
+        self._waited = 0.0
         if self._down:
             self._recover()
         self.shared_decisions += 1
         return self._decision(outcome, "shared", self.policy)
+
+    async def _bounded(self, key: str, cost: int, budget: float) -> GcraOutcome:
+        if budget <= 0:
+            raise QuotaStoreUnavailable("no time left to ask the store", timed_out=True)
+        try:
+            async with asyncio.timeout(None if budget == math.inf else budget):
+                return await self._store.decide(key, self.policy, cost, budget)
+        except TimeoutError as e:
+            raise QuotaStoreUnavailable(
+                f"{type(self._store).__name__} did not answer within {budget * 1000:.0f} ms",
+                timed_out=True,
+            ) from e
 
     async def acquire(self, key: str, cost: int = 1) -> QuotaDecision:
         """Like `check`, but raise the decision's `Rejected` when refused."""
@@ -249,19 +293,22 @@ class Quota:
 
     def for_edge(
         self,
-        key: Callable[[Any], str] = lambda request: str(request.caller),
+        *,
+        key: Callable[[Any], str],
         cost: Callable[[Any], int] | None = None,
-    ) -> Callable[[Any], Awaitable[QuotaDecision]]:
+        per_caller: bool = True,
+    ) -> EdgeQuota:
         """An async hook ``(classification) -> QuotaDecision`` for the edge's quota step.
 
-        ``key`` picks the quota key from what the edge passes (default: its ``caller``);
-        ``cost`` optionally weighs the request.
+        ``key`` (required: there is no default caller) picks the quota key from what the edge
+        passes, e.g. ``lambda c: c.caller`` or ``lambda c: f"{c.caller}:{c.operation}"``;
+        ``cost`` optionally weighs the request. ``per_caller`` (default) declares that the key
+        tells callers apart by the classified caller, so the hook's ``requires_classifier`` is
+        true: without a classifier every caller is ``"unknown"`` and all would share one
+        allowance. Pass ``per_caller=False`` for a limit shared on purpose (per operation, or
+        one for the whole service).
         """
-
-        async def hook(request: Any) -> QuotaDecision:
-            return await self.check(key(request), 1 if cost is None else cost(request))
-
-        return hook
+        return EdgeQuota(self, key, cost, requires_classifier=per_caller)
 
     # -- failure policy ---------------------------------------------------------------------
     def _on_failure(self, key: str, cost: int, now: float) -> QuotaDecision:
@@ -297,6 +344,7 @@ class Quota:
             self._backoff = min(self._backoff * 2, self.max_probe_backoff)
         else:
             self._down = True
+            self._waited = 0.0
             self._backoff = self.probe_backoff
             if self._events.enabled:
                 how = (
@@ -347,3 +395,38 @@ class Quota:
             f"Quota(name={self.name!r}, rate={self.policy.rate!r}, burst={self.policy.burst!r}, "
             f"store={self._store!r}, on_store_failure={self.on_store_failure!r})"
         )
+
+
+class EdgeQuota:
+    """`Quota.for_edge`'s hook: ``await hook(classification)`` decides one request.
+
+    ``requires_classifier`` is true when the key tells callers apart by the classified caller
+    (``for_edge(per_caller=True)``, the default): an edge without a classifier classifies every
+    caller as ``"unknown"``, so one caller's burst would refuse every other caller.
+    """
+
+    __slots__ = ("_cost", "_key", "quota", "requires_classifier")
+
+    def __init__(
+        self,
+        quota: Quota,
+        key: Callable[[Any], str],
+        cost: Callable[[Any], int] | None,
+        *,
+        requires_classifier: bool,
+    ) -> None:
+        if not callable(key):
+            raise TypeError(f"key must be a function of the classification, got {key!r}")
+        if cost is not None and not callable(cost):
+            raise TypeError(f"cost must be a function of the classification, got {cost!r}")
+        self.quota = quota
+        self._key = key
+        self._cost = cost
+        self.requires_classifier = requires_classifier
+
+    async def __call__(self, request: Any) -> QuotaDecision:
+        cost = self._cost
+        return await self.quota.check(self._key(request), 1 if cost is None else cost(request))
+
+    def __repr__(self) -> str:
+        return f"EdgeQuota({self.quota!r}, requires_classifier={self.requires_classifier!r})"

@@ -5,6 +5,10 @@ decides, writes the new TAT and sets its expiry, atomically on the server. The s
 back to ``EVAL`` (which also caches it) when the server has not seen it yet (a restart, a
 failover, ``SCRIPT FLUSH``).
 
+A key's state lives under ``prefix + KEY_SEPARATOR + key`` as the string ``gcra:<TAT>``; the
+script answers "not mine" (`QuotaKeyUnusable`) for any other value or type under that name and
+leaves it untouched.
+
 Time comes from the Redis server (``TIME`` inside the script), so instances whose clocks
 disagree still share one consistent quota. Every key expires by itself (``PX``) at the moment
 its bucket is full again, when it no longer carries any information.
@@ -23,10 +27,22 @@ from typing import Any, Protocol
 from .gcra import MAX_TIME, GcraOutcome, GcraPolicy, invalid_cost, invalid_time
 from .store import QuotaKeyUnusable, QuotaStoreUnavailable
 
-__all__ = ["GCRA_SCRIPT", "RedisQuotaStore"]
+__all__ = ["GCRA_SCRIPT", "KEY_SEPARATOR", "RedisQuotaStore"]
 
 GCRA_SCRIPT = """
 -- brownout GCRA: KEYS[1] = key; ARGV = interval_us, burst, cost, now_us ('' = server TIME)
+-- A quota's value is the string 'gcra:<TAT>'. Anything else under the name belongs to someone
+-- else: answer {-1} and leave it alone.
+local kind = redis.call('TYPE', KEYS[1])['ok']
+local tat = nil
+if kind == 'string' then
+  local raw = redis.call('GET', KEYS[1])
+  if string.sub(raw, 1, 5) ~= 'gcra:' then return {-1} end
+  tat = tonumber(string.sub(raw, 6))
+  if tat == nil then return {-1} end
+elseif kind ~= 'none' then
+  return {-1}
+end
 local interval = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])
 local cost = tonumber(ARGV[3])
@@ -38,7 +54,6 @@ else
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 local tolerance = burst * interval
-local tat = tonumber(redis.call('GET', KEYS[1]) or '')
 if tat == nil or tat < now then tat = now end
 local new_tat = tat + cost * interval
 local allow_at = tat + (cost - burst) * interval
@@ -52,7 +67,7 @@ if allow_at - now > slack then
 end
 local ttl_ms = math.ceil((new_tat - now) / 1000)
 if ttl_ms < 1 then ttl_ms = 1 end
-redis.call('SET', KEYS[1], string.format('%.17g', new_tat), 'PX', ttl_ms)
+redis.call('SET', KEYS[1], 'gcra:' .. string.format('%.17g', new_tat), 'PX', ttl_ms)
 local remaining = math.floor((now + tolerance - new_tat + slack / 2) / interval)
 if remaining < 0 then remaining = 0 end
 return {1, 0, remaining, math.ceil(new_tat - now), string.format('%.17g', new_tat)}
@@ -61,6 +76,11 @@ return {1, 0, remaining, math.ceil(new_tat - now), string.format('%.17g', new_ta
 
 _SCRIPT_SHA = hashlib.sha1(GCRA_SCRIPT.encode()).hexdigest()
 _US = 1_000_000.0
+
+KEY_SEPARATOR = "\x00"
+"""Between the prefix and the key in a Redis key name. A prefix may not contain it, so the
+first one ends the prefix: no two (prefix, key) pairs share a name, whatever the keys hold
+(``api:`` with key ``admin:x`` and ``api:admin:`` with key ``x`` are two names)."""
 
 
 class _AsyncRedis(Protocol):
@@ -93,6 +113,8 @@ class RedisQuotaStore:
     def __init__(self, client: _AsyncRedis, *, prefix: str = "bq:", timeout: float = 0.05) -> None:
         if not timeout > 0:
             raise ValueError("timeout must be > 0")
+        if KEY_SEPARATOR in prefix:
+            raise ValueError(f"prefix must not contain {KEY_SEPARATOR!r}: {prefix!r}")
         # Imported here, not at module import: the core stays standard-library only.
         from redis.exceptions import NoScriptError, RedisError
 
@@ -109,6 +131,16 @@ class RedisQuotaStore:
     @property
     def client(self) -> _AsyncRedis:
         return self._client
+
+    def key_name(self, key: str) -> bytes:
+        """The Redis key name holding ``key``'s state: ``prefix``, `KEY_SEPARATOR`, ``key``, in
+        UTF-8 with ``surrogatepass``.
+
+        Bytes, not str: a caller id need not be valid UTF-8 (aiohttp decodes header bytes with
+        ``surrogateescape``), and the client's strict encoder would raise into the request.
+        ``surrogatepass`` is one-to-one, so no two keys share a bucket.
+        """
+        return (self.prefix + KEY_SEPARATOR + key).encode("utf-8", "surrogatepass")
 
     async def decide(
         self, key: str, policy: GcraPolicy, cost: int = 1, budget: float | None = None
@@ -143,10 +175,7 @@ class RedisQuotaStore:
         budget = self.timeout if budget is None else min(budget, self.timeout)
         if budget <= 0:
             raise QuotaStoreUnavailable("no time left to ask Redis", timed_out=True)
-        # Bytes, not str: a caller id need not be valid UTF-8 (aiohttp decodes header bytes with
-        # ``surrogateescape``), and the client's strict encoder would raise into the request.
-        # ``surrogatepass`` is one-to-one, so no two keys share a bucket.
-        name = (self.prefix + key).encode("utf-8", "surrogatepass")
+        name = self.key_name(key)
         args = (name, repr(policy.interval * _US), policy.burst, cost, now_us)
         self.calls += 1
         try:
@@ -164,6 +193,8 @@ class RedisQuotaStore:
             if str(e).startswith("WRONGTYPE"):
                 raise QuotaKeyUnusable(f"redis key {args[0]!r} is not a quota: {e}") from e
             raise QuotaStoreUnavailable(f"redis failed: {type(e).__name__}: {e}") from e
+        if int(reply[0]) < 0:
+            raise QuotaKeyUnusable(f"redis key {name!r} holds a value that is not a quota")
         allowed, retry_us, remaining, reset_us, tat = reply
         return GcraOutcome(
             allowed=bool(allowed),

@@ -1,7 +1,7 @@
 """Outbound resilience primitives: backoff, retry budgets, retry policy, circuit breaker,
 client-side throttling and the unknown-outcome ledger (R1-R6, D6, A6).
 
-Standard library only. `brownout._retry.ledger_redis` (Redis ledger) is imported explicitly.
+Standard library only: the Redis ledger (`brownout.RedisOutcomeLedger`) never imports redis.
 """
 
 from .backoff import Backoff, DecorrelatedJitterBackoff, ExponentialBackoff

@@ -78,7 +78,7 @@ class RetryBudget:
     ) -> None:
         if not (0.0 <= ratio <= 1000.0) or math.isnan(ratio):
             raise ValueError("ratio must be within [0, 1000]")
-        if not 0 <= min_per_second < math.inf:  # (NaN too; inf overflowed an int)
+        if not 0 <= min_per_second < math.inf:  # (NaN too; inf would overflow an int)
             raise ValueError("min_per_second must be finite and >= 0")
         if not 0 < window < math.inf:
             raise ValueError("window must be finite and > 0")

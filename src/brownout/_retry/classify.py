@@ -17,6 +17,7 @@ server's pushback. Users extend classification with their own callable, consulte
 from __future__ import annotations
 
 import asyncio
+import datetime
 import email.utils
 import time
 from collections.abc import Callable, Mapping
@@ -181,36 +182,83 @@ def classify(error: BaseException) -> Failure:
     return _PERMANENT
 
 
-def parse_pushback(headers: Mapping[str, str]) -> tuple[float | None, bool]:
+_PUSHBACK_MAX_MS = 2**31 - 1
+"""The largest ``grpc-retry-pushback-ms`` gRPC reads (a 32-bit integer); beyond it the value is
+unparseable, which gRFC A6 reads as "do not retry"."""
+_RETRY_AFTER_CAP = 2**31
+"""RFC 9111 (delta-seconds): a value too large to represent is read as 2^31 seconds."""
+_OWS = " \t"
+
+
+def _header_text(value: object) -> str | None:
+    """A header value as ASCII text without surrounding whitespace; ``None`` if it is not."""
+    if isinstance(value, bytes | bytearray):
+        value = bytes(value).decode("latin-1")  # what httpx does with header bytes
+    if not isinstance(value, str) or not value.isascii():
+        return None
+    return value.strip(_OWS)
+
+
+def _decimal(text: str, limit: int) -> int | None:
+    """``text`` as a decimal integer, ``limit + 1`` if it is larger than ``limit``; ``None``
+    unless it is ASCII digits only. Stricter than ``int()``, which takes ``+``, ``-``, ``_``,
+    non-ASCII digits and spaces, and cheap on a value of 100,000 digits."""
+    if not text.isdigit():  # (ASCII already checked, and "" is not digits)
+        return None
+    significant = text.lstrip("0")
+    if len(significant) > len(str(limit)):
+        return limit + 1
+    return min(int(significant or "0"), limit + 1)
+
+
+def _grpc_pushback(value: object) -> tuple[float | None, bool]:
+    text = _header_text(value)
+    if text is None:
+        return None, True
+    ms = _decimal(text, _PUSHBACK_MAX_MS)
+    if ms is None or ms > _PUSHBACK_MAX_MS:  # negative or malformed, or too large
+        return None, True
+    return ms / 1000.0, False
+
+
+def _retry_after(value: object) -> float | None:
+    text = _header_text(value)
+    if text is None:
+        return None
+    seconds = _decimal(text, _RETRY_AFTER_CAP)
+    if seconds is not None:
+        return float(min(seconds, _RETRY_AFTER_CAP))
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+        if when.tzinfo is None:  # RFC 5322's "-0000": UTC, not this machine's local time
+            when = when.replace(tzinfo=datetime.UTC)
+        # An HTTP date is wall-clock by definition: this is its one meaningful reading.
+        delay = when.timestamp() - time.time()
+    except (TypeError, ValueError, OverflowError, IndexError):
+        return None  # not a date (email.utils raises any of these on malformed input)
+    return min(max(0.0, delay), float(_RETRY_AFTER_CAP))
+
+
+def parse_pushback(headers: Mapping[str, str | bytes]) -> tuple[float | None, bool]:
     """Read a response's pushback: ``(retry_after_seconds or None, do_not_retry)``.
 
-    Honours ``brownout-retry: never``; ``grpc-retry-pushback-ms`` (negative or unparseable
-    means do not retry, per gRFC A6); ``Retry-After`` as delta-seconds or an HTTP date.
+    Honours ``brownout-retry: never``; ``grpc-retry-pushback-ms`` (gRFC A6: a non-negative
+    decimal integer of milliseconds; a negative, malformed or unparseable one, including one
+    beyond gRPC's 32-bit range, means do not retry); ``Retry-After`` as delta-seconds or an
+    HTTP date, capped at 2^31 seconds (RFC 9111) and ignored when it is neither.
+    Total: any value, ``str`` or ``bytes``, gives an answer; it never raises, and a
+    ``retry_after`` is always finite, between 0 and 2^31.
     ``headers`` must have lower-case keys (httpx and grpc metadata do; lower-case others).
     """
     marker = headers.get(RETRY_HEADER)
-    if marker is not None and marker.strip().lower() == DO_NOT_RETRY_VALUE:
+    if marker is not None and (_header_text(marker) or "").lower() == DO_NOT_RETRY_VALUE:
         return None, True
     pushback = headers.get(GRPC_PUSHBACK_KEY)
     if pushback is not None:
-        try:
-            ms = int(pushback.strip())
-        except ValueError:
-            return None, True
-        if ms < 0:
-            return None, True
-        return ms / 1000.0, False
+        return _grpc_pushback(pushback)
     retry_after = headers.get("retry-after")
     if retry_after is not None:
-        value = retry_after.strip()
-        if value.isascii() and value.isdigit():  # not "²": str.isdigit accepts it, float not
-            return float(value), False
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None, False
-        # An HTTP date is wall-clock by definition: this is its one meaningful reading.
-        return max(0.0, when.timestamp() - time.time()), False
+        return _retry_after(retry_after), False
     return None, False
 
 

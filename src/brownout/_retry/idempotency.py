@@ -8,7 +8,7 @@ user-supplied ``check(record)``) what happened, and marks each entry ``applied``
 deduplicates by it; the reconciler is how you find out without resending.
 
 `InMemoryOutcomeLedger` is bounded (oldest entries are evicted first, resolved before pending).
-`brownout._retry.ledger_redis.RedisOutcomeLedger` shares the ledger across processes.
+`brownout.RedisOutcomeLedger` shares the ledger across processes.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from .._clock import Clock, default_clock
+from .._errors import BrownoutError
 
 __all__ = [
     "InMemoryOutcomeLedger",
     "OutcomeLedger",
+    "OutcomeLedgerFull",
     "OutcomeRecord",
     "OutcomeState",
     "Reconciler",
@@ -47,6 +49,23 @@ class OutcomeState(StrEnum):
     """The dependency never applied it: safe to send again, or to report as failed."""
 
 
+class OutcomeLedgerFull(BrownoutError):
+    """A ledger refused to record an unknown outcome: pending entries alone fill it.
+
+    Raised instead of dropping a pending entry (the only record of its mutation) to make
+    room. ``Dependency`` logs it with the key, and its caller still gets `UnknownOutcome`.
+    """
+
+    def __init__(self, key: str, *, pending: int, max_entries: int) -> None:
+        super().__init__(
+            f"outcome ledger full: {pending} pending entries at max_entries={max_entries}; "
+            f"the unknown outcome of key {key!r} was not recorded"
+        )
+        self.key = key
+        self.pending = pending
+        self.max_entries = max_entries
+
+
 @dataclass(frozen=True, slots=True)
 class OutcomeRecord:
     """One ledger entry."""
@@ -59,6 +78,11 @@ class OutcomeRecord:
     detail: str = ""
     checks: int = 0
     """How many times a reconciler asked about it without getting an answer."""
+    previous: OutcomeState | None = None
+    """What an earlier reconciliation found, when a later attempt with the same key made the
+    outcome unknown again (``None`` otherwise). It says what was true *before* that attempt:
+    after ``NOT_APPLIED`` the resend may have applied it; after ``APPLIED`` a dependency that
+    deduplicates by key applied it once."""
 
 
 @runtime_checkable
@@ -66,7 +90,13 @@ class OutcomeLedger(Protocol):
     """Where unknown outcomes are kept until reconciled."""
 
     async def record_unknown(self, key: str, *, dependency: str, detail: str = "") -> None:
-        """Record that the mutation with this key has an unknown outcome."""
+        """Record that the mutation with this key has an unknown outcome.
+
+        A key already pending keeps its record. A key already resolved is pending again: the
+        new attempt may have changed what the resolution said (a resend after ``NOT_APPLIED``
+        may have been applied), so it is reconciled again, its record dated from this call
+        with the earlier resolution in ``previous``.
+        """
         ...
 
     async def resolve(self, key: str, state: OutcomeState) -> None:
@@ -95,6 +125,7 @@ class InMemoryOutcomeLedger:
     __slots__ = (
         "_clock",
         "_entries",
+        "_next_seq",
         "_resolved",
         "_seq",
         "dropped_pending",
@@ -108,9 +139,10 @@ class InMemoryOutcomeLedger:
         self.max_entries = max_entries
         self._clock = clock or default_clock()
         self._entries: OrderedDict[str, OutcomeRecord] = OrderedDict()
-        # key -> when it was recorded (a counter), and a heap of the resolved ones by that
-        # order; entries leave only by eviction.
+        # key -> when it was (last) recorded (a counter), and a heap of the resolved ones by
+        # that order; entries leave only by eviction.
         self._seq: dict[str, int] = {}
+        self._next_seq = 0
         self._resolved: list[tuple[int, str]] = []
         self.evicted = 0
         """Entries dropped to stay within ``max_entries`` (pending ones are logged)."""
@@ -119,23 +151,39 @@ class InMemoryOutcomeLedger:
         (D6). Alarm on it growing, and size ``max_entries`` for an outage's worth of keys."""
 
     async def record_unknown(self, key: str, *, dependency: str, detail: str = "") -> None:
-        if key in self._entries:
-            return
-        self._entries[key] = OutcomeRecord(
-            key, dependency, OutcomeState.PENDING, self._clock.now(), detail
+        entries = self._entries
+        earlier = entries.get(key)
+        if earlier is not None:
+            if earlier.state is OutcomeState.PENDING:
+                return  # still unknown: the first record stands
+            # Resolved, and a new attempt with the same key is unknown: pending again, at the
+            # back of the queue (its heap row goes stale: `_evict_one` checks the order).
+            entries.move_to_end(key)
+        entries[key] = OutcomeRecord(
+            key,
+            dependency,
+            OutcomeState.PENDING,
+            self._clock.now(),
+            detail,
+            previous=None if earlier is None else earlier.state,
         )
-        self._seq[key] = self.evicted + len(self._entries)  # grows with every new key
-        while len(self._entries) > self.max_entries:
+        self._next_seq += 1
+        self._seq[key] = self._next_seq
+        while len(entries) > self.max_entries:
             self._evict_one()
 
     def _evict_one(self) -> None:
         entries = self._entries
         victim = None
         while self._resolved:
-            key = heapq.heappop(self._resolved)[1]
+            seq, key = heapq.heappop(self._resolved)
             found = entries.get(key)
-            if found is not None and found.state is not OutcomeState.PENDING:
-                victim = key  # (a key set back to pending is skipped, as it was before)
+            if (
+                found is not None
+                and found.state is not OutcomeState.PENDING
+                and self._seq[key] == seq
+            ):
+                victim = key  # (a key set back to pending, or recorded again, is skipped)
                 break
         if victim is None:
             victim = next(iter(entries))

@@ -24,9 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import itertools
 import math
-import os
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -52,13 +51,14 @@ T = TypeVar("T")
 AttemptFn = Callable[[int, "str | None"], Awaitable[T]]
 """Runs one attempt: ``(attempt_number, idempotency_key) -> awaitable result``."""
 
-_KEY_PREFIX = os.urandom(12).hex()
-_KEY_COUNTER = itertools.count(1)
-
 
 def new_idempotency_key() -> str:
-    """A fresh idempotency key: 96 random bits per process plus a counter (cheap, unique)."""
-    return f"{_KEY_PREFIX}-{next(_KEY_COUNTER):x}"
+    """A fresh idempotency key: 128 random bits from `secrets`, as 32 hex digits.
+
+    Each key is drawn on its own, so a key seen by one dependency says nothing about the
+    keys sent to another (a per-process prefix and a shared counter did). About 0.4 us.
+    """
+    return secrets.token_hex(16)
 
 
 def enter_attempt(attempt: int, key: str | None) -> contextvars.Token[RequestContext] | None:

@@ -184,7 +184,7 @@ GAUGES: tuple[GaugeSpec, ...] = (
     GaugeSpec(
         "overload_level",
         "brownout_overload_level",
-        "brownout._overload.level",
+        "brownout.overload.level",
         "1",
         "Overload manager level; 0 is no pressure.",
     ),
@@ -212,7 +212,7 @@ GAUGES: tuple[GaugeSpec, ...] = (
     GaugeSpec(
         "quota_fallback_active",
         "brownout_quota_fallback_active",
-        "brownout._quota.fallback",
+        "brownout.quota.fallback",
         "1",
         "1 while a shared quota store is unreachable and the local fallback rules (F1).",
     ),
@@ -237,7 +237,7 @@ HISTOGRAMS: tuple[HistogramSpec, ...] = (
     HistogramSpec(
         "remaining_on_arrival",
         "brownout_remaining_deadline_seconds",
-        "brownout._deadline.remaining",
+        "brownout.deadline.remaining",
         ("source",),
         "Remaining deadline when a request arrived at this hop (O2).",
     ),

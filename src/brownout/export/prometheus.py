@@ -4,7 +4,7 @@ The request path only updates `Stats` (a few dict operations per event); this co
 its counters, histograms and gauges into Prometheus metric families when Prometheus scrapes,
 so exporting costs nothing between scrapes.
 
-    stats = brownout.hub.subscribe(Stats())
+    stats = brownout.events.hub.subscribe(Stats())
     register(stats)                      # the default prometheus_client registry
     app = metrics_middleware(app)        # serve /metrics from any ASGI app
 

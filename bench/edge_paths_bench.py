@@ -5,7 +5,7 @@ whose paths carry ids (``/items/81231``) misses that cache on nearly every reque
 lookup on a miss is on its hot path. Prints, for FastAPI apps of 26 and 106 routes (FastAPI
 adds 4 of its own), the lookup on a miss: the walk of every route (the lookup before the
 index, reproduced here as the baseline) against the index by first path segment
-(`brownout.integrations.asgi._template_in`), and their ratio. Best of interleaved rounds.
+(`brownout.integrations._asgi_routes.template_in`), and their ratio. Best of interleaved rounds.
 Run under the lock, never beside tests or another benchmark:
 
     flock /tmp/brownout-bench.lock .venv/bin/python bench/edge_paths_bench.py
@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.routing import Mount
 
-from brownout.integrations.asgi import _RouteIndex, _template_in
+from brownout.integrations._asgi_routes import RouteIndex, template_in
 
 try:
     from fastapi.routing import iter_route_contexts as _effective_routes
@@ -73,9 +73,9 @@ def app_with(routes: int) -> FastAPI:
 def lookup_cost() -> None:
     for extra in (20, 100):
         routes = app_with(extra).router.routes
-        indexes: dict[int, _RouteIndex] = {}
+        indexes: dict[int, RouteIndex] = {}
         path = "/items/5"
-        assert _template_in(indexes, routes, path, "") == walk_every_route(routes, path)
+        assert template_in(indexes, routes, path, "") == walk_every_route(routes, path)
         best_walk = best_index = float("inf")
         for _ in range(REPS):
             t = time.perf_counter()
@@ -84,7 +84,7 @@ def lookup_cost() -> None:
             best_walk = min(best_walk, (time.perf_counter() - t) / N)
             t = time.perf_counter()
             for _ in range(N):
-                _template_in(indexes, routes, path, "")
+                template_in(indexes, routes, path, "")
             best_index = min(best_index, (time.perf_counter() - t) / N)
         print(
             f"route lookup on a path cache miss, {len(routes)} routes: every route "

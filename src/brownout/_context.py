@@ -29,7 +29,7 @@ from ._errors import DeadlineExceeded
 from ._priority import Priority
 
 __all__ = [
-    "EMPTY",
+    "NO_REQUEST",
     "DeadlineScope",
     "RequestContext",
     "attach",
@@ -217,9 +217,9 @@ def inbound_context(
     return new  # type: ignore[return-value]
 
 
-EMPTY = RequestContext()
+NO_REQUEST = RequestContext()
 _current: contextvars.ContextVar[RequestContext] = contextvars.ContextVar(
-    "brownout_request", default=EMPTY
+    "brownout_request", default=NO_REQUEST
 )
 # The variable's methods, bound once, for other modules' hot paths. CPython 3.11 compiles
 # ``name.method()`` on an imported ``name`` as a module attribute lookup, which a ContextVar
@@ -227,9 +227,6 @@ _current: contextvars.ContextVar[RequestContext] = contextvars.ContextVar(
 get_current = _current.get
 set_current = _current.set
 reset_current = _current.reset
-# The old names, until `_edge` and the server adapters import the ones above.
-_get_current, _set_current, _reset_current = get_current, set_current, reset_current
-_EMPTY, _make_context, _inbound_context = EMPTY, make_context, inbound_context
 
 
 def attach(ctx: RequestContext) -> contextvars.Token[RequestContext]:

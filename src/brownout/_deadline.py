@@ -107,7 +107,7 @@ def new_deadline(at: float) -> Deadline:
     """A Deadline on the default clock, skipping validation (``at`` is known good).
 
     Built as a layout-identical mutable twin whose class is then switched (the same trick as
-    `context._make_context`): about half the cost of two ``object.__setattr__`` calls.
+    `brownout._context.make_context`): about half the cost of two ``object.__setattr__`` calls.
     """
     d = _NEW(DeadlineBuilder)
     d.at = at

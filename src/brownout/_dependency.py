@@ -24,9 +24,9 @@ import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
+from ._admission.protocols import AdmitsWork
 from ._clock import Clock, default_clock
 from ._context import DeadlineScope, current_deadline
 from ._deadline import call_budget
@@ -38,7 +38,7 @@ from ._retry.policy import RetryPolicy, RetrySlots, enter_attempt, exit_attempt
 from ._retry.throttle import ClientThrottle
 from .events import EventHub, RequestShed, hub
 
-__all__ = ["AdmitsWork", "Dependency"]
+__all__ = ["Dependency"]
 
 T = TypeVar("T")
 
@@ -46,12 +46,6 @@ _UNBOUNDED = float("inf")
 _log = logging.getLogger("brownout.dependency")
 _LEDGER_WRITES: set[asyncio.Future[None]] = set()  # shielded writes still running (strong refs)
 _EDGE = 0.001  # the smallest reserve: an attempt always ends before its request (seconds)
-
-
-class AdmitsWork(Protocol):
-    """A bulkhead: ``async with bulkhead.admit():`` holds one permit (waiting if it must)."""
-
-    def admit(self) -> AbstractAsyncContextManager[Any]: ...
 
 
 class Dependency:

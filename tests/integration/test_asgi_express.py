@@ -348,10 +348,10 @@ async def test_a_plain_budget_header_stays_on_the_express_path(service: Service)
 
 async def test_express_exchange_sets_every_field() -> None:
     """The express path builds its exchange field by field (no ``__init__`` frame on the hot
-    path); every slot must be set there, as `_Exchange.__init__` sets it for `serve`, or a
+    path); every slot must be set there, as `Exchange.__init__` sets it for `serve`, or a
     rarer path (a sweep, a disconnect, an expiry) would meet an unset attribute."""
     from brownout._edge import Flight
-    from brownout.integrations.asgi import _Exchange
+    from brownout.integrations._asgi_exchange import Exchange
 
     captured: list[Any] = []
 
@@ -374,8 +374,8 @@ async def test_express_exchange_sets_every_field() -> None:
     await middleware(scope, receive, send)
     assert bulkhead.express == 1 and sent[0]["status"] == 200
     exchange = captured[0]
-    assert type(exchange) is _Exchange
-    slots = {*Flight.__slots__, *_Exchange.__slots__}
+    assert type(exchange) is Exchange
+    slots = {*Flight.__slots__, *Exchange.__slots__}
     assert {name for name in slots if not hasattr(exchange, name)} == set()
     assert exchange.admitted and not exchange.reports and exchange.response_done
 

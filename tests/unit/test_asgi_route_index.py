@@ -25,7 +25,8 @@ from starlette.routing import Host, Mount, Route, WebSocketRoute
 from tests.edge_inputs import asgi_scope
 
 from brownout import Bulkhead, EdgePolicy
-from brownout.integrations.asgi import BrownoutMiddleware, _RouteIndex, _template_in
+from brownout.integrations._asgi_routes import RouteIndex, template_in
+from brownout.integrations.asgi import BrownoutMiddleware
 from brownout.limits import FixedLimit
 
 try:
@@ -157,12 +158,12 @@ paths = st.lists(st.sampled_from(SEGMENTS), min_size=0, max_size=6).map(
 @given(name=st.sampled_from(sorted(APPS)), path=paths)
 def test_the_index_names_the_route_the_walk_of_every_route_names(name: str, path: str) -> None:
     routes = APPS[name].router.routes
-    assert _template_in({}, routes, path, "") == linear_template(routes, path)
+    assert template_in({}, routes, path, "") == linear_template(routes, path)
 
 
 def test_known_paths_get_their_templates() -> None:
     routes = APPS["starlette"].router.routes
-    indexes: dict[int, _RouteIndex] = {}
+    indexes: dict[int, RouteIndex] = {}
     cases = {
         "/": "/",
         "/items/7": "/items/{item_id}",
@@ -178,17 +179,17 @@ def test_known_paths_get_their_templates() -> None:
         "/static/app.css": "/static/{path}",
     }
     for path, template in cases.items():
-        assert _template_in(indexes, routes, path, "") == template, path
+        assert template_in(indexes, routes, path, "") == template, path
         assert linear_template(routes, path) == template, path
     fastapi_routes = APPS["fastapi"].router.routes
-    assert _template_in(indexes, fastapi_routes, "/v1/orders/o1/lines", "") == (
+    assert template_in(indexes, fastapi_routes, "/v1/orders/o1/lines", "") == (
         "/v1/orders/{order_id}/lines"
     )
-    assert _template_in(indexes, fastapi_routes, "/v1/ping", "") == "/v1/ping"
+    assert template_in(indexes, fastapi_routes, "/v1/ping", "") == "/v1/ping"
 
 
 def test_the_index_groups_routes_by_their_literal_first_segment() -> None:
-    index = _RouteIndex(APPS["starlette"].router.routes)
+    index = RouteIndex(APPS["starlette"].router.routes)
     dynamic = [route.path for _, route, _ in index.dynamic]
     assert dynamic == ["/{slug}", "/{slug}/items", ""]  # in the router's order
     items = [route.path for _, route, _ in index.candidates("/items/7")]
@@ -217,16 +218,16 @@ def test_a_route_whose_path_and_regex_disagree_is_tried_for_every_path() -> None
 
     routes = [Route("/c", ok), Odd()]
     assert linear_template(routes, "/b/1") == "/b/{n}"
-    assert _template_in({}, routes, "/b/1", "") == "/b/{n}"
-    assert _template_in({}, tuple(routes), "/b/1", "") == "/b/{n}"
+    assert template_in({}, routes, "/b/1", "") == "/b/{n}"
+    assert template_in({}, tuple(routes), "/b/1", "") == "/b/{n}"
 
 
 def test_routes_added_at_run_time_are_found() -> None:
     app = Starlette(routes=[Route("/a", ok)])
-    indexes: dict[int, _RouteIndex] = {}
-    assert _template_in(indexes, app.router.routes, "/late/1", "") is None
+    indexes: dict[int, RouteIndex] = {}
+    assert template_in(indexes, app.router.routes, "/late/1", "") is None
     app.add_route("/late/{n}", ok)
-    assert _template_in(indexes, app.router.routes, "/late/1", "") == "/late/{n}"
+    assert template_in(indexes, app.router.routes, "/late/1", "") == "/late/{n}"
 
 
 def middleware_of(app: Any) -> BrownoutMiddleware:

@@ -47,7 +47,7 @@ from tests.edge_inputs import (
 
 import brownout
 from brownout import Trust
-from brownout._context import EMPTY
+from brownout._context import NO_REQUEST
 from brownout.integrations.asgi import BrownoutMiddleware
 
 PATH_CACHE = 8
@@ -109,7 +109,7 @@ async def check(edge: Edge, trust: Trust, path: str, headers: Headers) -> Answer
     if edge.bulkhead is not None:
         assert edge.bulkhead.in_flight == 0
     assert not edge.policy._sweeper.pending
-    assert brownout.current() is EMPTY
+    assert brownout.current() is NO_REQUEST
     assert len(brownout_middleware(edge)._paths) <= PATH_CACHE
     return answer
 

@@ -91,6 +91,7 @@ FACADES = ("__init__", "limits", "queues", "signals", "testing", "wire")
 DEFERRED: dict[tuple[str, str], str] = {
     ("_admission.permit", "_admission.bulkhead"): "type of the friend it settles (TYPE_CHECKING)",
     ("_tally_buffer", "_clock"): "a type only (TYPE_CHECKING)",
+    ("_edge.express", "_edge.policy"): "the policy that builds the express plan (TYPE_CHECKING)",
     ("_dependency", "_context"): "event fields read only when a sink listens (branch edge)",
     ("_cli", "_lab"): "the lab's modules load only for the subcommand that runs them",
     ("_cli", "export._top"): "`brownout top` loads its exporter only when asked",
@@ -107,20 +108,8 @@ CORE_DEFERRED_THIRD_PARTY: dict[tuple[str, str], str] = {
     ("_quota.redis", "redis"): "exception types of the client the user passed in",
 }
 
-# Underscore-prefixed names imported across modules, by (importer prefix, name): old names
-# kept as aliases until the files that use them (on branch edge) import the public ones.
-LEGACY_PRIVATE_NAMES: dict[tuple[str, str], str] = {
-    (importer, name): "branch edge switches to the public name"
-    for importer, names in {
-        "_edge": "_get_current _set_current _reset_current _inbound_context _make_context "
-        "_new_deadline",
-        "integrations.asgi": "_EMPTY _get_current _set_current _reset_current _inbound_context "
-        "_fallback_marks _set_fallback_marks _reset_fallback_marks",
-        "integrations.aiohttp_server": "_EMPTY _get_current _fallback_marks",
-        "integrations.grpc_server": "_EMPTY _get_current _fallback_marks",
-    }.items()
-    for name in names.split()
-}
+# Underscore-prefixed names imported across modules, by (importer prefix, name): none.
+LEGACY_PRIVATE_NAMES: dict[tuple[str, str], str] = {}
 
 # Apps may use the public API as a user would (the demo service is written that way).
 FACADE_USERS = ("_lab", "_cli")

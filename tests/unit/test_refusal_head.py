@@ -13,7 +13,7 @@ import pytest
 
 from brownout import EdgePolicy, Reason
 from brownout._edge import Refusal, problem_body, ratelimit_headers
-from brownout.integrations.asgi import _refusal_head
+from brownout.integrations._asgi_exchange import refusal_head
 from brownout.wire import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
 
@@ -69,9 +69,9 @@ def test_refusal_head_equals_the_freshly_built_one(
     for ra in RETRY_AFTERS:
         for quota in (None, Decision()):
             refusal = policy.refusal(reason, ra, quota=quota)
-            head = _refusal_head(refusal)
+            head = refusal_head(refusal)
             assert head == fresh_head(refusal)
-            assert head is not _refusal_head(refusal)  # a list of its own to each response
+            assert head is not refusal_head(refusal)  # a list of its own to each response
             seconds = refusal.retry_after_seconds()
             assert refusal.retry_after_header() == (None if seconds is None else str(seconds))
 

@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 
-__all__ = ["cache_loading", "guarding", "in_fallback", "note_fallback_served", "served_by_fallback"]
+__all__ = [
+    "cache_loading",
+    "fallback_marks",
+    "guarding",
+    "in_fallback",
+    "note_fallback_served",
+    "reset_fallback_marks",
+    "served_by_fallback",
+    "set_fallback_marks",
+]
 
 in_fallback: ContextVar[str | None] = ContextVar("brownout_in_fallback", default=None)
 """The name of the degraded mode whose fallback is running, or ``None``."""
@@ -28,13 +37,10 @@ of the modes whose fallback answered during the request. The edge then keeps tha
 the adaptive limit's latency samples: a fallback's speed says nothing about the dependency."""
 
 
-# Bound once for other modules' hot paths (see `brownout._context._get_current`).
+# Bound once for other modules' hot paths (see `brownout._context.get_current`).
 set_fallback_marks = served_by_fallback.set
 reset_fallback_marks = served_by_fallback.reset
 fallback_marks = served_by_fallback.get
-# The old names, until the server adapters (branch edge) import the ones above.
-_set_fallback_marks, _reset_fallback_marks = set_fallback_marks, reset_fallback_marks
-_fallback_marks = fallback_marks
 
 
 def note_fallback_served(mode: str) -> None:

@@ -37,11 +37,10 @@ except ModuleNotFoundError as e:  # the extra is not installed
 
     raise missing_extra(__name__, "aiohttp", e) from e
 
-from .._admission.bulkhead import Permit, Untracked
+from .._admission.permit import Permit, Untracked
 from .._clock import loop_and_time
-from .._context import _EMPTY as _NO_REQUEST
-from .._context import _get_current
-from .._degrade.markers import _fallback_marks
+from .._context import NO_REQUEST, get_current
+from .._degrade.markers import fallback_marks
 from .._degrade.modes import DEGRADED_HEADER
 from .._edge import (
     ABANDONED,
@@ -54,9 +53,8 @@ from .._edge import (
     Refusal,
     ResolvedRoute,
     announced_modes,
-    ratelimit_headers,
+    refusal_headers,
 )
-from .._propagation import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
 __all__ = ["BrownoutAiohttpMiddleware", "announce_degraded", "brownout_middleware"]
 
@@ -101,18 +99,9 @@ def _response_started(request: web.Request) -> bool:
 
 def refusal_response(refusal: Refusal) -> web.Response:
     """The aiohttp response for a refusal (problem+json, Retry-After, do-not-retry)."""
-    headers: dict[str, str] = {"Content-Type": "application/problem+json"}
-    ra = refusal.retry_after_header()
-    if ra is not None:
-        headers["Retry-After"] = ra
-    if refusal.do_not_retry:
-        headers[RETRY_HEADER] = DO_NOT_RETRY_VALUE
-    if refusal.degraded:
-        headers[DEGRADED_HEADER] = ", ".join(refusal.degraded)
-    quota: Any = refusal.quota
-    if quota is not None:
-        headers.update(ratelimit_headers(quota))
-    return web.Response(status=refusal.status, body=refusal.body, headers=headers)
+    return web.Response(
+        status=refusal.status, body=refusal.body, headers=dict(refusal_headers(refusal))
+    )
 
 
 class BrownoutAiohttpMiddleware:
@@ -146,7 +135,7 @@ class BrownoutAiohttpMiddleware:
         if plan is None:
             plan = self._plan(template)
         route, express = plan
-        if express is None or _get_current() is not _NO_REQUEST:
+        if express is None or get_current() is not NO_REQUEST:
             return await self._serve(request, handler, loop, started, route)
         if any(map(request.headers.__contains__, _CLAIMS)):  # case-insensitive lookups
             seconds = policy.express_budget(route, request, _lower_names(request.raw_headers))
@@ -232,11 +221,11 @@ class BrownoutAiohttpMiddleware:
             except web.HTTPException as e:
                 flight.status = e.status
                 if policy.degraded is not None:
-                    self._announce(e, announced_modes(policy.degraded, _fallback_marks()))
+                    self._announce(e, announced_modes(policy.degraded, fallback_marks()))
                 raise
             flight.status = response.status
             if policy.degraded is not None:
-                self._announce(response, announced_modes(policy.degraded, _fallback_marks()))
+                self._announce(response, announced_modes(policy.degraded, fallback_marks()))
             return response
 
         try:

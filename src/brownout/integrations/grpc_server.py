@@ -11,9 +11,11 @@ Per RPC (unary and streaming, in both directions):
 - the operation is the full method name (``/pkg.Service/Method``): bounded by the services
   registered; `EdgePolicy.routes` is keyed by it;
 - ``brownout-priority`` metadata is honoured only from a trusted source (S4);
-- refusals end the call with ``UNAVAILABLE`` (capacity) or ``RESOURCE_EXHAUSTED`` (quota),
-  trailing metadata ``grpc-retry-pushback-ms`` (jittered estimate; ``-1``: do not retry) and
-  ``brownout-reason``; expiry ends it with ``DEADLINE_EXCEEDED``;
+- refusals end the call with the policy's gRPC code and details for their reason
+  (`EdgePolicy.grpc_code_for`: by default ``UNAVAILABLE`` for capacity,
+  ``RESOURCE_EXHAUSTED`` for quota, ``DEADLINE_EXCEEDED`` for expiry, following ``statuses``
+  and ``expired_status``), trailing metadata ``grpc-retry-pushback-ms`` (jittered estimate;
+  ``-1``: do not retry) and ``brownout-reason``;
 - a client cancellation cancels the handler and is counted as abandoned;
 - a status the handler ends its call with (``context.abort``, ``context.set_code``) is read
   as its HTTP equivalent (google.rpc.Code's mapping): INTERNAL, UNKNOWN, UNAVAILABLE,
@@ -46,14 +48,15 @@ except ModuleNotFoundError as e:  # the extra is not installed
 
     raise missing_extra(__name__, "grpc", e) from e
 
-from .._admission.bulkhead import Permit, Untracked
+from .._admission.permit import Permit, Untracked
 from .._clock import current_task_of, loop_and_time
-from .._context import _EMPTY as _NO_REQUEST
-from .._context import _get_current
-from .._degrade.markers import _fallback_marks
+from .._context import NO_REQUEST, get_current
+from .._degrade.markers import fallback_marks
+from .._degrade.modes import DEGRADED_HEADER
 from .._edge import (
     ABANDONED,
     EXPRESS_HEADERS,
+    STATUS_FOR_GRPC_CODE,
     Abandoned,
     Classification,
     EdgePolicy,
@@ -63,9 +66,10 @@ from .._edge import (
     Refusal,
     ResolvedRoute,
     announced_modes,
+    refusal_trailers,
 )
 from .._errors import Reason
-from .._propagation import GRPC_PUSHBACK_KEY, REFUSAL_REASON_KEY, HeaderGetter
+from .._propagation import HeaderGetter
 
 __all__ = ["BrownoutServerInterceptor", "GrpcCall", "status_code_for"]
 
@@ -81,14 +85,14 @@ class GrpcCall(NamedTuple):
     context: grpc.aio.ServicerContext[Any, Any]
 
 
-def status_code_for(reason: Reason) -> grpc.StatusCode:
-    """RESOURCE_EXHAUSTED for quota, DEADLINE_EXCEEDED for expiry, UNAVAILABLE otherwise."""
-    if reason is Reason.QUOTA:
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if reason is Reason.DEADLINE_EXPIRED or reason is Reason.OUTCOME_UNKNOWN:
-        # gRPC's own definition: DEADLINE_EXCEEDED may mean a state change did complete.
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    return grpc.StatusCode.UNAVAILABLE
+def status_code_for(reason: Reason, policy: EdgePolicy | None = None) -> grpc.StatusCode:
+    """The gRPC status a refusal with ``reason`` ends its call with under ``policy``
+    (`EdgePolicy.grpc_code_for`; by default RESOURCE_EXHAUSTED for quota, DEADLINE_EXCEEDED
+    for expiry, UNAVAILABLE otherwise)."""
+    return grpc.StatusCode[(policy or _DEFAULT_POLICY).grpc_code_for(reason)]
+
+
+_DEFAULT_POLICY = EdgePolicy()
 
 
 def _metadata_getter(metadata: Sequence[Any]) -> HeaderGetter:
@@ -102,17 +106,6 @@ def _metadata_getter(metadata: Sequence[Any]) -> HeaderGetter:
     return get
 
 
-def _trailers(refusal: Refusal) -> tuple[tuple[str, str], ...]:
-    out = [(REFUSAL_REASON_KEY, refusal.reason.value)]
-    if refusal.do_not_retry:
-        out.append((GRPC_PUSHBACK_KEY, "-1"))
-    elif refusal.retry_after is not None:
-        out.append((GRPC_PUSHBACK_KEY, str(int(refusal.retry_after * 1000))))
-    if refusal.degraded:
-        out.append(("brownout-degraded", ", ".join(refusal.degraded)))
-    return tuple(out)
-
-
 _CLAIMS = frozenset(name.decode("latin-1") for name in EXPRESS_HEADERS)
 """Metadata keys the edge decides about (gRPC keys are lower case)."""
 
@@ -122,28 +115,9 @@ def _key(item: Any) -> str:
     return key
 
 
-# google.rpc.Code's HTTP mapping: the status a handler ended its call with (by
-# ``context.abort`` or ``context.set_code``), read as the HTTP edges read theirs: 5xx is the
-# service failing (counted failed), anything below is an answer (a NOT_FOUND is goodput).
-_HTTP_STATUS = {
-    grpc.StatusCode.OK: 200,
-    grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.UNKNOWN: 500,
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.PERMISSION_DENIED: 403,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.ABORTED: 409,
-    grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.UNIMPLEMENTED: 501,
-    grpc.StatusCode.INTERNAL: 500,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DATA_LOSS: 500,
-}
+_HTTP_STATUS = {code: STATUS_FOR_GRPC_CODE.get(code.name, 500) for code in grpc.StatusCode}
+"""How the status a handler ended its call with (``context.abort``, ``context.set_code``) is
+counted: its HTTP equivalent (`brownout._edge.STATUS_FOR_GRPC_CODE`), 5xx a failure."""
 _ANSWERS = (grpc.aio.AbortError,)
 """``context.abort`` raises this: the handler's way to answer, settled by its status."""
 
@@ -166,11 +140,6 @@ def _status_of(context: grpc.aio.ServicerContext[Any, Any]) -> int:
         return _HTTP_STATUS_BY_VALUE.get(code, 500)
     return 200
 
-
-_DETAILS = {
-    Reason.QUOTA: "quota exceeded",
-    Reason.DEADLINE_EXPIRED: "deadline expired",
-}
 
 Behavior = Callable[[Any, Any], Any] | None
 
@@ -294,7 +263,7 @@ async def _run(
     remaining = context.time_remaining()
     if (
         express is not None
-        and _get_current() is _NO_REQUEST
+        and get_current() is NO_REQUEST
         and _CLAIMS.isdisjoint(map(_key, metadata))
     ):
         # The call's own deadline, clamped as `serve` clamps it; a spent one is serve's (it
@@ -325,7 +294,7 @@ async def _run(
         flight.status = _status_of(context)
         flight.abandoned = _swallowed(task, cancelling, flight)  # `serve` counts it abandoned
         if policy.degraded is not None:  # here, where this call's fallback marks are set
-            named = announced_modes(policy.degraded, _fallback_marks())
+            named = announced_modes(policy.degraded, fallback_marks())
         return result
 
     try:
@@ -403,11 +372,9 @@ async def _end(
 ) -> NoReturn:
     """End the call with what the edge answered instead of the handler (always raises)."""
     if isinstance(outcome, Refusal):
-        degraded = outcome.degraded
-        details = _DETAILS.get(outcome.reason, outcome.reason.value)
-        if degraded:
-            details = f"{details} (degraded: {', '.join(degraded)})"
-        await context.abort(status_code_for(outcome.reason), details, _trailers(outcome))
+        await context.abort(
+            grpc.StatusCode[outcome.grpc_code], outcome.grpc_details(), refusal_trailers(outcome)
+        )
     raise asyncio.CancelledError  # ABANDONED: nobody is listening
 
 
@@ -415,4 +382,4 @@ def _announce_degraded(
     degraded: tuple[str, ...], context: grpc.aio.ServicerContext[Any, Any]
 ) -> None:
     if degraded:
-        context.set_trailing_metadata((("brownout-degraded", ", ".join(degraded)),))
+        context.set_trailing_metadata(((DEGRADED_HEADER, ", ".join(degraded)),))

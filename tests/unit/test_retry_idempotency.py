@@ -194,6 +194,31 @@ async def test_a_new_unknown_for_a_resolved_key_is_pending_again() -> None:
     ]
 
 
+async def test_a_new_unknown_for_a_key_left_for_a_human_is_checked_again() -> None:
+    """Pending, checked ``max_checks`` times without an answer (left for a human), then a new
+    attempt with the same key is unknown too: that attempt is new, so its checks start again
+    (before, the record kept ``checks == max_checks`` and nobody looked at the new attempt)."""
+    ledger = InMemoryOutcomeLedger(clock=ManualClock(1.0))
+    asked: list[str] = []
+
+    async def check(record: OutcomeRecord) -> OutcomeState:
+        asked.append(record.key)
+        return OutcomeState.PENDING
+
+    reconciler = Reconciler(ledger, check, max_checks=2)
+    await ledger.record_unknown("order-9", dependency="payments", detail="read timeout")
+    for _ in range(3):
+        await reconciler.run_once()
+    assert asked == ["order-9", "order-9"]  # left for a human
+    await ledger.record_unknown("order-9", dependency="payments", detail="timeout again")
+    rec = await ledger.get("order-9")
+    assert rec == OutcomeRecord(
+        "order-9", "payments", OutcomeState.PENDING, 1.0, "read timeout", checks=0
+    )  # the first record stands, its checks start again
+    await reconciler.run_once()
+    assert asked == ["order-9"] * 3
+
+
 async def test_a_reopened_key_is_evicted_in_its_new_place() -> None:
     ledger = InMemoryOutcomeLedger(max_entries=3)
     for k in "abc":

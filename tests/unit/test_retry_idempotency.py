@@ -89,6 +89,7 @@ async def test_bounded_100k_unknown_outcomes_keep_max_entries_at_a_small_cost_ea
     resolved_evicted = 33_334 - (10_000 - len(pending))
     assert ledger.dropped_pending == 90_000 - resolved_evicted
     assert pending[-1].key == "order-99998"  # (99,999 was resolved)
+    # private: the eviction heap's stale rows cost memory but show nowhere public
     assert len(ledger._resolved) <= 2 * ledger.max_entries
 
 
@@ -101,6 +102,7 @@ async def test_bounded_keys_resolved_again_and_again_leave_no_trail() -> None:
         await ledger.resolve("order-1", OutcomeState.APPLIED)
         await ledger.resolve("order-1", OutcomeState.PENDING)
     assert len(ledger) == 1
+    # private: the eviction heap's stale rows cost memory but show nowhere public
     assert len(ledger._resolved) <= 2 * ledger.max_entries
     await ledger.record_unknown("order-2", dependency="payments")
     assert (await ledger.get("order-1")) is not None

@@ -328,6 +328,32 @@ async def test_a_new_unknown_for_a_resolved_key_is_pending_again(
     assert done.previous is OutcomeState.NOT_APPLIED
 
 
+async def test_a_new_unknown_for_a_key_left_for_a_human_is_checked_again(
+    client: object, ledger_prefix: str
+) -> None:
+    """Pending and checked ``max_checks`` times (left for a human), then a new attempt with
+    the same key is unknown too: its checks start again, so the reconciler looks at it."""
+    ledger = RedisOutcomeLedger(client, prefix=ledger_prefix, ttl=60, wall=lambda: 1000.0)
+    asked: list[str] = []
+
+    async def check(record: OutcomeRecord) -> OutcomeState:
+        asked.append(record.key)
+        return OutcomeState.PENDING
+
+    reconciler = Reconciler(ledger, check, max_checks=2)
+    await ledger.record_unknown("order-9", dependency="payments", detail="read timeout")
+    for _ in range(3):
+        await reconciler.run_once()
+    assert asked == ["order-9", "order-9"]  # left for a human
+    await ledger.record_unknown("order-9", dependency="payments", detail="timeout again")
+    rec = await ledger.get("order-9")
+    assert rec == OutcomeRecord(
+        "order-9", "payments", OutcomeState.PENDING, 1000.0, "read timeout", checks=0
+    )  # the first record stands, its checks start again
+    await reconciler.run_once()
+    assert asked == ["order-9"] * 3
+
+
 async def _stored(client: Any, prefix: str) -> tuple[int, int]:
     """(records, index rows) under ``prefix``: what the ledger costs Redis."""
     records = [k async for k in client.scan_iter(match=f"{prefix}:outcome:*")]

@@ -57,6 +57,7 @@ class Watcher:
 
     def queued_ranks(self) -> list[int]:
         q = self.ref[0].queue
+        # private: the queue's per-class order has no public read (only its head's rank)
         return [rank_of(i.priority, i.in_progress) for d in q._classes for i in d if i.queued]
 
     def emit(self, event: Event) -> None:
@@ -173,6 +174,7 @@ async def _run(
         await settle()
     clock.advance(10.0)  # past every age bound and deadline
     if b.queue_depth:
+        # private: runs the expiry sweep now instead of waiting on the loop's timer
         b._run_sweep(asyncio.get_running_loop())
         await settle()
     while running:

@@ -146,7 +146,7 @@ def test_remove_is_lazy_but_bounded() -> None:
         assert q.remove(it, float(i), Reason.QUEUE_TIMEOUT)
         assert not q.remove(it, float(i))
     assert q.size == 0 and q.timed_out == 1000
-    assert q._stored <= 2 * q.max_size + 16
+    assert q._stored <= 2 * q.max_size + 16  # private: lazily removed items, memory only
 
 
 def test_bad_arguments() -> None:
@@ -445,6 +445,7 @@ def test_bounded_per_caller_counts_and_lazily_removed_items(make: type[WaitQueue
             now += 0.2
             q.expire_old(now)
         assert q.size <= 64
+        # private: per-caller counts of callers no longer waiting show only as memory
         assert len(q._per_caller) == q.size  # one item each: only waiting callers
         assert q._stored <= 2 * 64 + 16 + 1
     while q.size:

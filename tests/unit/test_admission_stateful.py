@@ -254,7 +254,8 @@ class Checker:
     def bad(self, msg: str) -> None:
         self.run.violations.append(f"t={asyncio.get_running_loop().time():.6f} {msg}")
 
-    # ground truth from the permits themselves
+    # ground truth from the permits themselves (private: a permit's admitted/queued/done
+    # state, the reserve and the tally rows have no public read; the model needs them)
     def admitted_by_priority(self) -> Counter[Priority]:
         return Counter(p.priority for _, p in self.permits if p._state == _ADMITTED)
 

@@ -223,6 +223,7 @@ def test_property_half_open_never_has_more_than_the_probe_limit_in_flight(
         except Rejected:
             pass
         if b.state is BreakerState.HALF_OPEN:
+            # private: which tokens are this half-open period's probes (tokens are opaque)
             assert sum(1 for t in in_flight if t == b._generation) <= probes
         if (len(in_flight) > 3 or failed) and in_flight:
             b.release(in_flight.pop(0), failed=failed)

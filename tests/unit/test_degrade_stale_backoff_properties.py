@@ -333,6 +333,8 @@ def drive(config: dict[str, Any], script: list[tuple[int, tuple[Any, ...]]]) -> 
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.sleep(HANG * 2)
         left = len(asyncio.all_tasks()) - 1
+        # private: finished flights and the refresh count left behind show only as memory
+        # and as refreshes refused later; the model checks the tasks publicly
         if left or cache._flights or cache._refreshing:
             actual.problems.append(
                 f"left behind: {left} tasks, flights {list(cache._flights)}, "
@@ -631,6 +633,7 @@ def test_state_stays_bounded_through_failing_and_hanging_refreshes(
             live = [t for t in refreshes if not t.done()]
             if len(cache) > max_entries or len(live) > max_entries:
                 bad.append(f"{len(cache)} entries, {len(live)} refreshes > {max_entries}")
+            # private: the count that caps refreshes has no public read; compared to the tasks
             if cache._refreshing != len(live):
                 bad.append(f"the cache counts {cache._refreshing} refreshes, {len(live)} run")
         for t in tasks:

@@ -265,7 +265,10 @@ async def test_manager_runs_periodically() -> None:
         values["x"] = 0.9
         await asyncio.sleep(0.3)
         assert m.level == 2
-    assert m._task is None
+    assert m.level == 0  # stopped: back to level 0 ...
+    values["x"] = 0.9
+    await asyncio.sleep(1.0)
+    assert m.level == 0  # ... and no periodic update runs any more
 
 
 def test_manager_gauges() -> None:

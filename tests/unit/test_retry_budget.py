@@ -17,6 +17,19 @@ def test_reserve_alone_allows_min_per_second_times_window() -> None:
     assert granted == 20
 
 
+@pytest.mark.parametrize(
+    ("min_per_second", "window", "reserve"),
+    # 0.29 * 100 is 28.999999999999996 in floats, 2.05 * 60 is 122.99999999999999
+    [(0.29, 100.0, 29), (0.57, 100.0, 57), (2.05, 60.0, 123), (0.5, 3.0, 1)],
+)
+def test_the_reserve_is_min_per_second_times_window_despite_float_rounding(
+    min_per_second: float, window: float, reserve: int
+) -> None:
+    b = RetryBudget(ratio=0.0, min_per_second=min_per_second, window=window, clock=ManualClock())
+    assert b.available() == reserve
+    assert sum(b.try_acquire_retry() for _ in range(200)) == reserve
+
+
 def test_originals_deposit_ratio_of_a_retry_each() -> None:
     clock = ManualClock()
     b = RetryBudget(ratio=0.1, min_per_second=0, window=10.0, clock=clock)

@@ -89,6 +89,7 @@ async def test_bounded_100k_unknown_outcomes_keep_max_entries_at_a_small_cost_ea
     resolved_evicted = 33_334 - (10_000 - len(pending))
     assert ledger.dropped_pending == 90_000 - resolved_evicted
     assert pending[-1].key == "order-99998"  # (99,999 was resolved)
+    # private: the eviction heap's stale rows cost memory but show nowhere public
     assert len(ledger._resolved) <= 2 * ledger.max_entries
 
 
@@ -101,6 +102,7 @@ async def test_bounded_keys_resolved_again_and_again_leave_no_trail() -> None:
         await ledger.resolve("order-1", OutcomeState.APPLIED)
         await ledger.resolve("order-1", OutcomeState.PENDING)
     assert len(ledger) == 1
+    # private: the eviction heap's stale rows cost memory but show nowhere public
     assert len(ledger._resolved) <= 2 * ledger.max_entries
     await ledger.record_unknown("order-2", dependency="payments")
     assert (await ledger.get("order-1")) is not None
@@ -192,6 +194,31 @@ async def test_a_new_unknown_for_a_resolved_key_is_pending_again() -> None:
         ("order-8", OutcomeState.APPLIED),
         ("order-7", OutcomeState.APPLIED),
     ]
+
+
+async def test_a_new_unknown_for_a_key_left_for_a_human_is_checked_again() -> None:
+    """Pending, checked ``max_checks`` times without an answer (left for a human), then a new
+    attempt with the same key is unknown too: that attempt is new, so its checks start again
+    (before, the record kept ``checks == max_checks`` and nobody looked at the new attempt)."""
+    ledger = InMemoryOutcomeLedger(clock=ManualClock(1.0))
+    asked: list[str] = []
+
+    async def check(record: OutcomeRecord) -> OutcomeState:
+        asked.append(record.key)
+        return OutcomeState.PENDING
+
+    reconciler = Reconciler(ledger, check, max_checks=2)
+    await ledger.record_unknown("order-9", dependency="payments", detail="read timeout")
+    for _ in range(3):
+        await reconciler.run_once()
+    assert asked == ["order-9", "order-9"]  # left for a human
+    await ledger.record_unknown("order-9", dependency="payments", detail="timeout again")
+    rec = await ledger.get("order-9")
+    assert rec == OutcomeRecord(
+        "order-9", "payments", OutcomeState.PENDING, 1.0, "read timeout", checks=0
+    )  # the first record stands, its checks start again
+    await reconciler.run_once()
+    assert asked == ["order-9"] * 3
 
 
 async def test_a_reopened_key_is_evicted_in_its_new_place() -> None:

@@ -426,6 +426,7 @@ def test_bounded_max_series_is_a_hard_ceiling_whatever_the_labels() -> None:
         )
     assert len(s.rows) <= 1000 + len(COUNTER_KINDS) * len(Priority)
     assert s.count("offered") == s.count("failed") == s.count("shed") == 100_000
+    # private: these caches bound memory only; no public read shows their size
     assert len(s._label_cache) <= 4096
     assert len(s._activity_base) <= len(s.callers) + 1
 
@@ -467,4 +468,4 @@ def test_bounded_hubs_a_stats_was_subscribed_to_are_forgotten_when_gone() -> Non
     gc.collect()
     keep = EventHub()
     keep.subscribe(s)
-    assert len(s._hubs) <= 2
+    assert len(s._hubs) <= 2  # private: the weak references to hubs show only as memory

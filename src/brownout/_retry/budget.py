@@ -58,6 +58,13 @@ class RetryAllowance(Protocol):
 _SCALE = 1000  # tokens are kept in thousandths so any ratio in [0.001, 1000] is exact enough
 
 
+def _whole(x: float) -> int:
+    """``floor(x)``, but a product a rounding short of a whole number is that number
+    (``0.29 * 100`` is 28.999999999999996: a reserve of 29 retries, not 28)."""
+    n = round(x)
+    return n if abs(x - n) <= 1e-9 * max(1.0, x) else math.floor(x)
+
+
 class RetryBudget:
     """At most ``ratio`` x originals + ``min_per_second`` x ``window`` retries per window.
 
@@ -91,7 +98,7 @@ class RetryBudget:
         else:
             self._deposit = _SCALE
             self._withdraw = max(1, int(_SCALE / ratio))
-        self._reserve = int(min_per_second * window) * self._withdraw
+        self._reserve = _whole(min_per_second * window) * self._withdraw
         self._counters = SlidingCounters(
             1, window=window, buckets=buckets, clock=clock or default_clock()
         )

@@ -92,10 +92,12 @@ class OutcomeLedger(Protocol):
     async def record_unknown(self, key: str, *, dependency: str, detail: str = "") -> None:
         """Record that the mutation with this key has an unknown outcome.
 
-        A key already pending keeps its record. A key already resolved is pending again: the
-        new attempt may have changed what the resolution said (a resend after ``NOT_APPLIED``
-        may have been applied), so it is reconciled again, its record dated from this call
-        with the earlier resolution in ``previous``.
+        A key already pending keeps its record, but its ``checks`` start again from 0: the
+        new attempt is one no reconciler has asked about, so one that left the key for a human
+        after ``max_checks`` must not keep it from being checked. A key already resolved is
+        pending again: the new attempt may have changed what the resolution said (a resend
+        after ``NOT_APPLIED`` may have been applied), so it is reconciled again, its record
+        dated from this call with the earlier resolution in ``previous``.
         """
         ...
 
@@ -155,7 +157,10 @@ class InMemoryOutcomeLedger:
         earlier = entries.get(key)
         if earlier is not None:
             if earlier.state is OutcomeState.PENDING:
-                return  # still unknown: the first record stands
+                # Still unknown: the first record stands, but the new attempt is unchecked.
+                if earlier.checks:
+                    entries[key] = replace(earlier, checks=0)
+                return
             # Resolved, and a new attempt with the same key is unknown: pending again, at the
             # back of the queue (its heap row goes stale: `_evict_one` checks the order).
             entries.move_to_end(key)

@@ -38,7 +38,11 @@ __all__ = ["RedisOutcomeLedger"]
 
 _RECORD = """
 local earlier = redis.call('HGET', KEYS[1], 'state')
-if earlier == 'pending' then return {0, 0} end
+if earlier == 'pending' then
+  -- the first record stands, but the new attempt is unchecked: its checks start again
+  redis.call('HSET', KEYS[1], 'checks', 0)
+  return {0, 0}
+end
 -- drop up to two expired records from the head of each index (bounded without a reconciler)
 for _, index in ipairs({KEYS[2], KEYS[3]}) do
   for _, member in ipairs(redis.call('ZRANGE', index, 0, 1)) do

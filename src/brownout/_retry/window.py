@@ -3,6 +3,13 @@
 The window covers ``window`` seconds as ``buckets`` equal slices. Old slices are zeroed lazily
 when time moves on, so reading or adding is O(1) amortised and nothing runs in the background.
 Time comes from an injected `Clock`, so tests drive it with a `ManualClock`.
+
+Slices are found by ``now // slice``, but a count's expiry is also kept as a time: the float
+``t + window`` can land a hair short of the slice boundary ``now // slice`` needs to cross
+(``100 + 1/3 + 1/3`` divided by ``1/3`` floors to 301, the index of ``100 + 1/3``), so the
+index alone could keep a count a whole window after it was added. Each slice therefore
+remembers when its newest count expires, and the oldest slice still counted is dropped once
+the clock reaches that time.
 """
 
 from __future__ import annotations
@@ -21,7 +28,17 @@ class SlidingCounters:
     ``window - window/buckets`` and ``window`` seconds of history.
     """
 
-    __slots__ = ("_clock", "_head", "_n", "_slice", "_slots", "_width", "totals")
+    __slots__ = (
+        "_clock",
+        "_expires",
+        "_head",
+        "_n",
+        "_slice",
+        "_slots",
+        "_width",
+        "_window",
+        "totals",
+    )
 
     def __init__(
         self,
@@ -37,37 +54,64 @@ class SlidingCounters:
         self._clock = clock or default_clock()
         self._n = buckets
         self._width = width
+        self._window = window
         self._slice = window / buckets
         self._slots = [[0] * width for _ in range(buckets)]
+        # When each slice's newest count is a whole window old (inf: nothing to expire).
+        self._expires = [math.inf] * buckets
         self._head = int(self._clock.now() // self._slice)
         self.totals = [0] * width
         """The running totals over the window; read after `advance`."""
 
     @property
     def window(self) -> float:
-        return self._slice * self._n
+        return self._window
 
-    def advance(self) -> list[int]:
-        """Drop slices that fell out of the window; return the slot to add to (current slice)."""
-        idx = int(self._clock.now() // self._slice)
+    def _drop(self, now: float) -> int:
+        """Zero the slices that left the window at ``now``; return ``now``'s slice index."""
+        idx = int(now // self._slice)
         head = self._head
+        n = self._n
+        totals = self.totals
         if idx != head:
             steps = idx - head
-            totals = self.totals
-            if steps >= self._n or steps < 0:
+            if steps >= n or steps < 0:
                 for slot in self._slots:
                     for i in range(self._width):
                         slot[i] = 0
                 for i in range(self._width):
                     totals[i] = 0
+                for s in range(n):
+                    self._expires[s] = math.inf
             else:
                 for s in range(1, steps + 1):
-                    slot = self._slots[(head + s) % self._n]
+                    pos = (head + s) % n
+                    slot = self._slots[pos]
                     for i in range(self._width):
                         totals[i] -= slot[i]
                         slot[i] = 0
+                    self._expires[pos] = math.inf
             self._head = idx
-        return self._slots[idx % self._n]
+        # The oldest slice still counted (the current one when there is one slice): rounding
+        # can leave ``idx`` one short of dropping it when its counts are a whole window old.
+        oldest = (idx + 1) % n
+        if now >= self._expires[oldest]:
+            slot = self._slots[oldest]
+            for i in range(self._width):
+                totals[i] -= slot[i]
+                slot[i] = 0
+            self._expires[oldest] = math.inf
+        return idx
+
+    def advance(self) -> list[int]:
+        """Drop slices that fell out of the window; return the slot to add to (current slice).
+
+        The caller adds to the slot (and to `totals`) right away: the slot's counts are taken
+        to be added now, and expire a whole window from now."""
+        now = self._clock.now()
+        pos = self._drop(now) % self._n
+        self._expires[pos] = now + self._window
+        return self._slots[pos]
 
     def add(self, index: int, amount: int = 1) -> None:
         """Add ``amount`` to counter ``index`` in the current slice."""
@@ -77,5 +121,5 @@ class SlidingCounters:
 
     def sums(self) -> list[int]:
         """The totals over the window, after dropping expired slices."""
-        self.advance()
+        self._drop(self._clock.now())
         return self.totals

@@ -636,7 +636,7 @@ class EdgePolicy:
         bulkhead = route.bulkhead
         if (
             not isinstance(bulkhead, Bulkhead)
-            or bulkhead._clock is not _LOOP_CLOCK
+            or bulkhead.clock is not _LOOP_CLOCK
             or self.quota is not None
             or self.slowed is not None
             or route.deadline.read_envoy

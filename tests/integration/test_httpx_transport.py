@@ -315,3 +315,50 @@ async def test_unkeyed_mutation_is_not_resent_after_it_was_sent(server: tuple[st
             await http.post("/echo", json={"amount": 5})
     assert info.value.idempotency_key is None
     assert len(seen.headers) == 1 and "idempotency-key" not in seen.headers[0]
+
+
+ABSURD_PUSHBACK: list[list[tuple[bytes, bytes]]] = [
+    [(b"retry-after", b"9" * 400)],
+    [(b"retry-after", b"1e999")],
+    [(b"retry-after", b"nan")],
+    [(b"retry-after", b"-5")],
+    [(b"retry-after", b"Mon, 99 Foo 99999 99:99:99 GMT")],
+    [(b"retry-after", b"Fri, 31 Dec 9999 23:59:59 GMT")],
+    [(b"retry-after", b"\xff\xfe")],
+    [(b"retry-after", b"1"), (b"retry-after", b"2")],  # httpx joins them: "1, 2"
+    [(b"grpc-retry-pushback-ms", b"9" * 400)],
+    [(b"grpc-retry-pushback-ms", b"1e999")],
+    [(b"grpc-retry-pushback-ms", b"nan")],
+    [(b"grpc-retry-pushback-ms", b"\xff")],
+    [(b"grpc-retry-pushback-ms", b"5"), (b"grpc-retry-pushback-ms", b"-1")],
+    [(b"brownout-retry", b"\xffnever")],
+    [(b"grpc-retry-pushback-ms", b"99999999999"), (b"retry-after", b"9" * 40)],
+]
+
+
+@pytest.mark.parametrize("pushback", ABSURD_PUSHBACK, ids=repr)
+async def test_an_absurd_pushback_never_loses_the_answer(
+    pushback: list[tuple[bytes, bytes]],
+) -> None:
+    """Classifying an answer is total: whatever a server says in Retry-After and
+    grpc-retry-pushback-ms, the caller gets the answer (or the retry layer's verdict on it),
+    never an exception out of the classification, and any wait is bounded."""
+    answered: list[int] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        answered.append(1)
+        body = b'{"status":503}'
+        headers = [(b"content-type", b"application/json"), *pushback]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async with serve(app) as base:
+        dep = Dependency("absurd", timeout=1.0, retry=fast_retries(2, max_pushback=0.5))
+        started = time.monotonic()
+        async with client(base, dep, return_exhausted=True) as http:
+            async with brownout.deadline(2.0):
+                r = await http.get("/")
+        assert time.monotonic() - started < 1.5
+    assert r.status_code == 503 and r.json() == {"status": 503}
+    assert 1 <= len(answered) <= 2

@@ -362,3 +362,34 @@ async def test_an_absurd_pushback_never_loses_the_answer(
         assert time.monotonic() - started < 1.5
     assert r.status_code == 503 and r.json() == {"status": 503}
     assert 1 <= len(answered) <= 2
+
+
+async def test_a_failure_reading_an_answers_body_is_transient_and_retried() -> None:
+    """The transport reads a 5xx answer's body itself (to free the connection for the retry):
+    a connection lost while reading it is a transport failure like one before the headers
+    (retried when safe), not an httpx error escaping the retry layer."""
+    answers = [
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 100\r\n\r\nabc",  # then hangs up
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+    ]
+    seen: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        seen.append(1)
+        writer.write(answers.pop(0))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with client(
+            f"http://127.0.0.1:{port}", Dependency("cut", timeout=1.0, retry=fast_retries(2))
+        ) as http:
+            r = await http.get("/")
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert r.status_code == 200 and r.text == "ok"
+    assert len(seen) == 2

@@ -171,6 +171,11 @@ class EdgePolicy:
             raise ValueError('on_quota_exceeded must be "reject" or "demote"')
         if self.retry_after_jitter < 0:
             raise ValueError("retry_after_jitter must be >= 0")
+        if getattr(self.quota, "requires_classifier", False) and self.classifier is None:
+            raise ValueError(
+                "quota= keyed by caller needs classifier=: without one every caller is "
+                "'unknown' and all share one allowance"
+            )
         unknown = set(self.grpc_codes.values()) - STATUS_FOR_GRPC_CODE.keys()
         if unknown:
             raise ValueError(f"grpc_codes: not grpc.StatusCode names: {sorted(unknown)}")

@@ -407,8 +407,33 @@ class EdgePolicy:
         flight.reports = bulkhead is None
         demote = False
         result: Any = None
+        parent = get_current()
+        seconds += flight.started  # now the deadline's instant
+        deadline = parent.deadline
+        if (
+            deadline is None or not deadline.at <= seconds
+        ):  # (a NaN reaches Deadline, which refuses it)
+            deadline = new_deadline(seconds) if seconds == seconds else Deadline(seconds)
+        flight.deadline = deadline
         if self.quota is not None:
-            result = await self._check_quota(cls, flight, bulkhead)
+            # Under the request's deadline: a shared store takes at most its share of what is
+            # left (`Quota.check`), not its whole timeout before the deadline is even set.
+            quota_token = set_current(
+                make_context(
+                    deadline,
+                    cls.priority,
+                    cls.caller,
+                    cls.operation,
+                    parent.attempt,
+                    parent.idempotency_key,
+                    cls.in_progress,
+                    flight.started,
+                )
+            )
+            try:
+                result = await self._check_quota(cls, flight, bulkhead)
+            finally:
+                reset_current(quota_token)
             if result is not None:
                 return result  # type: ignore[no-any-return]
             if flight.classification is not cls:  # demoted to SHEDDABLE
@@ -418,14 +443,6 @@ class EdgePolicy:
             loop = running_loop()
         task = flight.task = current_task_of(loop)
         assert task is not None
-        parent = get_current()
-        seconds += flight.started  # now the deadline's instant
-        deadline = parent.deadline
-        if (
-            deadline is None or not deadline.at <= seconds
-        ):  # (a NaN reaches Deadline, which refuses it)
-            deadline = new_deadline(seconds) if seconds == seconds else Deadline(seconds)
-        flight.deadline = deadline
         try:
             # The request context, set directly (what ``brownout.request(...)`` sets, without
             # its per-call dictionaries): deadline, priority, caller, operation, stopwatch.

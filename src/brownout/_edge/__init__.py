@@ -57,6 +57,7 @@ from .refusals import (
     ratelimit_headers,
     refusal_headers,
     refusal_trailers,
+    retry_after_window,
 )
 from .routes import UNMATCHED, ResolvedRoute, Route, compile_template
 from .slowed import SlowedRejections
@@ -96,4 +97,5 @@ __all__ = [
     "ratelimit_headers",
     "refusal_headers",
     "refusal_trailers",
+    "retry_after_window",
 ]

@@ -72,6 +72,7 @@ from .refusals import (
     Refusal,
     grpc_code_for_status,
     problem_body,
+    retry_after_window,
 )
 from .routes import UNMATCHED, ResolvedRoute, Route, compile_template
 from .slowed import SlowedRejections
@@ -136,8 +137,11 @@ class EdgePolicy:
       defaults: `refusals.DETAILS`);
     - ``do_not_retry``: reasons whose refusals carry ``brownout-retry: never`` (by default only
       those that already went through a retry layer: budget exhausted, do-not-retry);
-    - ``retry_after_jitter``: Retry-After is stretched by a random factor in
-      ``[1, 1 + jitter]`` so refused callers do not come back together;
+    - ``retry_after_jitter``: the estimate is stretched by a random factor in
+      ``[1, 1 + jitter]`` (gRPC's pushback, in ms) and ``Retry-After``, whole seconds, is
+      drawn uniformly from ``[ceil(estimate), ceil(estimate * (1 + jitter)) + 1]`` with the
+      same random number (`refusals.retry_after_window`), so refused callers do not come back
+      together, not even within one second;
     - ``sweep_period``: requests older than this get their deadline timer and disconnect
       watch from one shared sweep (faster requests never pay for a timer); the deadline itself
       is enforced exactly.
@@ -291,8 +295,12 @@ class EdgePolicy:
             )
         estimate = retry_after if not base.do_not_retry else None
         jittered = None
+        whole = None
         if estimate is not None:
-            jittered = estimate * (1.0 + self.retry_after_jitter * self.rng.random())
+            jitter = self.retry_after_jitter
+            u = self.rng.random()
+            jittered = estimate * (1.0 + jitter * u)
+            whole = retry_after_window(estimate, jitter, u)
         # The constructor, not ``_replace`` (a map over the fields and a dict per call).
         return Refusal(
             base.status,
@@ -305,6 +313,7 @@ class EdgePolicy:
             estimate,
             base.detail,
             base.grpc_code,
+            whole,
         )
 
     def degraded_names(self) -> tuple[str, ...]:

@@ -51,12 +51,14 @@ __all__ = [
     "BudgetSigner",
     "InboundBudget",
     "InboundDeadlinePolicy",
+    "Repeated",
     "Trust",
     "context_headers",
     "decode_budget_ms",
     "decode_grpc_timeout",
     "encode_budget_ms",
     "encode_grpc_timeout",
+    "header_values",
     "outbound_headers",
 ]
 
@@ -334,8 +336,40 @@ class InboundBudget(NamedTuple):
     clamped: bool
 
 
-_PLAIN = (BUDGET_HEADER,)
-HeaderGetter = Callable[[str], "str | bytes | None"]
+class Repeated(tuple[str | bytes, ...]):
+    """The distinct values of a header that arrived more than once with different values, in
+    the order they came: what the edge's header getters return for it (the one value when a
+    header came once, or repeated the same). Each reader decides what several values mean
+    (docs/deadlines.md, "Repeated headers"): of budgets, the shortest valid one wins; a
+    priority claim with differing values is ignored."""
+
+    __slots__ = ()
+
+
+HeaderGetter = Callable[[str], "str | bytes | Repeated | None"]
+
+
+def header_values(raw: str | bytes | Repeated | None) -> tuple[str | bytes, ...]:
+    """Every value a header getter returned: none, one, or each of a `Repeated`."""
+    if raw is None:
+        return ()
+    if isinstance(raw, Repeated):
+        return tuple(raw)
+    return (raw,)
+
+
+def _budget_values(raw: str | bytes | Repeated) -> list[str | bytes]:
+    """The values of a budget header, a comma-separated list (a proxy folding repeated
+    fields into one) counted as that many values."""
+    out: list[str | bytes] = []
+    for value in header_values(raw):
+        if isinstance(value, str) and "," in value:
+            out.extend(value.split(","))
+        elif isinstance(value, bytes | bytearray) and b"," in value:
+            out.extend(bytes(value).split(b","))
+        else:
+            out.append(value)
+    return out
 
 
 @dataclass(frozen=True)
@@ -344,6 +378,7 @@ class InboundDeadlinePolicy:
 
     - no usable header: ``default`` seconds;
     - a header: its value, clamped to ``maximum`` (an untrusted 60 s header never gets more);
+      several values (a header repeated, or a comma-separated list): the shortest valid one;
     - a malformed, unsigned-where-signature-needed, or forged value: ignored (the default
       applies) and reported as a `DeadlineHeaderIgnored` event; never an exception.
     ``honour_untrusted=False`` ignores budget headers from untrusted sources entirely.
@@ -371,16 +406,23 @@ class InboundDeadlinePolicy:
         """The budget for a request whose header values are read with ``get(lower_name)``."""
         best: float | None = None
         origin = "default"
+        # Every value counts on its own and the shortest valid one wins: a header repeated
+        # (or folded into a comma-separated list) never buys more time than its shortest
+        # value, whichever comes first.
         if trust is Trust.SIGNED:
             raw = get(SIGNED_BUDGET_HEADER)
             if raw is not None:
                 if self.signer is None:
                     self._ignored(SIGNED_BUDGET_HEADER, "no signer configured")
                 else:
-                    try:
-                        best, origin = self.signer.verify(raw), "signed"
-                    except HeaderError as e:
-                        self._ignored(SIGNED_BUDGET_HEADER, e.problem)
+                    for signed in header_values(raw):
+                        try:
+                            value = self.signer.verify(signed)
+                        except HeaderError as e:
+                            self._ignored(SIGNED_BUDGET_HEADER, e.problem)
+                            continue
+                        if best is None or value < best:
+                            best, origin = value, "signed"
         elif trust is Trust.TRUSTED or self.honour_untrusted:
             candidates = (
                 [BUDGET_HEADER, ENVOY_TIMEOUT_HEADER] if self.read_envoy else [BUDGET_HEADER]
@@ -389,13 +431,14 @@ class InboundDeadlinePolicy:
                 raw = get(name)
                 if raw is None:
                     continue
-                try:
-                    value = decode_budget_ms(raw, name)
-                except HeaderError as e:
-                    self._ignored(name, e.problem)
-                    continue
-                if best is None or value < best:
-                    best, origin = value, "envoy" if name == ENVOY_TIMEOUT_HEADER else "header"
+                for text in _budget_values(raw):
+                    try:
+                        value = decode_budget_ms(text, name)
+                    except HeaderError as e:
+                        self._ignored(name, e.problem)
+                        continue
+                    if best is None or value < best:
+                        best, origin = value, "envoy" if name == ENVOY_TIMEOUT_HEADER else "header"
         if best is None:
             return InboundBudget(self.default, "default", False)
         if best > self.maximum:

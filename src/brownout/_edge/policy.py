@@ -40,6 +40,7 @@ from .._propagation import (
     PRIORITY_HEADER,
     HeaderGetter,
     InboundDeadlinePolicy,
+    Repeated,
     Trust,
     decode_budget_ms,
 )
@@ -77,7 +78,7 @@ from .refusals import (
 from .routes import UNMATCHED, ResolvedRoute, Route, compile_template
 from .slowed import SlowedRejections
 
-__all__ = ["EdgePolicy", "header_getter"]
+__all__ = ["EdgePolicy", "header_getter", "header_value", "metadata_getter", "one_value"]
 
 T = TypeVar("T")
 
@@ -339,12 +340,14 @@ class EdgePolicy:
         claim = get(PRIORITY_HEADER)
         if claim is not None:
             if trust is Trust.TRUSTED:
-                p = parse_priority(claim)
+                # Differing claims: which one was meant is anyone's guess; none is honoured.
+                p = None if isinstance(claim, Repeated) else parse_priority(claim)
                 if p is not None:
                     priority = p if p <= self.max_claimed_priority else self.max_claimed_priority
                 elif self.events.enabled:
+                    problem = "repeated" if isinstance(claim, Repeated) else "malformed"
                     self.events.emit(
-                        DeadlineHeaderIgnored(_now(), self.name, PRIORITY_HEADER, "malformed")
+                        DeadlineHeaderIgnored(_now(), self.name, PRIORITY_HEADER, problem)
                     )
             elif self.events.enabled:
                 self.events.emit(
@@ -858,19 +861,58 @@ class EdgePolicy:
 
 _ENCODED: dict[str, bytes] = {}
 
+V = TypeVar("V", str, bytes)
+
+
+def one_value(values: Sequence[V]) -> V | Repeated | None:
+    """What a header getter returns for a header's ``values`` (in arrival order): ``None``
+    for none, the value when there is one (or several equal ones), else a `Repeated` of the
+    distinct values, for the reader to decide (the shortest budget wins; a priority claim is
+    ignored). The one rule every adapter's lookup follows (aiohttp: ``headers.getall``)."""
+    if not values:
+        return None
+    first = values[0]
+    for value in values:
+        if value != first:
+            return Repeated(dict.fromkeys(values))
+    return first
+
+
+def header_value(pairs: Iterable[tuple[bytes, bytes]], name: str) -> bytes | Repeated | None:
+    """Header ``name`` (lower case) of ASGI-style ``(lower-case name, value)`` byte pairs,
+    repeated values included (`one_value`)."""
+    key = _ENCODED.get(name)
+    if key is None:
+        key = name.encode("latin-1")
+        if len(_ENCODED) < 64:
+            _ENCODED[name] = key
+    found: bytes | None = None
+    more: list[bytes] | None = None
+    for k, v in pairs:
+        if k == key:
+            if found is None:
+                found = v
+            elif more is not None:
+                more.append(v)
+            elif v != found:
+                more = [found, v]
+    return found if more is None else one_value(more)
+
 
 def header_getter(pairs: Iterable[tuple[bytes, bytes]]) -> HeaderGetter:
     """A header getter over ASGI-style ``(lower-case name, value)`` byte pairs."""
 
-    def get(name: str) -> bytes | None:
-        key = _ENCODED.get(name)
-        if key is None:
-            key = name.encode("latin-1")
-            if len(_ENCODED) < 64:
-                _ENCODED[name] = key
-        for k, v in pairs:
-            if k == key:
-                return v
-        return None
+    def get(name: str) -> bytes | Repeated | None:
+        return header_value(pairs, name)
+
+    return get
+
+
+def metadata_getter(metadata: Sequence[Any]) -> HeaderGetter:
+    """A header getter over gRPC metadata: ``(lower-case key, value)`` pairs, values
+    ``str`` (or ``bytes`` for ``-bin`` keys), repeated keys included (`one_value`)."""
+
+    def get(name: str) -> str | bytes | Repeated | None:
+        return one_value([item[1] for item in metadata if item[0] == name])
 
     return get

@@ -66,10 +66,10 @@ from .._edge import (
     Refusal,
     ResolvedRoute,
     announced_modes,
+    metadata_getter,
     refusal_trailers,
 )
 from .._errors import Reason
-from .._propagation import HeaderGetter
 
 __all__ = ["BrownoutServerInterceptor", "GrpcCall", "status_code_for"]
 
@@ -93,17 +93,6 @@ def status_code_for(reason: Reason, policy: EdgePolicy | None = None) -> grpc.St
 
 
 _DEFAULT_POLICY = EdgePolicy()
-
-
-def _metadata_getter(metadata: Sequence[Any]) -> HeaderGetter:
-    def get(name: str) -> str | bytes | None:
-        for item in metadata:
-            if item[0] == name:
-                value: str | bytes = item[1]
-                return value
-        return None
-
-    return get
 
 
 _CLAIMS = frozenset(name.decode("latin-1") for name in EXPRESS_HEADERS)
@@ -303,7 +292,7 @@ async def _run(
             noted,
             flight,
             route=route,
-            get=_metadata_getter(metadata),
+            get=metadata_getter(metadata),
             budget=budget,
             answers=_ANSWERS,
             loop=loop,

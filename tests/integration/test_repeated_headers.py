@@ -61,8 +61,8 @@ CASES: list[tuple[Trust, Pairs, float, Priority]] = [
     (
         Trust.SIGNED,
         (
-            ("brownout-signed-budget", SIGNER.sign(3.0)),
-            ("brownout-signed-budget", SIGNER.sign(1.0)),
+            ("brownout-signed-budget", "sign:3.0"),
+            ("brownout-signed-budget", "sign:1.0"),
         ),
         1.0,
         ROUTE_PRIORITY,

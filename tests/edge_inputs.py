@@ -310,11 +310,16 @@ class Answer:
 
 
 def expected_budget(
-    policy: EdgePolicy, trust: Trust, headers: Headers, template: str = TEMPLATE
+    policy: EdgePolicy,
+    trust: Trust,
+    headers: Headers,
+    template: str = TEMPLATE,
+    carried: float | None = None,
 ) -> float:
-    """The budget the reference parser gives these headers from this source."""
+    """The budget the reference parser gives these headers (and the protocol's own deadline,
+    ``carried``) from this source."""
     deadline: InboundDeadlinePolicy = policy.route(template).deadline
-    return deadline.resolve(lambda name: lookup(headers, name), trust).seconds
+    return deadline.resolve(lambda name: lookup(headers, name), trust, carried).seconds
 
 
 def judge_seen(

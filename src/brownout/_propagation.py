@@ -396,14 +396,32 @@ class InboundDeadlinePolicy:
             raise ValueError("need 0 < default <= maximum < inf")
 
     def clamp(self, seconds: float | None) -> float:
-        """The budget for a protocol that carries its own deadline (gRPC's ``grpc-timeout``):
-        ``seconds`` capped at ``maximum``, or ``default`` when it carries none."""
+        """``seconds`` capped at ``maximum``, or ``default`` for ``None``. Whether a source may
+        set its budget at all is `honours_unsigned`'s to say (`resolve` asks it)."""
         if seconds is None:
             return self.default
         return seconds if seconds < self.maximum else self.maximum
 
-    def resolve(self, get: HeaderGetter, trust: Trust = Trust.UNTRUSTED) -> InboundBudget:
-        """The budget for a request whose header values are read with ``get(lower_name)``."""
+    def honours_unsigned(self, trust: Trust) -> bool:
+        """Whether an unsigned budget from a source of this ``trust`` is honoured: the one
+        rule for ``brownout-budget-ms``, Envoy's header and a protocol's own deadline (gRPC's
+        ``grpc-timeout``): from a trusted source; from an untrusted one unless
+        ``honour_untrusted=False``; never across a signed boundary, where only a valid
+        signed budget counts."""
+        if trust is Trust.TRUSTED:
+            return True
+        return trust is Trust.UNTRUSTED and self.honour_untrusted
+
+    def resolve(
+        self,
+        get: HeaderGetter,
+        trust: Trust = Trust.UNTRUSTED,
+        carried: float | None = None,
+    ) -> InboundBudget:
+        """The budget for a request whose header values are read with ``get(lower_name)``.
+        ``carried``: the deadline the protocol itself carries (gRPC's ``grpc-timeout``, in
+        seconds), an unsigned budget like the others: honoured where `honours_unsigned`
+        says, the shortest of all honoured values winning (origin ``"protocol"``)."""
         best: float | None = None
         origin = "default"
         # Every value counts on its own and the shortest valid one wins: a header repeated
@@ -423,7 +441,9 @@ class InboundDeadlinePolicy:
                             continue
                         if best is None or value < best:
                             best, origin = value, "signed"
-        elif trust is Trust.TRUSTED or self.honour_untrusted:
+        elif self.honours_unsigned(trust):
+            if carried is not None:
+                best, origin = (carried if carried > 0.0 else 0.0), "protocol"
             candidates = (
                 [BUDGET_HEADER, ENVOY_TIMEOUT_HEADER] if self.read_envoy else [BUDGET_HEADER]
             )

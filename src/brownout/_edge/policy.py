@@ -403,7 +403,8 @@ class EdgePolicy:
             else:
                 seconds = policy.resolve(get, trust).seconds
         else:
-            seconds = policy.clamp(budget)
+            # The protocol's own deadline, honoured by the rule the headers follow.
+            seconds = policy.resolve(get, trust, budget).seconds
         if self.classifier is None and trust is not _TRUSTED and not events.enabled:
             # No claim can be honoured and nobody listens for an ignored one: the route's own.
             # Immutable, so one per route serves every such request.
@@ -684,6 +685,19 @@ class EdgePolicy:
             self.degraded,
             self._sweeper,
         )
+
+    def carried_budget(self, route: ResolvedRoute, request: Any, seconds: float | None) -> float:
+        """The budget of a request without brownout headers whose protocol carries its own
+        deadline (gRPC: ``seconds`` from ``grpc-timeout``, ``None`` without one), for the
+        express path: as `serve` resolves it (`InboundDeadlinePolicy.honours_unsigned`:
+        clamped to the route maximum where the source may set it, else the route default)."""
+        policy = route.deadline
+        if seconds is None:
+            return policy.default
+        trust = self._fixed_trust if self._trust_fn is None else self._trust_fn(request)
+        if not policy.honours_unsigned(trust):
+            return policy.default
+        return seconds if seconds < policy.maximum else policy.maximum
 
     def express_budget(
         self, route: ResolvedRoute, request: Any, headers: Iterable[tuple[bytes, bytes]]

@@ -7,7 +7,8 @@
 Per RPC (unary and streaming, in both directions):
 
 - the deadline is the call's own (``context.time_remaining()``, from ``grpc-timeout``, D3),
-  clamped to the route maximum; without one, the policy's budget metadata / default applies;
+  an unsigned budget the edge honours by trust as the HTTP edges honour theirs, clamped to
+  the route maximum; otherwise the policy's budget metadata / default applies;
 - the operation is the full method name (``/pkg.Service/Method``): bounded by the services
   registered; `EdgePolicy.routes` is keyed by it;
 - ``brownout-priority`` metadata is honoured only from a trusted source (S4);
@@ -255,12 +256,11 @@ async def _run(
         and get_current() is NO_REQUEST
         and _CLAIMS.isdisjoint(map(_key, metadata))
     ):
-        # The call's own deadline, clamped as `serve` clamps it; a spent one is serve's (it
+        # The call's own deadline, as `serve` takes it (trust decides); a spent one is serve's (it
         # answers DEADLINE_EXCEEDED before the work starts).
-        seconds = route.deadline.clamp(remaining)
-        admitted = policy.express_admit(
-            express, GrpcCall(method, metadata, context), started, seconds
-        )
+        request = GrpcCall(method, metadata, context)
+        seconds = policy.carried_budget(route, request, remaining)
+        admitted = policy.express_admit(express, request, started, seconds)
         if admitted is not None:
             permit, cls = admitted
             return await _express(

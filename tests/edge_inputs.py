@@ -34,6 +34,7 @@ from brownout import (
     Stats,
     Trust,
 )
+from brownout._edge import Repeated
 from brownout.events import EventHub
 from brownout.integrations.aiohttp_server import brownout_middleware
 from brownout.integrations.asgi import BrownoutMiddleware
@@ -269,13 +270,26 @@ url_paths = st.one_of(
 )
 
 
-def first(headers: Headers, name: str) -> bytes | None:
-    """The first value of header ``name`` (case-insensitive), as the edge reads it."""
+def values(headers: Headers, name: str) -> list[bytes]:
+    """Every value of header ``name`` (case-insensitive), in order."""
     key = name.encode().lower()
-    for k, v in headers:
-        if k.lower() == key:
-            return v
-    return None
+    return [v for k, v in headers if k.lower() == key]
+
+
+def lookup(headers: Headers, name: str) -> bytes | Repeated | None:
+    """Header ``name`` as the edge reads it: none, its one value (or several equal ones), or
+    the distinct values of a header repeated with different values (issue 24)."""
+    found = list(dict.fromkeys(values(headers, name)))
+    if not found:
+        return None
+    return found[0] if len(found) == 1 else Repeated(found)
+
+
+def single(headers: Headers, name: str) -> bytes | None:
+    """The value of header ``name`` when it has one (a priority claim: several differing
+    claims are none)."""
+    found = lookup(headers, name)
+    return None if isinstance(found, Repeated) else found
 
 
 def matches_the_route(path: str) -> bool:
@@ -296,11 +310,16 @@ class Answer:
 
 
 def expected_budget(
-    policy: EdgePolicy, trust: Trust, headers: Headers, template: str = TEMPLATE
+    policy: EdgePolicy,
+    trust: Trust,
+    headers: Headers,
+    template: str = TEMPLATE,
+    carried: float | None = None,
 ) -> float:
-    """The budget the reference parser gives these headers from this source."""
+    """The budget the reference parser gives these headers (and the protocol's own deadline,
+    ``carried``) from this source."""
     deadline: InboundDeadlinePolicy = policy.route(template).deadline
-    return deadline.resolve(lambda name: first(headers, name), trust).seconds
+    return deadline.resolve(lambda name: lookup(headers, name), trust, carried).seconds
 
 
 def judge_seen(
@@ -317,7 +336,7 @@ def judge_seen(
     assert remaining is not None
     assert 0.0 <= remaining <= min(expected + rounding, MAXIMUM), (remaining, expected)
     assert remaining > expected - SLACK
-    claim = parse_priority(first(headers, PRIORITY_HEADER))
+    claim = parse_priority(single(headers, PRIORITY_HEADER))
     if trust is Trust.TRUSTED and claim is not None:
         assert priority == min(claim, MAX_CLAIMED)
     else:

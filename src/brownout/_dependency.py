@@ -29,11 +29,11 @@ from typing import Any, TypeVar
 from ._admission.protocols import AdmitsWork
 from ._clock import Clock, default_clock
 from ._context import DeadlineScope, current_deadline
-from ._deadline import call_budget
 from ._degrade.drill import dependency_call, fallback_scope
 from ._errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
 from ._retry.breaker import CircuitBreaker
 from ._retry.idempotency import OutcomeLedger
+from ._retry.outbound import ATTEMPT_EDGE, attempt_budget
 from ._retry.policy import RetryPolicy, RetrySlots, enter_attempt, exit_attempt
 from ._retry.throttle import ClientThrottle
 from .events import EventHub, RequestShed, hub
@@ -42,10 +42,8 @@ __all__ = ["Dependency"]
 
 T = TypeVar("T")
 
-_UNBOUNDED = float("inf")
 _log = logging.getLogger("brownout.dependency")
 _LEDGER_WRITES: set[asyncio.Future[None]] = set()  # shielded writes still running (strong refs)
-_EDGE = 0.001  # the smallest reserve: an attempt always ends before its request (seconds)
 
 
 class Dependency:
@@ -268,9 +266,10 @@ class Dependency:
             # own cancellation wins the race and a mutation's unknown outcome goes unrecorded.
             taken = deadline.clock.now()  # read before the budget: never later than its own
             try:
-                budget = call_budget(
-                    _UNBOUNDED if self.timeout is None else self.timeout,
-                    reserve=self._kept_back(),
+                # The rule the client adapters share (`brownout.wire.attempt_budget`).
+                budget = attempt_budget(
+                    self.timeout,
+                    reserve=self.reserve,
                     min_useful=self.min_useful,
                     deadline=deadline,
                 )
@@ -368,8 +367,8 @@ class Dependency:
 
     def _kept_back(self) -> float:
         """What every attempt keeps back from the request's time: the reserve, at least
-        ``_EDGE`` (an attempt always ends before its request)."""
-        return self.reserve if self.reserve > _EDGE else _EDGE
+        `ATTEMPT_EDGE` (an attempt always ends before its request)."""
+        return self.reserve if self.reserve > ATTEMPT_EDGE else ATTEMPT_EDGE
 
     def _refuse(self, reason: Reason, detail: str) -> Rejected:
         if self._events.enabled:

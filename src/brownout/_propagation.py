@@ -51,12 +51,14 @@ __all__ = [
     "BudgetSigner",
     "InboundBudget",
     "InboundDeadlinePolicy",
+    "Repeated",
     "Trust",
     "context_headers",
     "decode_budget_ms",
     "decode_grpc_timeout",
     "encode_budget_ms",
     "encode_grpc_timeout",
+    "header_values",
     "outbound_headers",
 ]
 
@@ -334,8 +336,40 @@ class InboundBudget(NamedTuple):
     clamped: bool
 
 
-_PLAIN = (BUDGET_HEADER,)
-HeaderGetter = Callable[[str], "str | bytes | None"]
+class Repeated(tuple[str | bytes, ...]):
+    """The distinct values of a header that arrived more than once with different values, in
+    the order they came: what the edge's header getters return for it (the one value when a
+    header came once, or repeated the same). Each reader decides what several values mean
+    (docs/deadlines.md, "Repeated headers"): of budgets, the shortest valid one wins; a
+    priority claim with differing values is ignored."""
+
+    __slots__ = ()
+
+
+HeaderGetter = Callable[[str], "str | bytes | Repeated | None"]
+
+
+def header_values(raw: str | bytes | Repeated | None) -> tuple[str | bytes, ...]:
+    """Every value a header getter returned: none, one, or each of a `Repeated`."""
+    if raw is None:
+        return ()
+    if isinstance(raw, Repeated):
+        return tuple(raw)
+    return (raw,)
+
+
+def _budget_values(raw: str | bytes | Repeated) -> list[str | bytes]:
+    """The values of a budget header, a comma-separated list (a proxy folding repeated
+    fields into one) counted as that many values."""
+    out: list[str | bytes] = []
+    for value in header_values(raw):
+        if isinstance(value, str) and "," in value:
+            out.extend(value.split(","))
+        elif isinstance(value, bytes | bytearray) and b"," in value:
+            out.extend(bytes(value).split(b","))
+        else:
+            out.append(value)
+    return out
 
 
 @dataclass(frozen=True)
@@ -344,6 +378,7 @@ class InboundDeadlinePolicy:
 
     - no usable header: ``default`` seconds;
     - a header: its value, clamped to ``maximum`` (an untrusted 60 s header never gets more);
+      several values (a header repeated, or a comma-separated list): the shortest valid one;
     - a malformed, unsigned-where-signature-needed, or forged value: ignored (the default
       applies) and reported as a `DeadlineHeaderIgnored` event; never an exception.
     ``honour_untrusted=False`` ignores budget headers from untrusted sources entirely.
@@ -361,27 +396,54 @@ class InboundDeadlinePolicy:
             raise ValueError("need 0 < default <= maximum < inf")
 
     def clamp(self, seconds: float | None) -> float:
-        """The budget for a protocol that carries its own deadline (gRPC's ``grpc-timeout``):
-        ``seconds`` capped at ``maximum``, or ``default`` when it carries none."""
+        """``seconds`` capped at ``maximum``, or ``default`` for ``None``. Whether a source may
+        set its budget at all is `honours_unsigned`'s to say (`resolve` asks it)."""
         if seconds is None:
             return self.default
         return seconds if seconds < self.maximum else self.maximum
 
-    def resolve(self, get: HeaderGetter, trust: Trust = Trust.UNTRUSTED) -> InboundBudget:
-        """The budget for a request whose header values are read with ``get(lower_name)``."""
+    def honours_unsigned(self, trust: Trust) -> bool:
+        """Whether an unsigned budget from a source of this ``trust`` is honoured: the one
+        rule for ``brownout-budget-ms``, Envoy's header and a protocol's own deadline (gRPC's
+        ``grpc-timeout``): from a trusted source; from an untrusted one unless
+        ``honour_untrusted=False``; never across a signed boundary, where only a valid
+        signed budget counts."""
+        if trust is Trust.TRUSTED:
+            return True
+        return trust is Trust.UNTRUSTED and self.honour_untrusted
+
+    def resolve(
+        self,
+        get: HeaderGetter,
+        trust: Trust = Trust.UNTRUSTED,
+        carried: float | None = None,
+    ) -> InboundBudget:
+        """The budget for a request whose header values are read with ``get(lower_name)``.
+        ``carried``: the deadline the protocol itself carries (gRPC's ``grpc-timeout``, in
+        seconds), an unsigned budget like the others: honoured where `honours_unsigned`
+        says, the shortest of all honoured values winning (origin ``"protocol"``)."""
         best: float | None = None
         origin = "default"
+        # Every value counts on its own and the shortest valid one wins: a header repeated
+        # (or folded into a comma-separated list) never buys more time than its shortest
+        # value, whichever comes first.
         if trust is Trust.SIGNED:
             raw = get(SIGNED_BUDGET_HEADER)
             if raw is not None:
                 if self.signer is None:
                     self._ignored(SIGNED_BUDGET_HEADER, "no signer configured")
                 else:
-                    try:
-                        best, origin = self.signer.verify(raw), "signed"
-                    except HeaderError as e:
-                        self._ignored(SIGNED_BUDGET_HEADER, e.problem)
-        elif trust is Trust.TRUSTED or self.honour_untrusted:
+                    for signed in header_values(raw):
+                        try:
+                            value = self.signer.verify(signed)
+                        except HeaderError as e:
+                            self._ignored(SIGNED_BUDGET_HEADER, e.problem)
+                            continue
+                        if best is None or value < best:
+                            best, origin = value, "signed"
+        elif self.honours_unsigned(trust):
+            if carried is not None:
+                best, origin = (carried if carried > 0.0 else 0.0), "protocol"
             candidates = (
                 [BUDGET_HEADER, ENVOY_TIMEOUT_HEADER] if self.read_envoy else [BUDGET_HEADER]
             )
@@ -389,13 +451,14 @@ class InboundDeadlinePolicy:
                 raw = get(name)
                 if raw is None:
                     continue
-                try:
-                    value = decode_budget_ms(raw, name)
-                except HeaderError as e:
-                    self._ignored(name, e.problem)
-                    continue
-                if best is None or value < best:
-                    best, origin = value, "envoy" if name == ENVOY_TIMEOUT_HEADER else "header"
+                for text in _budget_values(raw):
+                    try:
+                        value = decode_budget_ms(text, name)
+                    except HeaderError as e:
+                        self._ignored(name, e.problem)
+                        continue
+                    if best is None or value < best:
+                        best, origin = value, "envoy" if name == ENVOY_TIMEOUT_HEADER else "header"
         if best is None:
             return InboundBudget(self.default, "default", False)
         if best > self.maximum:

@@ -197,3 +197,33 @@ async def test_error_answers_stay_readable(server: tuple[str, Seen]) -> None:
             assert r.status == 503
             assert await r.read() == b'{"status": 503}'
             assert await r.text() == '{"status": 503}'
+
+
+async def test_a_failure_reading_an_answers_body_is_transient_and_retried() -> None:
+    """The middleware reads a 5xx answer's body itself: a connection lost while reading it is
+    a transport failure like one before the headers (retried when safe), not an aiohttp
+    error escaping the retry layer."""
+    answers = [
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 100\r\n\r\nabc",  # then hangs up
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+    ]
+    seen: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        seen.append(1)
+        writer.write(answers.pop(0))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        dep = Dependency("cut", timeout=1.0, retry=fast_retries(2))
+        async with session(f"http://127.0.0.1:{port}", dep) as http:
+            async with http.get("/") as r:
+                assert r.status == 200 and await r.text() == "ok"
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert len(seen) == 2

@@ -11,8 +11,9 @@ the raw pairs: this is where a case or repetition mismatch between the paths wou
 
 Each answer is judged against the reference parsers (``tests/edge_inputs.py``): one answer,
 on a connection that stays open; a deadline never past the route maximum and equal to what
-`InboundDeadlinePolicy.resolve` gives for the first value; a priority claim honoured only
-from a trusted source; no bulkhead slot left taken.
+`InboundDeadlinePolicy.resolve` gives for its values (the shortest budget of a repeated
+header; a repeated priority claim with differing values ignored); a priority claim honoured
+only from a trusted source; no bulkhead slot left taken.
 """
 
 from __future__ import annotations

@@ -315,3 +315,81 @@ async def test_unkeyed_mutation_is_not_resent_after_it_was_sent(server: tuple[st
             await http.post("/echo", json={"amount": 5})
     assert info.value.idempotency_key is None
     assert len(seen.headers) == 1 and "idempotency-key" not in seen.headers[0]
+
+
+ABSURD_PUSHBACK: list[list[tuple[bytes, bytes]]] = [
+    [(b"retry-after", b"9" * 400)],
+    [(b"retry-after", b"1e999")],
+    [(b"retry-after", b"nan")],
+    [(b"retry-after", b"-5")],
+    [(b"retry-after", b"Mon, 99 Foo 99999 99:99:99 GMT")],
+    [(b"retry-after", b"Fri, 31 Dec 9999 23:59:59 GMT")],
+    [(b"retry-after", b"\xff\xfe")],
+    [(b"retry-after", b"1"), (b"retry-after", b"2")],  # httpx joins them: "1, 2"
+    [(b"grpc-retry-pushback-ms", b"9" * 400)],
+    [(b"grpc-retry-pushback-ms", b"1e999")],
+    [(b"grpc-retry-pushback-ms", b"nan")],
+    [(b"grpc-retry-pushback-ms", b"\xff")],
+    [(b"grpc-retry-pushback-ms", b"5"), (b"grpc-retry-pushback-ms", b"-1")],
+    [(b"brownout-retry", b"\xffnever")],
+    [(b"grpc-retry-pushback-ms", b"99999999999"), (b"retry-after", b"9" * 40)],
+]
+
+
+@pytest.mark.parametrize("pushback", ABSURD_PUSHBACK, ids=repr)
+async def test_an_absurd_pushback_never_loses_the_answer(
+    pushback: list[tuple[bytes, bytes]],
+) -> None:
+    """Classifying an answer is total: whatever a server says in Retry-After and
+    grpc-retry-pushback-ms, the caller gets the answer (or the retry layer's verdict on it),
+    never an exception out of the classification, and any wait is bounded."""
+    answered: list[int] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        answered.append(1)
+        body = b'{"status":503}'
+        headers = [(b"content-type", b"application/json"), *pushback]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async with serve(app) as base:
+        dep = Dependency("absurd", timeout=1.0, retry=fast_retries(2, max_pushback=0.5))
+        started = time.monotonic()
+        async with client(base, dep, return_exhausted=True) as http:
+            async with brownout.deadline(2.0):
+                r = await http.get("/")
+        assert time.monotonic() - started < 1.5
+    assert r.status_code == 503 and r.json() == {"status": 503}
+    assert 1 <= len(answered) <= 2
+
+
+async def test_a_failure_reading_an_answers_body_is_transient_and_retried() -> None:
+    """The transport reads a 5xx answer's body itself (to free the connection for the retry):
+    a connection lost while reading it is a transport failure like one before the headers
+    (retried when safe), not an httpx error escaping the retry layer."""
+    answers = [
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 100\r\n\r\nabc",  # then hangs up
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+    ]
+    seen: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        seen.append(1)
+        writer.write(answers.pop(0))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with client(
+            f"http://127.0.0.1:{port}", Dependency("cut", timeout=1.0, retry=fast_retries(2))
+        ) as http:
+            r = await http.get("/")
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert r.status_code == 200 and r.text == "ok"
+    assert len(seen) == 2

@@ -1186,3 +1186,13 @@ async def test_gauges_read_without_tidying_the_queue() -> None:
     first.cancel()
     gate.set()
     await asyncio.gather(holder, first, second, return_exceptions=True)
+
+
+def test_the_clock_is_public_and_read_only() -> None:
+    from brownout.testing import ManualClock
+
+    clock = ManualClock()
+    bulkhead = Bulkhead("clocked", FixedLimit(1), clock=clock)
+    assert bulkhead.clock is clock
+    with pytest.raises(AttributeError):
+        bulkhead.clock = ManualClock()  # type: ignore[misc]

@@ -722,3 +722,32 @@ async def test_calls_refused_for_lack_of_time_are_counted_as_shed() -> None:
     assert refused.value.reason is Reason.DEADLINE_TOO_SHORT
     assert sent == []
     assert stats.count("shed", source="search", reason="deadline_too_short") == 1
+
+
+async def test_each_attempt_takes_the_shared_attempt_budget_rule(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One rule for `Dependency` and the client adapters (`brownout.wire.attempt_budget`),
+    # called, not restated: a change to it reaches both.
+    import brownout._dependency as dependency_module
+    from brownout.wire import attempt_budget
+
+    asked: list[tuple[float | None, float, float]] = []
+
+    def spy(
+        timeout: float | None, *, reserve: float, min_useful: float, deadline: Any
+    ) -> float | None:
+        asked.append((timeout, reserve, min_useful))
+        return attempt_budget(timeout, reserve=reserve, min_useful=min_useful, deadline=deadline)
+
+    monkeypatch.setattr(dependency_module, "attempt_budget", spy)
+    got: list[float | None] = []
+
+    async def fn() -> None:
+        got.append(brownout.remaining())
+
+    dep = Dependency("d", timeout=0.8, reserve=0.05, min_useful=0.01)
+    async with brownout.deadline(0.5):
+        await dep.call(fn, idempotent=True)
+    assert asked == [(0.8, 0.05, 0.01)]
+    assert got == [pytest.approx(0.45)]

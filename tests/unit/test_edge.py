@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,10 +132,11 @@ def test_retry_after_is_jittered_upwards_never_earlier() -> None:
     assert all(v is not None and 2.0 <= v <= 3.0 for v in values)
     assert len({round(v or 0, 3) for v in values}) > 50  # not one value for everyone (S2)
     headers_seen = {policy.refusal(Reason.QUEUE_FULL, 2.0).retry_after_header() for _ in range(200)}
-    assert headers_seen == {"2", "3"}
+    # Whole seconds over [ceil(estimate), ceil(estimate * 1.5) + 1] (issue 24).
+    assert headers_seen == {"2", "3", "4"}
     assert Refusal(503, Reason.QUEUE_FULL, b"", 0.2, False, ()).retry_after_header() == "1"
     odd = {EdgePolicy().refusal(Reason.QUEUE_FULL, 2.3).retry_after_header() for _ in range(200)}
-    assert odd == {"3"}  # never earlier than the estimate
+    assert odd == {"3", "4", "5"}  # never earlier than the estimate
 
 
 def test_do_not_retry_only_for_reasons_that_went_through_a_retry_layer() -> None:
@@ -730,3 +733,29 @@ async def test_bounded_slowed_rejections_under_a_100k_refusal_flood() -> None:
     assert len(slowed._samples) == 64
     await asyncio.sleep(1.0)
     assert slowed.held == 0
+
+
+@pytest.mark.parametrize(
+    ("estimate", "window"),
+    [(0.3, (1, 2)), (0.9, (1, 3)), (1.0, (1, 3)), (2.0, (2, 4)), (10.0, (10, 16))],
+)
+def test_retry_after_headers_spread_over_a_window_of_whole_seconds(
+    estimate: float, window: tuple[int, int]
+) -> None:
+    """Issue 24: whole seconds lost the jitter (0.3 s and 0.9 s estimates: 1,000 refusals all
+    said 1). The header is uniform over [ceil(estimate), ceil(estimate * (1 + jitter)) + 1],
+    drawn with the same random number as the jittered estimate (gRPC's pushback in ms)."""
+    policy = EdgePolicy(retry_after_jitter=0.5, rng=random.Random(24))
+    lo, hi = window
+    seconds = []
+    for _ in range(1000):
+        refusal = policy.refusal(Reason.QUEUE_FULL, estimate)
+        s = refusal.retry_after_seconds()
+        assert s is not None and refusal.retry_after_header() == str(s)
+        assert refusal.retry_after is not None
+        assert lo <= s <= hi and s >= math.ceil(estimate)  # never earlier than the estimate
+        assert s >= math.floor(refusal.retry_after)  # one draw: ordered with the ms value
+        seconds.append(s)
+    assert set(seconds) == set(range(lo, hi + 1))  # every value of the window is used
+    mean = sum(seconds) / len(seconds)
+    assert abs(mean - (lo + hi) / 2) < 0.15 * (hi - lo + 1)  # uniform: a bounded mean

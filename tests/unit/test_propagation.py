@@ -604,3 +604,58 @@ def test_bounded_forged_headers_name_a_few_problems_and_leave_the_reasons_cap_al
         brownout.events.RequestFailed(0.0, "api", "/q", Priority.CRITICAL, "c", 0.1, "KeyError")
     )
     assert stats.count("failed", reason="KeyError") == 1
+
+
+def test_of_repeated_budgets_the_shortest_valid_one_wins() -> None:
+    """Issue 24: with 3000 and 1000 the request got 3 s (the first value)."""
+    from brownout._edge import Repeated, header_getter, metadata_getter, one_value
+    from brownout.events import EventHub
+
+    seen: list[DeadlineHeaderIgnored] = []
+    events = EventHub()
+    events.subscribe(type("S", (), {"emit": lambda self, e: seen.append(e)})())
+    signer = BudgetSigner({"k": b"0123456789abcdef"})
+    policy = InboundDeadlinePolicy(
+        default=2.0, maximum=30.0, read_envoy=True, signer=signer, events=events
+    )
+    pairs = [(b"brownout-budget-ms", b"3000"), (b"brownout-budget-ms", b"1000")]
+    assert policy.resolve(header_getter(pairs), Trust.TRUSTED).seconds == 1.0
+    assert policy.resolve(header_getter(pairs[::-1]), Trust.UNTRUSTED).seconds == 1.0
+    meta = [("brownout-budget-ms", "3000"), ("x", "y"), ("brownout-budget-ms", "1000")]
+    assert policy.resolve(metadata_getter(meta), Trust.TRUSTED).seconds == 1.0
+    folded = {"brownout-budget-ms": "3000, 1000"}
+    assert policy.resolve(folded.get, Trust.TRUSTED).seconds == 1.0
+    both = {"brownout-budget-ms": "3000", "x-envoy-expected-rq-timeout-ms": Repeated(("900", "5"))}
+    assert policy.resolve(both.get, Trust.TRUSTED) == (0.005, "envoy", False)
+    # A malformed value among valid ones is reported and ignored; the others still count.
+    seen.clear()
+    odd = {"brownout-budget-ms": Repeated(("soon", "1500"))}
+    assert policy.resolve(odd.get, Trust.TRUSTED).seconds == 1.5
+    assert [e.header for e in seen] == ["brownout-budget-ms"]
+    # Signed: each is verified on its own; the shortest valid one wins.
+    signed = {"brownout-signed-budget": Repeated((signer.sign(3.0), "forged", signer.sign(1.0)))}
+    assert policy.resolve(signed.get, Trust.SIGNED) == (1.0, "signed", False)
+    # Equal repeated values are one value; none is None.
+    assert one_value(["7", "7"]) == "7" and one_value([]) is None
+    assert one_value(["7", "8", "7"]) == Repeated(("7", "8"))
+
+
+def test_a_repeated_priority_claim_with_differing_values_is_ignored() -> None:
+    from brownout import EdgePolicy, Priority
+    from brownout._edge import header_getter
+    from brownout.events import EventHub
+
+    seen: list[DeadlineHeaderIgnored] = []
+    events = EventHub()
+    events.subscribe(type("S", (), {"emit": lambda self, e: seen.append(e)})())
+    policy = EdgePolicy(
+        trust=Trust.TRUSTED, default_priority=Priority.SHEDDABLE_PLUS, events=events
+    )
+    route = policy.route("/x")
+    claims = [(b"brownout-priority", b"critical"), (b"brownout-priority", b"sheddable")]
+    cls = policy.classify(None, route, "/x", Trust.TRUSTED, header_getter(claims))
+    assert cls.priority is Priority.SHEDDABLE_PLUS  # the route's, not the first claim
+    assert [(e.header, e.problem) for e in seen] == [("brownout-priority", "repeated")]
+    same = [(b"brownout-priority", b"sheddable")] * 2
+    cls = policy.classify(None, route, "/x", Trust.TRUSTED, header_getter(same))
+    assert cls.priority is Priority.SHEDDABLE

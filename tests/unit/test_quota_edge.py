@@ -75,9 +75,6 @@ async def test_over_quota_uses_idle_capacity_at_sheddable_only() -> None:
         held.ignore()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 24: EdgePolicy must refuse a per-caller quota without a classifier"
-)
 def test_a_per_caller_quota_without_a_classifier_is_refused_at_construction() -> None:
     """Without a classifier every caller is "unknown": one allowance for all of them."""
     with pytest.raises(ValueError, match="classifier"):

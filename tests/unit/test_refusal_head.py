@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from brownout import EdgePolicy, Reason
-from brownout._edge import Refusal, problem_body, ratelimit_headers
+from brownout._edge import Refusal, problem_body, ratelimit_headers, retry_after_window
 from brownout.integrations._asgi_exchange import refusal_head
 from brownout.wire import DO_NOT_RETRY_VALUE, RETRY_HEADER
 
@@ -26,8 +26,11 @@ def fresh_head(refusal: Refusal) -> list[tuple[bytes, bytes]]:
     ]
     ra = refusal.retry_after
     if ra is not None:
-        floor = math.ceil(refusal.estimate) if refusal.estimate is not None else 1
-        headers.append((b"retry-after", str(max(1, floor, round(ra))).encode()))
+        whole = refusal.retry_after_whole  # the policy's draw (issue 24), else the old rule
+        if whole is None:
+            floor = math.ceil(refusal.estimate) if refusal.estimate is not None else 1
+            whole = max(1, floor, round(ra))
+        headers.append((b"retry-after", str(whole).encode()))
     if refusal.do_not_retry:
         headers.append((RETRY_HEADER.encode(), DO_NOT_RETRY_VALUE.encode()))
     if refusal.degraded:
@@ -95,10 +98,16 @@ def test_refusal_with_an_estimate_is_the_base_with_those_fields_replaced() -> No
         got = policy.refusal(reason, 2.0, quota=quota)
         base = twin._refusals[reason]
         estimate = None if base.do_not_retry else 2.0
+        u = None if estimate is None else twin.rng.random()
         jittered = (
             None
-            if estimate is None
-            else estimate * (1.0 + twin.retry_after_jitter * twin.rng.random())
+            if estimate is None or u is None
+            else estimate * (1.0 + twin.retry_after_jitter * u)
+        )
+        whole = (
+            None
+            if estimate is None or u is None
+            else retry_after_window(estimate, twin.retry_after_jitter, u)
         )
         body = problem_body(
             reason, base.status, degraded=("recommendations",), do_not_retry=base.do_not_retry
@@ -109,5 +118,6 @@ def test_refusal_with_an_estimate_is_the_base_with_those_fields_replaced() -> No
             degraded=("recommendations",),
             quota=quota,
             estimate=estimate,
+            retry_after_whole=whole,
         )
         assert type(got) is Refusal

@@ -216,6 +216,11 @@ class Bulkhead:
         return self._queue.size
 
     @property
+    def clock(self) -> Clock:
+        """The clock this bulkhead measures waits and deadlines on (read-only)."""
+        return self._clock
+
+    @property
     def estimator(self) -> LatencyEstimator | None:
         return self._estimator
 

@@ -33,9 +33,10 @@ status tables), `slowed` (S6), `flight` (one request in flight, and the sweep), 
 (the fast path's plan and scope) and `policy` (`EdgePolicy` and its general path, `serve`).
 """
 
+from .._propagation import Repeated
 from .express import BUDGET_BYTES, EXPRESS_HEADERS, Express, ExpressScope
 from .flight import ABANDONED, Abandoned, Flight, Sweeper, expire
-from .policy import EdgePolicy, header_getter
+from .policy import EdgePolicy, header_getter, header_value, metadata_getter, one_value
 from .protocols import (
     ActiveModes,
     Classification,
@@ -57,6 +58,7 @@ from .refusals import (
     ratelimit_headers,
     refusal_headers,
     refusal_trailers,
+    retry_after_window,
 )
 from .routes import UNMATCHED, ResolvedRoute, Route, compile_template
 from .slowed import SlowedRejections
@@ -81,6 +83,7 @@ __all__ = [
     "QuotaAnswer",
     "QuotaCheck",
     "Refusal",
+    "Repeated",
     "RequestClassifier",
     "ResolvedRoute",
     "Route",
@@ -92,8 +95,12 @@ __all__ = [
     "expire",
     "grpc_code_for_status",
     "header_getter",
+    "header_value",
+    "metadata_getter",
+    "one_value",
     "problem_body",
     "ratelimit_headers",
     "refusal_headers",
     "refusal_trailers",
+    "retry_after_window",
 ]

@@ -40,6 +40,7 @@ from .._propagation import (
     PRIORITY_HEADER,
     HeaderGetter,
     InboundDeadlinePolicy,
+    Repeated,
     Trust,
     decode_budget_ms,
 )
@@ -72,11 +73,12 @@ from .refusals import (
     Refusal,
     grpc_code_for_status,
     problem_body,
+    retry_after_window,
 )
 from .routes import UNMATCHED, ResolvedRoute, Route, compile_template
 from .slowed import SlowedRejections
 
-__all__ = ["EdgePolicy", "header_getter"]
+__all__ = ["EdgePolicy", "header_getter", "header_value", "metadata_getter", "one_value"]
 
 T = TypeVar("T")
 
@@ -136,8 +138,11 @@ class EdgePolicy:
       defaults: `refusals.DETAILS`);
     - ``do_not_retry``: reasons whose refusals carry ``brownout-retry: never`` (by default only
       those that already went through a retry layer: budget exhausted, do-not-retry);
-    - ``retry_after_jitter``: Retry-After is stretched by a random factor in
-      ``[1, 1 + jitter]`` so refused callers do not come back together;
+    - ``retry_after_jitter``: the estimate is stretched by a random factor in
+      ``[1, 1 + jitter]`` (gRPC's pushback, in ms) and ``Retry-After``, whole seconds, is
+      drawn uniformly from ``[ceil(estimate), ceil(estimate * (1 + jitter)) + 1]`` with the
+      same random number (`refusals.retry_after_window`), so refused callers do not come back
+      together, not even within one second;
     - ``sweep_period``: requests older than this get their deadline timer and disconnect
       watch from one shared sweep (faster requests never pay for a timer); the deadline itself
       is enforced exactly.
@@ -171,6 +176,11 @@ class EdgePolicy:
             raise ValueError('on_quota_exceeded must be "reject" or "demote"')
         if self.retry_after_jitter < 0:
             raise ValueError("retry_after_jitter must be >= 0")
+        if getattr(self.quota, "requires_classifier", False) and self.classifier is None:
+            raise ValueError(
+                "quota= keyed by caller needs classifier=: without one every caller is "
+                "'unknown' and all share one allowance"
+            )
         unknown = set(self.grpc_codes.values()) - STATUS_FOR_GRPC_CODE.keys()
         if unknown:
             raise ValueError(f"grpc_codes: not grpc.StatusCode names: {sorted(unknown)}")
@@ -286,8 +296,12 @@ class EdgePolicy:
             )
         estimate = retry_after if not base.do_not_retry else None
         jittered = None
+        whole = None
         if estimate is not None:
-            jittered = estimate * (1.0 + self.retry_after_jitter * self.rng.random())
+            jitter = self.retry_after_jitter
+            u = self.rng.random()
+            jittered = estimate * (1.0 + jitter * u)
+            whole = retry_after_window(estimate, jitter, u)
         # The constructor, not ``_replace`` (a map over the fields and a dict per call).
         return Refusal(
             base.status,
@@ -300,6 +314,7 @@ class EdgePolicy:
             estimate,
             base.detail,
             base.grpc_code,
+            whole,
         )
 
     def degraded_names(self) -> tuple[str, ...]:
@@ -325,12 +340,14 @@ class EdgePolicy:
         claim = get(PRIORITY_HEADER)
         if claim is not None:
             if trust is Trust.TRUSTED:
-                p = parse_priority(claim)
+                # Differing claims: which one was meant is anyone's guess; none is honoured.
+                p = None if isinstance(claim, Repeated) else parse_priority(claim)
                 if p is not None:
                     priority = p if p <= self.max_claimed_priority else self.max_claimed_priority
                 elif self.events.enabled:
+                    problem = "repeated" if isinstance(claim, Repeated) else "malformed"
                     self.events.emit(
-                        DeadlineHeaderIgnored(_now(), self.name, PRIORITY_HEADER, "malformed")
+                        DeadlineHeaderIgnored(_now(), self.name, PRIORITY_HEADER, problem)
                     )
             elif self.events.enabled:
                 self.events.emit(
@@ -386,7 +403,8 @@ class EdgePolicy:
             else:
                 seconds = policy.resolve(get, trust).seconds
         else:
-            seconds = policy.clamp(budget)
+            # The protocol's own deadline, honoured by the rule the headers follow.
+            seconds = policy.resolve(get, trust, budget).seconds
         if self.classifier is None and trust is not _TRUSTED and not events.enabled:
             # No claim can be honoured and nobody listens for an ignored one: the route's own.
             # Immutable, so one per route serves every such request.
@@ -402,8 +420,33 @@ class EdgePolicy:
         flight.reports = bulkhead is None
         demote = False
         result: Any = None
+        parent = get_current()
+        seconds += flight.started  # now the deadline's instant
+        deadline = parent.deadline
+        if (
+            deadline is None or not deadline.at <= seconds
+        ):  # (a NaN reaches Deadline, which refuses it)
+            deadline = new_deadline(seconds) if seconds == seconds else Deadline(seconds)
+        flight.deadline = deadline
         if self.quota is not None:
-            result = await self._check_quota(cls, flight, bulkhead)
+            # Under the request's deadline: a shared store takes at most its share of what is
+            # left (`Quota.check`), not its whole timeout before the deadline is even set.
+            quota_token = set_current(
+                make_context(
+                    deadline,
+                    cls.priority,
+                    cls.caller,
+                    cls.operation,
+                    parent.attempt,
+                    parent.idempotency_key,
+                    cls.in_progress,
+                    flight.started,
+                )
+            )
+            try:
+                result = await self._check_quota(cls, flight, bulkhead)
+            finally:
+                reset_current(quota_token)
             if result is not None:
                 return result  # type: ignore[no-any-return]
             if flight.classification is not cls:  # demoted to SHEDDABLE
@@ -413,14 +456,6 @@ class EdgePolicy:
             loop = running_loop()
         task = flight.task = current_task_of(loop)
         assert task is not None
-        parent = get_current()
-        seconds += flight.started  # now the deadline's instant
-        deadline = parent.deadline
-        if (
-            deadline is None or not deadline.at <= seconds
-        ):  # (a NaN reaches Deadline, which refuses it)
-            deadline = new_deadline(seconds) if seconds == seconds else Deadline(seconds)
-        flight.deadline = deadline
         try:
             # The request context, set directly (what ``brownout.request(...)`` sets, without
             # its per-call dictionaries): deadline, priority, caller, operation, stopwatch.
@@ -636,7 +671,7 @@ class EdgePolicy:
         bulkhead = route.bulkhead
         if (
             not isinstance(bulkhead, Bulkhead)
-            or bulkhead._clock is not _LOOP_CLOCK
+            or bulkhead.clock is not _LOOP_CLOCK
             or self.quota is not None
             or self.slowed is not None
             or route.deadline.read_envoy
@@ -650,6 +685,19 @@ class EdgePolicy:
             self.degraded,
             self._sweeper,
         )
+
+    def carried_budget(self, route: ResolvedRoute, request: Any, seconds: float | None) -> float:
+        """The budget of a request without brownout headers whose protocol carries its own
+        deadline (gRPC: ``seconds`` from ``grpc-timeout``, ``None`` without one), for the
+        express path: as `serve` resolves it (`InboundDeadlinePolicy.honours_unsigned`:
+        clamped to the route maximum where the source may set it, else the route default)."""
+        policy = route.deadline
+        if seconds is None:
+            return policy.default
+        trust = self._fixed_trust if self._trust_fn is None else self._trust_fn(request)
+        if not policy.honours_unsigned(trust):
+            return policy.default
+        return seconds if seconds < policy.maximum else policy.maximum
 
     def express_budget(
         self, route: ResolvedRoute, request: Any, headers: Iterable[tuple[bytes, bytes]]
@@ -827,19 +875,58 @@ class EdgePolicy:
 
 _ENCODED: dict[str, bytes] = {}
 
+V = TypeVar("V", str, bytes)
+
+
+def one_value(values: Sequence[V]) -> V | Repeated | None:
+    """What a header getter returns for a header's ``values`` (in arrival order): ``None``
+    for none, the value when there is one (or several equal ones), else a `Repeated` of the
+    distinct values, for the reader to decide (the shortest budget wins; a priority claim is
+    ignored). The one rule every adapter's lookup follows (aiohttp: ``headers.getall``)."""
+    if not values:
+        return None
+    first = values[0]
+    for value in values:
+        if value != first:
+            return Repeated(dict.fromkeys(values))
+    return first
+
+
+def header_value(pairs: Iterable[tuple[bytes, bytes]], name: str) -> bytes | Repeated | None:
+    """Header ``name`` (lower case) of ASGI-style ``(lower-case name, value)`` byte pairs,
+    repeated values included (`one_value`)."""
+    key = _ENCODED.get(name)
+    if key is None:
+        key = name.encode("latin-1")
+        if len(_ENCODED) < 64:
+            _ENCODED[name] = key
+    found: bytes | None = None
+    more: list[bytes] | None = None
+    for k, v in pairs:
+        if k == key:
+            if found is None:
+                found = v
+            elif more is not None:
+                more.append(v)
+            elif v != found:
+                more = [found, v]
+    return found if more is None else one_value(more)
+
 
 def header_getter(pairs: Iterable[tuple[bytes, bytes]]) -> HeaderGetter:
     """A header getter over ASGI-style ``(lower-case name, value)`` byte pairs."""
 
-    def get(name: str) -> bytes | None:
-        key = _ENCODED.get(name)
-        if key is None:
-            key = name.encode("latin-1")
-            if len(_ENCODED) < 64:
-                _ENCODED[name] = key
-        for k, v in pairs:
-            if k == key:
-                return v
-        return None
+    def get(name: str) -> bytes | Repeated | None:
+        return header_value(pairs, name)
+
+    return get
+
+
+def metadata_getter(metadata: Sequence[Any]) -> HeaderGetter:
+    """A header getter over gRPC metadata: ``(lower-case key, value)`` pairs, values
+    ``str`` (or ``bytes`` for ``-bin`` keys), repeated keys included (`one_value`)."""
+
+    def get(name: str) -> str | bytes | Repeated | None:
+        return one_value([item[1] for item in metadata if item[0] == name])
 
     return get

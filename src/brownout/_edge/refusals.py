@@ -37,9 +37,13 @@ __all__ = [
     "ratelimit_headers",
     "refusal_headers",
     "refusal_trailers",
+    "retry_after_window",
 ]
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
+
+_RETRY_AFTER_CAP = 2**31
+"""The longest ``Retry-After`` sent, in seconds (RFC 9111's cap on delta-seconds)."""
 
 DETAILS: dict[Reason, str] = {
     Reason.QUEUE_FULL: "The service is at capacity and its wait queue is full.",
@@ -134,18 +138,25 @@ class Refusal(NamedTuple):
     detail: str = ""
     grpc_code: str = "UNAVAILABLE"
     """A `grpc.StatusCode` member name."""
+    retry_after_whole: int | None = None
+    """``Retry-After`` in whole seconds, drawn by the policy (`retry_after_window`)."""
 
     def retry_after_header(self) -> str | None:
-        """``Retry-After`` in whole seconds: the jittered value rounded, never below the
-        estimate rounded up, at least 1; ``None`` without an estimate."""
+        """``Retry-After`` in whole seconds (`retry_after_seconds`); ``None`` without an
+        estimate."""
         seconds = self.retry_after_seconds()
         return None if seconds is None else str(seconds)
 
     def retry_after_seconds(self) -> int | None:
-        """`retry_after_header` as a number (adapters that write bytes look it up)."""
+        """`retry_after_header` as a number (adapters that write bytes look it up): the
+        policy's draw from `retry_after_window`; for a refusal built without one, the
+        jittered value rounded, never below the estimate rounded up, at least 1."""
         ra = self.retry_after
         if ra is None:
             return None
+        whole = self.retry_after_whole
+        if whole is not None:
+            return whole
         estimate = self.estimate
         floor = math.ceil(estimate) if estimate is not None else 1
         seconds = round(ra)
@@ -158,6 +169,29 @@ class Refusal(NamedTuple):
         if self.degraded:
             return f"{self.detail} (degraded: {', '.join(self.degraded)})"
         return self.detail
+
+
+def retry_after_window(estimate: float, jitter: float, u: float) -> int:
+    """``Retry-After`` in whole seconds for an ``estimate`` (seconds), a ``jitter`` fraction and
+    a uniform random ``u`` in ``[0, 1)``: uniform over the whole seconds of
+    ``[ceil(estimate), ceil(estimate * (1 + jitter)) + 1]`` (at least 1; without jitter the
+    estimate rounded up). Whole seconds would otherwise erase a sub-second jitter: for 0.3 s
+    every refusal said 1 and its callers came back within the same second. The ``+ 1`` spreads
+    them over the next second too; the mean stays below ``estimate * (1 + jitter / 2) + 2``.
+    Taking the same ``u`` as the jittered estimate keeps the header and gRPC's pushback in
+    milliseconds in the same order."""
+    if not estimate <= _RETRY_AFTER_CAP:  # (and NaN: an estimate nobody can act on)
+        estimate = _RETRY_AFTER_CAP if estimate > 0.0 else 0.0
+    lo = math.ceil(estimate) if estimate > 1.0 else 1
+    if not jitter > 0.0:
+        return lo
+    hi = math.ceil(estimate * (1.0 + jitter)) + 1
+    if hi > _RETRY_AFTER_CAP:
+        hi = _RETRY_AFTER_CAP
+    if hi <= lo:  # (an estimate so large that the product rounds to it)
+        return lo
+    seconds = lo + int(u * (hi - lo + 1))
+    return seconds if seconds <= hi else hi
 
 
 def problem_body(

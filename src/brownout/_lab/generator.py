@@ -39,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from brownout.wire import BUDGET_HEADER, DEGRADED_HEADER, DO_NOT_RETRY_VALUE, RETRY_HEADER
+
 from .._retry.budget import RetryBudget
 from .fds import fit_fd_limit
 from .hostcpu import CpuSample, read_sample
@@ -60,9 +62,6 @@ __all__ = [
 
 MAX_LATENESS = 0.005
 """A step is invalid when the generator's p99 lateness exceeds this many seconds."""
-BUDGET_HEADER = "brownout-budget-ms"
-DEGRADED_HEADER = "brownout-degraded"
-RETRY_HEADER = "brownout-retry"
 RETRYABLE_OUTCOMES = frozenset({"r503", "r429", "r504", "other_status", "errors", "timeouts_sent"})
 """Outcomes a retrying client sends again (a request never sent is not retried: the pool was
 full, which is the generator's own limit)."""
@@ -460,7 +459,7 @@ class _Pool:
                 outcome = "r504"
             else:
                 outcome = "other_status"
-            never = headers.get(RETRY_HEADER, "").strip().lower() == "never"
+            never = headers.get(RETRY_HEADER, "").strip().lower() == DO_NOT_RETRY_VALUE
             self.finish(req, outcome, latency, never)
         if req is not None and response.keep_alive and not conn.closed:
             self.release(conn)

@@ -14,7 +14,15 @@ from typing import Any
 
 from .._degrade.markers import fallback_marks
 from .._degrade.modes import DEGRADED_HEADER
-from .._edge import ActiveModes, Flight, Refusal, announced_modes, refusal_headers
+from .._edge import (
+    ActiveModes,
+    Flight,
+    Refusal,
+    Repeated,
+    announced_modes,
+    header_value,
+    refusal_headers,
+)
 
 __all__ = [
     "DEGRADED_BYTES",
@@ -37,7 +45,6 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DEGRADED_BYTES = DEGRADED_HEADER.encode("latin-1")
-_ENCODED: dict[str, bytes] = {}
 
 
 class Exchange(Flight):
@@ -117,18 +124,11 @@ class Exchange(Flight):
         """Set once the last response byte left: servers answer ``receive`` with
         ``http.disconnect`` after that, which is not the client going away."""
 
-    def header(self, name: str) -> bytes | None:
-        """The request's header ``name`` (lower case), as `EdgePolicy.serve` reads them: a
-        bound method of the exchange instead of a closure built per request."""
-        key = _ENCODED.get(name)
-        if key is None:
-            key = name.encode("latin-1")
-            if len(_ENCODED) < 64:
-                _ENCODED[name] = key
-        for k, v in self.scope["headers"]:
-            if k == key:
-                return v  # type: ignore[no-any-return]
-        return None
+    def header(self, name: str) -> bytes | Repeated | None:
+        """The request's header ``name`` (lower case), as `EdgePolicy.serve` reads them (the
+        edge's lookup, repeated values included): a bound method of the exchange instead of
+        a closure built per request."""
+        return header_value(self.scope["headers"], name)
 
     def run(self) -> Awaitable[None]:
         """The application's call, as `EdgePolicy.serve` wants it."""

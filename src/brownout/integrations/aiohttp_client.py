@@ -119,6 +119,9 @@ class BrownoutClientMiddleware:
             # Reading to the end frees the connection for a retry and keeps the body for the
             # caller; release() would too, but then aiohttp refuses to read the body at all.
             await response.read()
+        except _MAYBE_SENT as e:  # lost while reading the answer: as if lost before it
+            response.release()
+            raise TransientError(f"{type(e).__name__}: {e}", sent=True) from e
         except BaseException:
             response.release()
             raise

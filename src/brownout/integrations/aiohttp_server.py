@@ -51,8 +51,10 @@ from .._edge import (
     ExpressScope,
     Flight,
     Refusal,
+    Repeated,
     ResolvedRoute,
     announced_modes,
+    one_value,
     refusal_headers,
 )
 
@@ -211,8 +213,8 @@ class BrownoutAiohttpMiddleware:
             flight.on_old = _gone(request, flight)
         headers = request.headers
 
-        def get(name: str) -> str | None:
-            return headers.get(name)
+        def get(name: str) -> str | Repeated | None:
+            return one_value(headers.getall(name, ()))  # the edge's rule for repeated headers
 
         async def call() -> web.StreamResponse:
             # Named here, inside `serve`, where this request's fallback marks are set.

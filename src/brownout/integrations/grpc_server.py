@@ -7,7 +7,8 @@
 Per RPC (unary and streaming, in both directions):
 
 - the deadline is the call's own (``context.time_remaining()``, from ``grpc-timeout``, D3),
-  clamped to the route maximum; without one, the policy's budget metadata / default applies;
+  an unsigned budget the edge honours by trust as the HTTP edges honour theirs, clamped to
+  the route maximum; otherwise the policy's budget metadata / default applies;
 - the operation is the full method name (``/pkg.Service/Method``): bounded by the services
   registered; `EdgePolicy.routes` is keyed by it;
 - ``brownout-priority`` metadata is honoured only from a trusted source (S4);
@@ -66,10 +67,10 @@ from .._edge import (
     Refusal,
     ResolvedRoute,
     announced_modes,
+    metadata_getter,
     refusal_trailers,
 )
 from .._errors import Reason
-from .._propagation import HeaderGetter
 
 __all__ = ["BrownoutServerInterceptor", "GrpcCall", "status_code_for"]
 
@@ -93,17 +94,6 @@ def status_code_for(reason: Reason, policy: EdgePolicy | None = None) -> grpc.St
 
 
 _DEFAULT_POLICY = EdgePolicy()
-
-
-def _metadata_getter(metadata: Sequence[Any]) -> HeaderGetter:
-    def get(name: str) -> str | bytes | None:
-        for item in metadata:
-            if item[0] == name:
-                value: str | bytes = item[1]
-                return value
-        return None
-
-    return get
 
 
 _CLAIMS = frozenset(name.decode("latin-1") for name in EXPRESS_HEADERS)
@@ -266,12 +256,11 @@ async def _run(
         and get_current() is NO_REQUEST
         and _CLAIMS.isdisjoint(map(_key, metadata))
     ):
-        # The call's own deadline, clamped as `serve` clamps it; a spent one is serve's (it
+        # The call's own deadline, as `serve` takes it (trust decides); a spent one is serve's (it
         # answers DEADLINE_EXCEEDED before the work starts).
-        seconds = route.deadline.clamp(remaining)
-        admitted = policy.express_admit(
-            express, GrpcCall(method, metadata, context), started, seconds
-        )
+        request = GrpcCall(method, metadata, context)
+        seconds = policy.carried_budget(route, request, remaining)
+        admitted = policy.express_admit(express, request, started, seconds)
         if admitted is not None:
             permit, cls = admitted
             return await _express(
@@ -303,7 +292,7 @@ async def _run(
             noted,
             flight,
             route=route,
-            get=_metadata_getter(metadata),
+            get=metadata_getter(metadata),
             budget=budget,
             answers=_ANSWERS,
             loop=loop,

@@ -163,9 +163,12 @@ class BrownoutTransport(httpx.AsyncBaseTransport):
 
 async def _answer_error(response: httpx.Response) -> ResponseError:
     """A `ResponseError` for a 5xx/429 answer, its body read (which frees the connection, so a
-    retry can reuse it) into a fresh response the caller can still read."""
+    retry can reuse it) into a fresh response the caller can still read. The connection lost
+    while reading it is a transport failure after sending, as one before the headers is."""
     try:
         raw = b"".join([chunk async for chunk in response.aiter_raw()])
+    except httpx.TransportError as e:
+        raise TransientError(f"{type(e).__name__}: {e}", sent=True) from e
     finally:
         await response.aclose()
     copy = httpx.Response(

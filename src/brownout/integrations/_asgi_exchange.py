@@ -18,6 +18,7 @@ from .._edge import ActiveModes, Flight, Refusal, announced_modes, refusal_heade
 
 __all__ = [
     "DEGRADED_BYTES",
+    "WATCH_READ_AHEAD",
     "ASGIApp",
     "Exchange",
     "Message",
@@ -38,6 +39,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DEGRADED_BYTES = DEGRADED_HEADER.encode("latin-1")
 _ENCODED: dict[str, bytes] = {}
+
+WATCH_READ_AHEAD = 64 * 1024
+"""Bytes of request body the disconnect watch reads ahead of the application (held for its
+``receive``) before it stops and waits for the application to catch up."""
 
 
 class Exchange(Flight):
@@ -162,7 +167,12 @@ class Exchange(Flight):
     async def __call__(self) -> Message:
         buffer = self.buffered
         if buffer:
-            return buffer.popleft()
+            msg = buffer.popleft()
+            if not buffer and self.resume_watch and not self.watching:
+                # The watch stopped at its read-ahead bound: the application has caught up.
+                self.resume_watch = False
+                self._start_watch()
+            return msg
         if self.watching:
             fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
             self.waiter = fut
@@ -201,10 +211,13 @@ class Exchange(Flight):
         if self.disconnected:
             self._disconnected()
             return True
-        if not self.reading and (self.body_done or declares_no_body(self.scope)):
+        if not self.reading:
+            # Whether or not the application has read (or will ever read) its body: the
+            # watch reads what is left of it ahead of the application, bounded
+            # (`WATCH_READ_AHEAD`), and replays it to the application's ``receive``.
             self._start_watch()
             return True
-        return False  # the application is still reading the body: try again next sweep
+        return False  # the application is waiting on the server: try again next sweep
 
     def _start_watch(self) -> None:
         self.watcher = asyncio.get_running_loop().create_task(self._watch(self._disconnected))
@@ -227,6 +240,7 @@ class Exchange(Flight):
 
     async def _watch(self, on_disconnect: Callable[[], None]) -> None:
         self.watching = True
+        ahead = 0
         try:
             while True:
                 msg = await self.server_receive()
@@ -243,11 +257,15 @@ class Exchange(Flight):
                 if was_done:
                     return  # a server that repeats body messages: nothing to watch for
                 if not self.body_done:
-                    # A body nobody declared (HTTP/2 needs no content-length): reading on
-                    # would buffer all of it ahead of the application, with no backpressure.
-                    # Hold this one message; watch again once the application has the rest.
-                    self.resume_watch = True
-                    return
+                    # More body to come, which the application may never read (a handler that
+                    # ignores its body must still hear its client leave). Read ahead of it up
+                    # to `WATCH_READ_AHEAD` bytes, then hold: reading on would buffer a body of
+                    # any size with no backpressure. The watch resumes once the application
+                    # has drained the buffer or read the rest itself.
+                    ahead += len(msg.get("body", b""))
+                    if ahead >= WATCH_READ_AHEAD:
+                        self.resume_watch = True
+                        return
         finally:
             self.watching = False
 

@@ -15,12 +15,19 @@ import asyncio
 import time
 from typing import Any
 
+import aiohttp
+import grpc
+import grpc.aio
+import httpx
 import pytest
-from tests.integration.servers import serve
+from aiohttp import web
+from tests.integration.servers import serve, serve_aiohttp, serve_grpc
 
 from brownout import Bulkhead, EdgePolicy, InboundDeadlinePolicy, Stats
 from brownout.events import EventHub
+from brownout.integrations.aiohttp_server import brownout_middleware
 from brownout.integrations.asgi import BrownoutMiddleware
+from brownout.integrations.grpc_server import BrownoutServerInterceptor
 from brownout.limits import FixedLimit
 from brownout.queues import FifoQueue
 
@@ -82,3 +89,124 @@ async def test_asgi_disconnect_noticed_while_the_body_is_unread() -> None:
             await asyncio.sleep(0.01)
     assert cancelled and cancelled[0] < 1.0, cancelled
     assert stats.count("abandoned") == 1
+
+
+# -- 4. a handler that ignores its cancellation ---------------------------------------------
+
+
+async def _stubborn() -> None:
+    """Sleep 2 s whatever happens (swallows every cancellation)."""
+    end = time.monotonic() + 2.0
+    while (left := end - time.monotonic()) > 0:
+        try:
+            await asyncio.sleep(left)
+        except asyncio.CancelledError:
+            continue
+
+
+def _overran(seen: list[Any]) -> list[Any]:
+    return [e for e in seen if type(e).__name__ == "HandlerOverran"]
+
+
+async def test_asgi_stubborn_handler_gets_504_at_the_deadline() -> None:
+    hub, stats, seen = _hub()
+    bulkhead = Bulkhead("api", FixedLimit(4), events=hub)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await _stubborn()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"late"})
+
+    policy = EdgePolicy(
+        bulkhead=bulkhead,
+        deadline=InboundDeadlinePolicy(default=0.5, maximum=0.5),
+        events=hub,
+    )
+    async with serve(BrownoutMiddleware(app, policy=policy)) as base:
+        async with httpx.AsyncClient(base_url=base) as client:
+            t0 = time.monotonic()
+            r = await client.get("/x")
+            took = time.monotonic() - t0
+            assert r.status_code == 504, (r.status_code, took)
+            assert took < 1.0
+            assert bulkhead.in_flight == 1  # the zombie still holds its slot
+            for _ in range(300):
+                if bulkhead.in_flight == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert bulkhead.in_flight == 0
+    assert len(_overran(seen)) == 1
+    assert stats.count("overran") == 1
+
+
+async def test_aiohttp_stubborn_handler_gets_504_at_the_deadline() -> None:
+    hub, _stats, seen = _hub()
+    bulkhead = Bulkhead("api", FixedLimit(4), events=hub)
+
+    async def handler(request: web.Request) -> web.Response:
+        await _stubborn()
+        return web.Response(text="late")
+
+    policy = EdgePolicy(
+        bulkhead=bulkhead, deadline=InboundDeadlinePolicy(default=0.5, maximum=0.5), events=hub
+    )
+    app = web.Application(middlewares=[brownout_middleware(policy)])
+    app.router.add_get("/x", handler)
+    async with serve_aiohttp(app) as base, aiohttp.ClientSession() as session:
+        t0 = time.monotonic()
+        async with session.get(base + "/x") as r:
+            status = r.status
+        took = time.monotonic() - t0
+        assert status == 504, (status, took)
+        assert took < 1.0
+        assert bulkhead.in_flight == 1
+        for _ in range(300):
+            if bulkhead.in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert bulkhead.in_flight == 0
+    assert len(_overran(seen)) == 1
+
+
+def _raw(b: bytes) -> bytes:
+    return b
+
+
+async def test_grpc_stubborn_handler_gets_deadline_exceeded_at_the_deadline() -> None:
+    hub, _stats, seen = _hub()
+    bulkhead = Bulkhead("rpc", FixedLimit(4), events=hub)
+
+    async def run(request: bytes, context: Any) -> bytes:
+        await _stubborn()
+        return b"late"
+
+    policy = EdgePolicy(
+        bulkhead=bulkhead, deadline=InboundDeadlinePolicy(default=0.5, maximum=0.5), events=hub
+    )
+    server = grpc.aio.server(interceptors=[BrownoutServerInterceptor(policy)])
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "demo.S",
+                {
+                    "Run": grpc.unary_unary_rpc_method_handler(
+                        run, request_deserializer=_raw, response_serializer=_raw
+                    )
+                },
+            ),
+        )
+    )
+    async with serve_grpc(server) as target, grpc.aio.insecure_channel(target) as channel:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await channel.unary_unary("/demo.S/Run")(b"", timeout=5)
+        took = time.monotonic() - t0
+        assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, (e.value, took)
+        assert took < 1.0
+        assert bulkhead.in_flight == 1
+        for _ in range(300):
+            if bulkhead.in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert bulkhead.in_flight == 0
+    assert len(_overran(seen)) == 1

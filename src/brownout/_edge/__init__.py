@@ -34,7 +34,7 @@ status tables), `slowed` (S6), `flight` (one request in flight, and the sweep), 
 """
 
 from .express import BUDGET_BYTES, EXPRESS_HEADERS, Express, ExpressScope
-from .flight import ABANDONED, Abandoned, Flight, Sweeper, expire
+from .flight import ABANDONED, ANSWERED, Abandoned, Answered, Flight, Sweeper, expire
 from .policy import EdgePolicy, header_getter
 from .protocols import (
     ActiveModes,
@@ -63,6 +63,7 @@ from .slowed import SlowedRejections
 
 __all__ = [
     "ABANDONED",
+    "ANSWERED",
     "BUDGET_BYTES",
     "DEFAULT_DO_NOT_RETRY",
     "DETAILS",
@@ -73,6 +74,7 @@ __all__ = [
     "UNMATCHED",
     "Abandoned",
     "ActiveModes",
+    "Answered",
     "Classification",
     "EdgePolicy",
     "Express",

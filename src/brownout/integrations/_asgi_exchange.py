@@ -40,6 +40,14 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 DEGRADED_BYTES = DEGRADED_HEADER.encode("latin-1")
 _ENCODED: dict[str, bytes] = {}
 
+_WRITING: set[asyncio.Task[None]] = set()
+"""Answers written at a deadline while their handler still runs (held until written)."""
+
+
+async def _discarded() -> None:
+    return None
+
+
 WATCH_READ_AHEAD = 64 * 1024
 """Bytes of request body the disconnect watch reads ahead of the application (held for its
 ``receive``) before it stops and waits for the application to catch up."""
@@ -55,6 +63,7 @@ class Exchange(Flight):
     application may still call ``receive`` itself (messages are handed over, never lost)."""
 
     __slots__ = (
+        "answering",
         "app",
         "body_done",
         "buffered",
@@ -99,6 +108,9 @@ class Exchange(Flight):
         self.status = 0
         self.abandoned = False
         self.expired = False
+        self.answered = False
+        self.answering: asyncio.Task[None] | None = None
+        """The refusal being written at the deadline (`answer_now`)."""
         self.reports = True
         self.app = app
         self.scope = scope
@@ -142,6 +154,8 @@ class Exchange(Flight):
     def tracked_send(self, message: Message) -> Awaitable[None]:
         # Not a coroutine: it notes the message and returns the server's ``send`` awaitable,
         # so the response path has no extra coroutine frame per message.
+        if self.answered:
+            return _discarded()  # the edge answered at the deadline: this answer is late
         kind = message["type"]
         if kind == "http.response.start":
             self.response_started = True
@@ -153,6 +167,22 @@ class Exchange(Flight):
             self.response_done = True
         send = self.send  # (a slot read, then a call: ``self.send(...)`` is not specialized)
         return send(message)
+
+    def answer_now(self, refusal: Any) -> bool:
+        """`Flight.answer_now`: write the refusal from a task of its own, while the handler
+        (which ignored its cancellation) may still run; its later messages are discarded."""
+        task = asyncio.get_running_loop().create_task(write_refusal(refusal, self.send))
+        _WRITING.add(task)
+        task.add_done_callback(_WRITING.discard)
+        self.answering = task
+        return True
+
+    async def answered_at_deadline(self) -> None:
+        """Wait until the answer `answer_now` started is written: the application's call
+        must not end before it (a server answers 500 for a call that ends unanswered)."""
+        task = self.answering
+        if task is not None:
+            await asyncio.shield(task)
 
     @staticmethod
     def _announce_degraded(start: Message, modes: ActiveModes) -> None:

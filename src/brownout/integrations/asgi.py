@@ -185,6 +185,8 @@ class BrownoutMiddleware:
         exchange.status = 0
         exchange.abandoned = False
         exchange.expired = False
+        exchange.answered = False
+        exchange.answering = None
         exchange.reports = False
         exchange.app = app
         exchange.scope = scope
@@ -228,8 +230,12 @@ class BrownoutMiddleware:
         except (asyncio.CancelledError, Exception) as e:
             # Settled, and answered as `serve` would; re-raised when there is no answer.
             await write_answer(policy.express_raised(e, permit, exchange, task, cancelling), send)
+            if exchange.answered:
+                await exchange.answered_at_deadline()
             return
         policy.settle(permit, exchange, marks)  # the one settle rule
+        if exchange.answered:
+            await exchange.answered_at_deadline()
 
     async def _serve(
         self,
@@ -264,3 +270,5 @@ class BrownoutMiddleware:
             exchange.close()
         if type(outcome) is Refusal:  # `write_answer`, one coroutine frame less
             await write_refusal(outcome, send)
+        elif exchange.answered:
+            await exchange.answered_at_deadline()

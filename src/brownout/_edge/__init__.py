@@ -33,6 +33,7 @@ status tables), `slowed` (S6), `flight` (one request in flight, and the sweep), 
 (the fast path's plan and scope) and `policy` (`EdgePolicy` and its general path, `serve`).
 """
 
+from .connections import serve_connection
 from .express import BUDGET_BYTES, EXPRESS_HEADERS, Express, ExpressScope
 from .flight import ABANDONED, ANSWERED, Abandoned, Answered, Flight, Sweeper, expire
 from .policy import EdgePolicy, header_getter
@@ -98,4 +99,5 @@ __all__ = [
     "ratelimit_headers",
     "refusal_headers",
     "refusal_trailers",
+    "serve_connection",
 ]

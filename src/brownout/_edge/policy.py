@@ -142,6 +142,8 @@ class EdgePolicy:
       those that already went through a retry layer: budget exhausted, do-not-retry);
     - ``retry_after_jitter``: Retry-After is stretched by a random factor in
       ``[1, 1 + jitter]`` so refused callers do not come back together;
+    - ``connections``: the admission of long-lived connections (websockets), a bulkhead or
+      cap of their own; ``None``: the route's bulkhead (`connections.serve_connection`);
     - ``sweep_period``: requests older than this get their deadline timer and disconnect
       watch from one shared sweep (faster requests never pay for a timer); the deadline itself
       is enforced exactly.
@@ -166,6 +168,7 @@ class EdgePolicy:
     do_not_retry: Collection[Reason] = DEFAULT_DO_NOT_RETRY
     retry_after_jitter: float = 0.5
     sweep_period: float = 0.05
+    connections: AdmitsWork | None = None
     name: str = "edge"
     events: EventHub = field(default=hub, repr=False)
     rng: random.Random = field(default_factory=random.Random, repr=False)

@@ -56,6 +56,7 @@ from .._edge import (
     ResolvedRoute,
     announced_modes,
     refusal_headers,
+    serve_connection,
 )
 
 __all__ = ["BrownoutAiohttpMiddleware", "announce_degraded", "brownout_middleware"]
@@ -172,6 +173,8 @@ class BrownoutAiohttpMiddleware:
         if plan is None:
             plan = self._plan(template)
         route, express = plan
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            return await self._connection(request, handler, started, route)
         if express is None or get_current() is not NO_REQUEST:
             return await self._serve(request, handler, loop, started, route)
         if any(map(request.headers.__contains__, _CLAIMS)):  # case-insensitive lookups
@@ -227,6 +230,36 @@ class BrownoutAiohttpMiddleware:
             await asyncio.shield(flight.sending)
         assert flight.response is not None
         return flight.response
+
+    async def _connection(
+        self, request: web.Request, handler: Handler, started: float, route: ResolvedRoute
+    ) -> web.StreamResponse:
+        """A websocket upgrade: admitted at connect, no deadline on its life, refused with
+        the refusal's response instead of the upgrade (`brownout._edge.connections`)."""
+        flight = Flight(started)
+        response: web.StreamResponse | None = None
+        headers = request.headers
+
+        def get(name: str) -> str | None:
+            return headers.get(name)
+
+        async def call() -> None:
+            nonlocal response
+            response = await handler(request)
+
+        outcome = await serve_connection(
+            self.policy,
+            request,
+            call,
+            flight,
+            route=route,
+            get=get,
+            handshaken=lambda: _response_started(request),
+        )
+        if outcome is not None:
+            return refusal_response(outcome)
+        assert response is not None
+        return response
 
     def _answer(
         self,

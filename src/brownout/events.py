@@ -34,6 +34,7 @@ __all__ = [
     "Event",
     "EventHub",
     "GuardFailedClosed",
+    "HandlerOverran",
     "LimitChanged",
     "OutcomeUnknown",
     "OverloadLevelChanged",
@@ -155,6 +156,15 @@ class RequestAbandoned(RequestEvent):
     """The caller went away (client disconnect) before the answer; not a success."""
 
     latency: float
+
+
+@_event
+class HandlerOverran(RequestEvent):
+    """A handler was still running when its deadline passed and did not stop when cancelled:
+    the edge answered for it at the deadline (504), discarded its late answer and kept its
+    slot until it returned, ``overrun`` seconds after the deadline."""
+
+    overrun: float
 
 
 @_event

@@ -34,8 +34,9 @@ status tables), `slowed` (S6), `flight` (one request in flight, and the sweep), 
 """
 
 from .._propagation import Repeated
+from .connections import serve_connection
 from .express import BUDGET_BYTES, EXPRESS_HEADERS, Express, ExpressScope
-from .flight import ABANDONED, Abandoned, Flight, Sweeper, expire
+from .flight import ABANDONED, ANSWERED, Abandoned, Answered, Flight, Sweeper, expire
 from .policy import EdgePolicy, header_getter, header_value, metadata_getter, one_value
 from .protocols import (
     ActiveModes,
@@ -65,6 +66,7 @@ from .slowed import SlowedRejections
 
 __all__ = [
     "ABANDONED",
+    "ANSWERED",
     "BUDGET_BYTES",
     "DEFAULT_DO_NOT_RETRY",
     "DETAILS",
@@ -75,6 +77,7 @@ __all__ = [
     "UNMATCHED",
     "Abandoned",
     "ActiveModes",
+    "Answered",
     "Classification",
     "EdgePolicy",
     "Express",
@@ -103,4 +106,5 @@ __all__ = [
     "refusal_headers",
     "refusal_trailers",
     "retry_after_window",
+    "serve_connection",
 ]

@@ -11,7 +11,7 @@ from typing import Any
 from .._deadline import Deadline
 from .protocols import Classification, QuotaAnswer
 
-__all__ = ["ABANDONED", "Abandoned", "Flight", "Sweeper", "expire"]
+__all__ = ["ABANDONED", "ANSWERED", "Abandoned", "Answered", "Flight", "Sweeper", "expire"]
 
 
 class Flight:
@@ -26,6 +26,7 @@ class Flight:
     __slots__ = (
         "abandoned",
         "admitted",
+        "answered",
         "classification",
         "deadline",
         "expired",
@@ -52,8 +53,18 @@ class Flight:
         self.status = 0
         self.abandoned = False
         self.expired = False
+        self.answered = False
+        """True once the edge answered for the handler at its deadline (`answer_now`): the
+        handler's own answer, whenever it comes, is discarded."""
         self.reports = True
         """True when the edge, not a bulkhead, reports this request's lifecycle events."""
+
+    def answer_now(self, refusal: Any) -> bool:
+        """The adapter's hook: start writing ``refusal`` (a `Refusal`) to the client now, while
+        the handler may still be running (its deadline passed and it was cancelled; it may
+        not stop). True when the adapter can, which then discards the handler's own answer
+        (``answered`` is set); the default cannot."""
+        return False
 
     def old(self) -> bool:
         """Called by the sweep once the request is older than the sweep period: runs the
@@ -71,10 +82,12 @@ class Sweeper:
     dictionary insert and delete.
     """
 
-    __slots__ = ("loop", "pending", "period", "timer")
+    __slots__ = ("loop", "on_expired", "pending", "period", "timer")
 
-    def __init__(self, period: float) -> None:
+    def __init__(self, period: float, on_expired: Callable[[Flight], None] | None = None) -> None:
         self.period = period
+        self.on_expired = on_expired
+        """The policy's answer to a request whose deadline passed (after its cancellation)."""
         self.pending: dict[Flight, None] = {}
         self.timer: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -98,13 +111,21 @@ class Sweeper:
         the others once their request is old."""
         deadline = flight.deadline
         if deadline is not None and deadline.at - flight.started <= self.period:
-            flight.timer = loop.call_at(deadline.at, expire, flight, task)
+            flight.timer = loop.call_at(deadline.at, self.expire, flight, task)
         if loop is self.loop:  # `add`, inlined: once per request
             self.pending[flight] = None
             if self.timer is None:
                 self.timer = loop.call_later(self.period, self._sweep)
         else:
             self.add(flight, loop)
+
+    def expire(self, flight: Flight, task: asyncio.Task[Any]) -> None:
+        """Deadline timer: cancel the request's task (`expire`), then let the policy answer
+        at once, whether or not the handler stops."""
+        if expire(flight, task):
+            on_expired = self.on_expired
+            if on_expired is not None:
+                on_expired(flight)
 
     def forget(self, flight: Flight) -> None:
         """The request ended: stop watching it and cancel its deadline timer."""
@@ -124,7 +145,7 @@ class Sweeper:
             if flight.started > cutoff:
                 break  # insertion order is arrival order: the rest are younger
             if flight.timer is None and flight.deadline is not None and flight.task is not None:
-                flight.timer = loop.call_at(flight.deadline.at, expire, flight, flight.task)
+                flight.timer = loop.call_at(flight.deadline.at, self.expire, flight, flight.task)
             if flight.old():
                 del pending[flight]
         if pending:
@@ -144,8 +165,25 @@ ABANDONED = Abandoned()
 """What `EdgePolicy.serve` returns when the client went away and the handler was cancelled."""
 
 
-def expire(flight: Flight, task: asyncio.Task[Any]) -> None:
-    """Deadline timer: cancel the request's task (turned into `DeadlineExceeded`)."""
+class Answered:
+    """The type of `ANSWERED`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "ANSWERED"
+
+
+ANSWERED = Answered()
+"""What `EdgePolicy.serve` returns when the edge already answered for the handler (504 at its
+deadline, `Flight.answer_now`): the adapter writes nothing more."""
+
+
+def expire(flight: Flight, task: asyncio.Task[Any]) -> bool:
+    """Deadline timer: cancel the request's task (turned into `DeadlineExceeded`). True when
+    it was still running."""
     if not task.done():
         flight.expired = True
         task.cancel()
+        return True
+    return False

@@ -18,6 +18,7 @@ bulkhead the edge reports the lifecycle itself, with latency from its own stopwa
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import re
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
@@ -47,6 +48,7 @@ from .._propagation import (
 from ..events import (
     DeadlineHeaderIgnored,
     EventHub,
+    HandlerOverran,
     RequestAbandoned,
     RequestAdmitted,
     RequestCompleted,
@@ -57,7 +59,7 @@ from ..events import (
     hub,
 )
 from .express import BUDGET_BYTES, EXPRESS_HEADERS, Express
-from .flight import ABANDONED, Abandoned, Flight, Sweeper
+from .flight import ABANDONED, ANSWERED, Abandoned, Answered, Flight, Sweeper
 from .protocols import (
     ActiveModes,
     Classification,
@@ -81,6 +83,8 @@ from .slowed import SlowedRejections
 __all__ = ["EdgePolicy", "header_getter", "header_value", "metadata_getter", "one_value"]
 
 T = TypeVar("T")
+
+_log = logging.getLogger("brownout.edge")
 
 
 def _idle(admission: Any) -> bool:
@@ -143,6 +147,8 @@ class EdgePolicy:
       drawn uniformly from ``[ceil(estimate), ceil(estimate * (1 + jitter)) + 1]`` with the
       same random number (`refusals.retry_after_window`), so refused callers do not come back
       together, not even within one second;
+    - ``connections``: the admission of long-lived connections (websockets), a bulkhead or
+      cap of their own; ``None``: the route's bulkhead (`connections.serve_connection`);
     - ``sweep_period``: requests older than this get their deadline timer and disconnect
       watch from one shared sweep (faster requests never pay for a timer); the deadline itself
       is enforced exactly.
@@ -167,6 +173,7 @@ class EdgePolicy:
     do_not_retry: Collection[Reason] = DEFAULT_DO_NOT_RETRY
     retry_after_jitter: float = 0.5
     sweep_period: float = 0.05
+    connections: AdmitsWork | None = None
     name: str = "edge"
     events: EventHub = field(default=hub, repr=False)
     rng: random.Random = field(default_factory=random.Random, repr=False)
@@ -199,7 +206,7 @@ class EdgePolicy:
         self._plain: dict[str, Classification] = {}
         if self.sweep_period <= 0:
             raise ValueError("sweep_period must be > 0")
-        self._sweeper = Sweeper(self.sweep_period)
+        self._sweeper = Sweeper(self.sweep_period, self._answer_expired)
         self._refusals: dict[Reason, Refusal] = {r: self._build_refusal(r) for r in Reason}
 
     # -- configuration, resolved once -----------------------------------------------------
@@ -369,10 +376,11 @@ class EdgePolicy:
         budget: float | None = None,
         answers: tuple[type[BaseException], ...] = (),
         loop: asyncio.AbstractEventLoop | None = None,
-    ) -> T | Refusal | Abandoned:
+    ) -> T | Refusal | Abandoned | Answered:
         """Classify, check quota, admit, and run ``call`` inside the request context.
 
-        Returns what ``call`` returned, a `Refusal` for the adapter to write, or `ABANDONED`.
+        Returns what ``call`` returned, a `Refusal` for the adapter to write, `ABANDONED`, or
+        `ANSWERED` (the edge answered at the deadline through `Flight.answer_now`).
         ``budget`` (seconds) replaces the header-derived budget for protocols that carry
         their own deadline (gRPC); it is still clamped to the route maximum. Exceptions of
         the handler propagate, counted as failures, except ``answers``: exception types that
@@ -498,6 +506,8 @@ class EdgePolicy:
                             self._emit_unguarded_admission(cls, deadline)
                         flight.admitted = True
                         result = await call()
+                        if flight.expired:
+                            self.overran(flight)
                     elif demote:
                         # Idle capacity was checked (`_check_quota`); a refusal by the
                         # bulkhead's own rules (shares, overload, deadline) is answered and
@@ -547,6 +557,10 @@ class EdgePolicy:
             if answer is None:
                 raise
             return answer
+        if flight.expired:
+            if flight.answered:
+                return ANSWERED  # the 504 went out at the deadline; this answer is too late
+            return result  # type: ignore[no-any-return]  # a started response, finished late
         if flight.abandoned:
             return self.record_abandoned(flight)
         if self.slowed is not None or flight.reports:
@@ -559,11 +573,19 @@ class EdgePolicy:
         flight: Flight,
         task: asyncio.Task[Any],
         answers: tuple[type[BaseException], ...] = (),
-    ) -> Refusal | Abandoned | None:
+    ) -> Refusal | Abandoned | Answered | None:
         """The answer to an exception out of an admitted handler (or its admission after a
-        quota check): a `Refusal` to write, `ABANDONED`, or ``None`` to let ``e`` propagate.
-        Adapters' fast paths share it with `serve`. The permit, if any, is already settled.
+        quota check): a `Refusal` to write, `ABANDONED`, `ANSWERED` (the edge answered at the
+        deadline), or ``None`` to let ``e`` propagate. Adapters' fast paths share it with
+        `serve`. The permit, if any, is already settled.
         """
+        if flight.expired and not isinstance(e, (DeadlineExceeded, asyncio.CancelledError)):
+            # It outlived its deadline's cancellation and then raised: as late as an answer
+            # (one of ``answers`` was counted when its permit was settled).
+            if not (answers and isinstance(e, answers)):
+                self.overran(flight)
+            if flight.answered:
+                return ANSWERED
         if isinstance(e, Rejected):
             # A refusal from inside the handler (a dependency's breaker, budget, ...).
             if flight.reports:
@@ -581,6 +603,8 @@ class EdgePolicy:
                         _now(), self.name, cls.operation, cls.priority, cls.caller, "running", 0.0
                     )
                 )
+            if flight.answered:
+                return ANSWERED  # written at the deadline (`_answer_expired`)
             if flight.response_started:
                 return None
             return self.refusal(Reason.DEADLINE_EXPIRED)
@@ -633,14 +657,14 @@ class EdgePolicy:
         flight: Flight,
         task: asyncio.Task[Any],
         cancelling: int,
-    ) -> Refusal | Abandoned:
+    ) -> Refusal | Abandoned | Answered:
         """The express path's handler raised ``e``: settle ``permit`` by it, turn the
         cancellation by our own deadline timer into `DeadlineExceeded` (``cancelling``: the
         task's count before the handler ran; a higher one is an outer cancellation, a server
         shutting down, and stays one), and answer as `serve` would (`answer_raised`).
 
-        Returns the `Refusal` to write or `ABANDONED`; re-raises when there is nothing to
-        answer (``e`` itself, or the `DeadlineExceeded` it became)."""
+        Returns the `Refusal` to write, `ABANDONED` or `ANSWERED`; re-raises when there is
+        nothing to answer (``e`` itself, or the `DeadlineExceeded` it became)."""
         permit.settle_raised(type(e))
         raised = e
         if (
@@ -791,7 +815,12 @@ class EdgePolicy:
         """The handler answered (``flight.status`` set): settle ``permit`` by the answer. The
         one rule for `serve` and every adapter's express path; ``marks``: the degraded modes
         whose fallback answered (`served_by_fallback`), if any."""
-        if flight.abandoned:
+        if flight.expired:
+            # It answered after its deadline's cancellation: the edge answered 504 for it
+            # then, and the slot was held until now (the work really ran that long).
+            permit.settle_raised(TimeoutError)
+            self.overran(flight)
+        elif flight.abandoned:
             # It swallowed the cancellation for its client's disconnect and answered anyway:
             # nobody hears the answer, so it is abandoned (O1), not a success.
             permit.settle_raised(asyncio.CancelledError)
@@ -801,6 +830,48 @@ class EdgePolicy:
             self.settle_fallback(permit, flight)
         else:
             permit.success()
+
+    def _answer_expired(self, flight: Flight) -> None:
+        """The sweep's deadline timer has just cancelled a running handler: answer it now
+        (the expiry's refusal, 504), whether or not the handler stops, through the adapter
+        (`Flight.answer_now`). Nothing when the response has started (it is left
+        incomplete), the client is gone, the request is still waiting for admission, or the
+        adapter cannot write on its own."""
+        if flight.response_started or flight.abandoned or flight.answered or not flight.admitted:
+            return
+        if flight.answer_now(self.refusal(Reason.DEADLINE_EXPIRED)):
+            flight.answered = True
+
+    def overran(self, flight: Flight) -> None:
+        """The handler ended (answered or raised) after its deadline's cancellation: count
+        `HandlerOverran` and log it. Its slot was held until now; its answer is discarded
+        when the edge answered at the deadline (``flight.answered``)."""
+        task = flight.task
+        if task is not None and task.cancelling():
+            task.uncancel()  # the deadline's cancellation, swallowed: not the server's
+        cls = flight.classification
+        deadline = flight.deadline
+        t = _now()
+        over = t - deadline.at if deadline is not None else 0.0
+        if cls is not None:
+            if self.events.enabled:
+                self.events.emit(
+                    HandlerOverran(t, self.name, cls.operation, cls.priority, cls.caller, over)
+                )
+                if flight.reports:
+                    self.events.emit(
+                        RequestExpired(
+                            t, self.name, cls.operation, cls.priority, cls.caller, "running", 0.0
+                        )
+                    )
+            _log.warning(
+                "%s: the handler of %s ran %.3f s past its deadline, ignoring its cancellation "
+                "(answered %s at the deadline; its slot was held until it returned)",
+                self.name,
+                cls.operation,
+                over,
+                "for it" if flight.answered else "by the handler",
+            )
 
     def settle_fallback(self, permit: SettlesWork, flight: Flight) -> None:
         """A degraded-mode fallback answered: count the success, but teach the limit nothing

@@ -38,6 +38,7 @@ from ..events import (
     Event,
     EventHub,
     GuardFailedClosed,
+    HandlerOverran,
     LimitChanged,
     OutcomeUnknown,
     OverloadLevelChanged,
@@ -72,6 +73,7 @@ COUNTER_KINDS = (
     "completed_late",
     "failed",
     "abandoned",
+    "overran",
     "retried",
     "budget_exhausted",
     "outcome_unknown",
@@ -192,6 +194,7 @@ class Stats:
             RequestCompleted: self._completed,
             RequestFailed: self._failed,
             RequestAbandoned: self._abandoned,
+            HandlerOverran: self._overran,
             AttemptRetried: self._retried,
             RetryBudgetExhausted: self._budget_exhausted,
             OutcomeUnknown: self._outcome_unknown,
@@ -412,6 +415,9 @@ class Stats:
 
     def _abandoned(self, e: RequestAbandoned) -> None:
         self._count("abandoned", e)
+
+    def _overran(self, e: HandlerOverran) -> None:
+        self._count("overran", e)
 
     def _retried(self, e: AttemptRetried) -> None:
         self._count("retried", e, self.reasons(e.cause))

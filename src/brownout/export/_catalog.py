@@ -119,6 +119,12 @@ COUNTERS: tuple[CounterSpec, ...] = (
         "Requests whose client went away before the answer.",
     ),
     CounterSpec(
+        "overran",
+        "brownout_handlers_overran",
+        "brownout.handlers.overran",
+        "Handlers still running after their deadline was answered (504); slot held until done.",
+    ),
+    CounterSpec(
         "retried",
         "brownout_retries",
         "brownout.retries",

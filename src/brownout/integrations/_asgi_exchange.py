@@ -26,6 +26,7 @@ from .._edge import (
 
 __all__ = [
     "DEGRADED_BYTES",
+    "WATCH_READ_AHEAD",
     "ASGIApp",
     "Exchange",
     "Message",
@@ -46,6 +47,18 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DEGRADED_BYTES = DEGRADED_HEADER.encode("latin-1")
 
+_WRITING: set[asyncio.Task[None]] = set()
+"""Answers written at a deadline while their handler still runs (held until written)."""
+
+
+async def _discarded() -> None:
+    return None
+
+
+WATCH_READ_AHEAD = 64 * 1024
+"""Bytes of request body the disconnect watch reads ahead of the application (held for its
+``receive``) before it stops and waits for the application to catch up."""
+
 
 class Exchange(Flight):
     """One HTTP request through the middleware: the `Flight` the edge shares, the tracked
@@ -57,6 +70,7 @@ class Exchange(Flight):
     application may still call ``receive`` itself (messages are handed over, never lost)."""
 
     __slots__ = (
+        "answering",
         "app",
         "body_done",
         "buffered",
@@ -101,6 +115,9 @@ class Exchange(Flight):
         self.status = 0
         self.abandoned = False
         self.expired = False
+        self.answered = False
+        self.answering: asyncio.Task[None] | None = None
+        """The refusal being written at the deadline (`answer_now`)."""
         self.reports = True
         self.app = app
         self.scope = scope
@@ -137,6 +154,8 @@ class Exchange(Flight):
     def tracked_send(self, message: Message) -> Awaitable[None]:
         # Not a coroutine: it notes the message and returns the server's ``send`` awaitable,
         # so the response path has no extra coroutine frame per message.
+        if self.answered:
+            return _discarded()  # the edge answered at the deadline: this answer is late
         kind = message["type"]
         if kind == "http.response.start":
             self.response_started = True
@@ -148,6 +167,22 @@ class Exchange(Flight):
             self.response_done = True
         send = self.send  # (a slot read, then a call: ``self.send(...)`` is not specialized)
         return send(message)
+
+    def answer_now(self, refusal: Any) -> bool:
+        """`Flight.answer_now`: write the refusal from a task of its own, while the handler
+        (which ignored its cancellation) may still run; its later messages are discarded."""
+        task = asyncio.get_running_loop().create_task(write_refusal(refusal, self.send))
+        _WRITING.add(task)
+        task.add_done_callback(_WRITING.discard)
+        self.answering = task
+        return True
+
+    async def answered_at_deadline(self) -> None:
+        """Wait until the answer `answer_now` started is written: the application's call
+        must not end before it (a server answers 500 for a call that ends unanswered)."""
+        task = self.answering
+        if task is not None:
+            await asyncio.shield(task)
 
     @staticmethod
     def _announce_degraded(start: Message, modes: ActiveModes) -> None:
@@ -162,7 +197,12 @@ class Exchange(Flight):
     async def __call__(self) -> Message:
         buffer = self.buffered
         if buffer:
-            return buffer.popleft()
+            msg = buffer.popleft()
+            if not buffer and self.resume_watch and not self.watching:
+                # The watch stopped at its read-ahead bound: the application has caught up.
+                self.resume_watch = False
+                self._start_watch()
+            return msg
         if self.watching:
             fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
             self.waiter = fut
@@ -201,10 +241,13 @@ class Exchange(Flight):
         if self.disconnected:
             self._disconnected()
             return True
-        if not self.reading and (self.body_done or declares_no_body(self.scope)):
+        if not self.reading:
+            # Whether or not the application has read (or will ever read) its body: the
+            # watch reads what is left of it ahead of the application, bounded
+            # (`WATCH_READ_AHEAD`), and replays it to the application's ``receive``.
             self._start_watch()
             return True
-        return False  # the application is still reading the body: try again next sweep
+        return False  # the application is waiting on the server: try again next sweep
 
     def _start_watch(self) -> None:
         self.watcher = asyncio.get_running_loop().create_task(self._watch(self._disconnected))
@@ -227,6 +270,7 @@ class Exchange(Flight):
 
     async def _watch(self, on_disconnect: Callable[[], None]) -> None:
         self.watching = True
+        ahead = 0
         try:
             while True:
                 msg = await self.server_receive()
@@ -243,11 +287,15 @@ class Exchange(Flight):
                 if was_done:
                     return  # a server that repeats body messages: nothing to watch for
                 if not self.body_done:
-                    # A body nobody declared (HTTP/2 needs no content-length): reading on
-                    # would buffer all of it ahead of the application, with no backpressure.
-                    # Hold this one message; watch again once the application has the rest.
-                    self.resume_watch = True
-                    return
+                    # More body to come, which the application may never read (a handler that
+                    # ignores its body must still hear its client leave). Read ahead of it up
+                    # to `WATCH_READ_AHEAD` bytes, then hold: reading on would buffer a body of
+                    # any size with no backpressure. The watch resumes once the application
+                    # has drained the buffer or read the rest itself.
+                    ahead += len(msg.get("body", b""))
+                    if ahead >= WATCH_READ_AHEAD:
+                        self.resume_watch = True
+                        return
         finally:
             self.watching = False
 

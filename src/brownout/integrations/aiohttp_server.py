@@ -44,8 +44,10 @@ from .._degrade.markers import fallback_marks
 from .._degrade.modes import DEGRADED_HEADER
 from .._edge import (
     ABANDONED,
+    ANSWERED,
     EXPRESS_HEADERS,
     Abandoned,
+    Answered,
     EdgePolicy,
     Express,
     ExpressScope,
@@ -56,6 +58,7 @@ from .._edge import (
     announced_modes,
     one_value,
     refusal_headers,
+    serve_connection,
 )
 
 __all__ = ["BrownoutAiohttpMiddleware", "announce_degraded", "brownout_middleware"]
@@ -76,6 +79,41 @@ def _lower_names(raw: Any) -> Any:
     # `EdgePolicy.express_budget` reads (lower-case name, value) byte pairs, as ASGI servers
     # give them; aiohttp keeps the case the client sent.
     return ((name.lower(), value) for name, value in raw)
+
+
+_WRITING: set[asyncio.Task[None]] = set()
+"""Answers written at a deadline while their handler still runs (held until written)."""
+
+
+class _Flight(Flight):
+    """A `Flight` that can answer at the deadline while the handler still runs."""
+
+    __slots__ = ("request", "response", "sending")
+
+    def __init__(self, started: float, request: web.Request) -> None:
+        super().__init__(started)
+        self.request = request
+        self.response: web.StreamResponse | None = None
+        self.sending: asyncio.Task[None] | None = None
+
+    def answer_now(self, refusal: Any) -> bool:
+        """`Flight.answer_now`: send the refusal now from a task of its own; the middleware
+        returns this (already sent) response when the handler finally returns."""
+        if _response_started(self.request):
+            return False
+        response = self.response = refusal_response(refusal)
+        task = self.sending = asyncio.get_running_loop().create_task(_send(response, self.request))
+        _WRITING.add(task)
+        task.add_done_callback(_WRITING.discard)
+        return True
+
+
+async def _send(response: web.StreamResponse, request: web.Request) -> None:
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except (ConnectionError, RuntimeError):  # the client left meanwhile
+        pass
 
 
 def _gone(request: web.Request, flight: Flight) -> Callable[[], bool]:
@@ -137,6 +175,8 @@ class BrownoutAiohttpMiddleware:
         if plan is None:
             plan = self._plan(template)
         route, express = plan
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            return await self._connection(request, handler, started, route)
         if express is None or get_current() is not NO_REQUEST:
             return await self._serve(request, handler, loop, started, route)
         if any(map(request.headers.__contains__, _CLAIMS)):  # case-insensitive lookups
@@ -149,7 +189,7 @@ class BrownoutAiohttpMiddleware:
         permit, cls = admitted
         # The express path (`EdgePolicy.express`): what `serve` does for a request with no
         # header to decide about (or a plain budget) at an uncontended bulkhead, inline.
-        flight = Flight(started)
+        flight = _Flight(started, request)
         if self.watch_disconnects:
             flight.on_old = _gone(request, flight)
         scope = ExpressScope(policy, express, flight, cls, seconds, loop)
@@ -162,6 +202,8 @@ class BrownoutAiohttpMiddleware:
             # aiohttp's way to answer (a 404, a redirect): settled by its status, not failed.
             flight.status = e.status
             scope.settle(permit)
+            if flight.answered:
+                return await self._sent(flight)
             if express.degraded is not None:
                 self._announce(e, announced_modes(express.degraded, scope.marks))
             raise
@@ -171,12 +213,55 @@ class BrownoutAiohttpMiddleware:
         else:
             flight.status = response.status
             scope.settle(permit)
+            if flight.answered:
+                return await self._sent(flight)
             if flight.abandoned:
                 raise asyncio.CancelledError  # nobody is listening (`serve`'s ABANDONED)
             if express.degraded is not None:
                 self._announce(response, announced_modes(express.degraded, scope.marks))
             return response
-        return self._written(outcome, request)
+        if outcome is ANSWERED:
+            return await self._sent(flight)
+        return self._written(outcome, request, flight)
+
+    @staticmethod
+    async def _sent(flight: _Flight) -> web.StreamResponse:
+        """The response sent at the deadline (`_Flight.answer_now`), once sent: aiohttp finds
+        it prepared and finished and sends nothing more; the handler's answer is dropped."""
+        if flight.sending is not None:
+            await asyncio.shield(flight.sending)
+        assert flight.response is not None
+        return flight.response
+
+    async def _connection(
+        self, request: web.Request, handler: Handler, started: float, route: ResolvedRoute
+    ) -> web.StreamResponse:
+        """A websocket upgrade: admitted at connect, no deadline on its life, refused with
+        the refusal's response instead of the upgrade (`brownout._edge.connections`)."""
+        flight = Flight(started)
+        response: web.StreamResponse | None = None
+        headers = request.headers
+
+        def get(name: str) -> str | None:
+            return headers.get(name)
+
+        async def call() -> None:
+            nonlocal response
+            response = await handler(request)
+
+        outcome = await serve_connection(
+            self.policy,
+            request,
+            call,
+            flight,
+            route=route,
+            get=get,
+            handshaken=lambda: _response_started(request),
+        )
+        if outcome is not None:
+            return refusal_response(outcome)
+        assert response is not None
+        return response
 
     def _answer(
         self,
@@ -184,7 +269,7 @@ class BrownoutAiohttpMiddleware:
         permit: Permit | Untracked,
         scope: ExpressScope,
         request: web.Request,
-    ) -> Refusal | Abandoned:
+    ) -> Refusal | Abandoned | Answered:
         try:
             return self.policy.express_raised(e, permit, scope.flight, scope.task, scope.cancelling)
         except asyncio.CancelledError:
@@ -208,7 +293,7 @@ class BrownoutAiohttpMiddleware:
     ) -> web.StreamResponse:
         """Everything the express path does not take: `EdgePolicy.serve`."""
         policy = self.policy
-        flight = Flight(started)
+        flight = _Flight(started, request)
         if self.watch_disconnects:
             flight.on_old = _gone(request, flight)
         headers = request.headers
@@ -247,7 +332,9 @@ class BrownoutAiohttpMiddleware:
             if policy.degraded is not None:
                 self._announce(outcome, policy.degraded_names())
             return outcome
-        return self._written(outcome, request)
+        if outcome is ANSWERED:
+            return await self._sent(flight)
+        return self._written(outcome, request, flight)
 
     def _announce(
         self, answer: web.StreamResponse | web.HTTPException, names: Sequence[str]
@@ -270,7 +357,10 @@ class BrownoutAiohttpMiddleware:
         answer.headers[DEGRADED_HEADER] = ", ".join(names)
 
     @staticmethod
-    def _written(outcome: Refusal | Abandoned, request: web.Request) -> web.StreamResponse:
+    def _written(
+        outcome: Refusal | Abandoned | Answered, request: web.Request, flight: _Flight
+    ) -> web.StreamResponse:
+        assert outcome is not ANSWERED  # `_sent`
         """The response for what the edge answered instead of the handler."""
         if outcome is ABANDONED:
             # Nobody is listening; the connection is already gone.

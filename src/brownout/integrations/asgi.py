@@ -37,6 +37,7 @@ outermost), so that ``scope["user"]`` is set when the classifier runs.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from operator import itemgetter
 
 from .._admission.permit import Permit, Untracked
@@ -44,13 +45,24 @@ from .._clock import current_task_of as _current_task
 from .._clock import loop_and_time
 from .._context import NO_REQUEST, get_current, inbound_context, reset_current, set_current
 from .._degrade.markers import reset_fallback_marks, set_fallback_marks
-from .._edge import EXPRESS_HEADERS, EdgePolicy, Express, Refusal, ResolvedRoute
+from .._edge import (
+    EXPRESS_HEADERS,
+    EdgePolicy,
+    Express,
+    Flight,
+    Refusal,
+    ResolvedRoute,
+    header_getter,
+    serve_connection,
+)
 from ._asgi_exchange import (
     ASGIApp,
     Exchange,
+    Message,
     Receive,
     Scope,
     Send,
+    refusal_head,
     write_answer,
     write_refusal,
 )
@@ -68,6 +80,30 @@ _Path = tuple[ResolvedRoute, "Express | None"]
 """What the middleware caches per request path: the route, and its express plan if any."""
 
 _MAX_TEMPLATES = 1024  # templates come from the router and the policy's routes: few
+
+_HANDSHAKE_ANSWERS = frozenset(
+    ("websocket.accept", "websocket.close", "websocket.http.response.start")
+)
+"""What the application sends to answer a websocket handshake."""
+
+
+async def refuse_websocket(refusal: Refusal, scope: Scope, send: Send) -> None:
+    """Refuse a websocket handshake: the refusal as an HTTP response where the server has the
+    websocket denial response extension, else a close before accept with code 1013 ("try
+    again later"; servers answer the handshake 403)."""
+    if "websocket.http.response" in (scope.get("extensions") or {}):
+        await send(
+            {
+                "type": "websocket.http.response.start",
+                "status": refusal.status,
+                "headers": refusal_head(refusal),
+            }
+        )
+        await send({"type": "websocket.http.response.body", "body": refusal.body})
+        return
+    await send(
+        {"type": "websocket.close", "code": 1013, "reason": refusal.reason.value}
+    )  # templates come from the router and the policy's routes: few
 
 
 class BrownoutMiddleware:
@@ -129,7 +165,10 @@ class BrownoutMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
+            if scope["type"] == "websocket":
+                await self._connection(scope, receive, send)
+                return
+            await self.app(scope, receive, send)  # lifespan, and anything else
             return
         policy = self.policy
         path: str = scope["path"]
@@ -185,6 +224,8 @@ class BrownoutMiddleware:
         exchange.status = 0
         exchange.abandoned = False
         exchange.expired = False
+        exchange.answered = False
+        exchange.answering = None
         exchange.reports = False
         exchange.app = app
         exchange.scope = scope
@@ -228,8 +269,42 @@ class BrownoutMiddleware:
         except (asyncio.CancelledError, Exception) as e:
             # Settled, and answered as `serve` would; re-raised when there is no answer.
             await write_answer(policy.express_raised(e, permit, exchange, task, cancelling), send)
+            if exchange.answered:
+                await exchange.answered_at_deadline()
             return
         policy.settle(permit, exchange, marks)  # the one settle rule
+        if exchange.answered:
+            await exchange.answered_at_deadline()
+
+    async def _connection(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A websocket: admitted at connect, no deadline on its life, refused before the
+        upgrade (`brownout._edge.connections`)."""
+        path: str = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        if path in self.policy.health_paths:
+            await self.app(scope, receive, send)
+            return
+        route = (self._paths.get(path) or self._route(scope, path))[0]
+        flight = Flight(loop_and_time()[1])
+
+        def tracked(message: Message) -> Awaitable[None]:
+            if message["type"] in _HANDSHAKE_ANSWERS:
+                flight.response_started = True
+            return send(message)
+
+        outcome = await serve_connection(
+            self.policy,
+            scope,
+            lambda: self.app(scope, receive, tracked),
+            flight,
+            route=route,
+            get=header_getter(scope.get("headers", ())),
+            handshaken=lambda: flight.response_started,
+        )
+        if outcome is not None:
+            await refuse_websocket(outcome, scope, send)
 
     async def _serve(
         self,
@@ -264,3 +339,5 @@ class BrownoutMiddleware:
             exchange.close()
         if type(outcome) is Refusal:  # `write_answer`, one coroutine frame less
             await write_refusal(outcome, send)
+        elif exchange.answered:
+            await exchange.answered_at_deadline()

@@ -59,6 +59,7 @@ from .._edge import (
     EXPRESS_HEADERS,
     STATUS_FOR_GRPC_CODE,
     Abandoned,
+    Answered,
     Classification,
     EdgePolicy,
     Express,
@@ -132,6 +133,49 @@ def _status_of(context: grpc.aio.ServicerContext[Any, Any]) -> int:
 
 
 Behavior = Callable[[Any, Any], Any] | None
+
+_WRITING: set[asyncio.Task[None]] = set()
+"""Calls ended at their deadline while their handler still runs (held until ended)."""
+
+
+class _Flight(Flight):
+    """A `Flight` that can end its call at the deadline while the handler still runs."""
+
+    __slots__ = ("abort_error", "context", "ending")
+
+    def __init__(self, started: float, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        super().__init__(started)
+        self.context = context
+        self.ending: asyncio.Task[None] | None = None
+        self.abort_error: BaseException | None = None
+
+    def answer_now(self, refusal: Any) -> bool:
+        """`Flight.answer_now`: end the call with the refusal's status now, from a task of
+        its own; whatever the handler returns later is dropped (`_ended`)."""
+        task = self.ending = asyncio.get_running_loop().create_task(_abort(refusal, self))
+        _WRITING.add(task)
+        task.add_done_callback(_WRITING.discard)
+        return True
+
+
+async def _abort(refusal: Refusal, flight: _Flight) -> None:
+    try:
+        await flight.context.abort(
+            grpc.StatusCode[refusal.grpc_code], refusal.grpc_details(), refusal_trailers(refusal)
+        )
+    except grpc.aio.AbortError as e:
+        flight.abort_error = e  # raised by design: the status is on its way
+
+
+async def _ended(flight: Flight) -> NoReturn:
+    """The edge ended the call at its deadline (`_Flight.answer_now`): the handler's task
+    ends with the same `AbortError` (grpc.aio checks it is the one its abort raised)."""
+    assert isinstance(flight, _Flight)
+    if flight.ending is not None:
+        await flight.ending
+    if flight.abort_error is not None:
+        raise flight.abort_error
+    raise asyncio.CancelledError
 
 
 class BrownoutServerInterceptor(grpc.aio.ServerInterceptor):
@@ -266,7 +310,7 @@ async def _run(
             return await _express(
                 policy, express, context, call, loop, started, seconds, cls, permit
             )
-    flight = Flight(started)
+    flight = _Flight(started, context)
     budget = None if remaining is None else max(remaining, 0.0)
     named: tuple[str, ...] | None = None
 
@@ -301,6 +345,8 @@ async def _run(
         if context.cancelled() or context.done():
             policy.record_abandoned(flight)
         raise
+    if isinstance(outcome, Answered):
+        await _ended(flight)
     if isinstance(outcome, Refusal) or outcome is ABANDONED:
         await _end(outcome, context)
     if named is None:
@@ -322,7 +368,7 @@ async def _express(
 ) -> Any:
     """The express path (`EdgePolicy.express`): what `serve` does for a call with no
     metadata to decide about at an uncontended bulkhead, inline."""
-    scope = ExpressScope(policy, express, Flight(started), cls, seconds, loop)
+    scope = ExpressScope(policy, express, _Flight(started, context), cls, seconds, loop)
     flight = scope.flight
     try:
         try:
@@ -333,15 +379,21 @@ async def _express(
         # ``context.abort``: the handler's way to answer, settled by its status.
         flight.status = _status_of(context)
         scope.settle(permit)
+        if flight.answered:
+            await _ended(flight)
         raise
     except (asyncio.CancelledError, Exception) as e:
         # Settled, and answered as `serve` would; re-raised when there is no answer (a
         # client's cancellation: the bulkhead counts it as abandoned).
         outcome = policy.express_raised(e, permit, flight, scope.task, scope.cancelling)
+        if isinstance(outcome, Answered):
+            await _ended(flight)
         await _end(outcome, context)
     flight.status = _status_of(context)
     flight.abandoned = _swallowed(scope.task, scope.cancelling, flight)
     scope.settle(permit)
+    if flight.answered:
+        await _ended(flight)
     if flight.abandoned:
         raise asyncio.CancelledError  # nobody is listening (`serve`'s ABANDONED)
     modes = express.degraded

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from brownout import Priority, Reason
@@ -180,6 +180,18 @@ OPS = st.lists(
 
 
 @settings(max_examples=200, deadline=None)
+@example(  # an enqueue time below the bound's precision: now - 0.25 == 0.0 < 3e-257
+    kind=FifoQueue,
+    max_size=1,
+    max_wait=0.25,
+    share=1.0,
+    ops=[
+        ("wait", 3e-257),
+        ("push", Priority.CRITICAL, False, "a", None),
+        ("wait", 0.25),
+        ("expire",),
+    ],
+)
 @given(
     kind=QUEUES,
     max_size=st.integers(1, 6),
@@ -231,10 +243,10 @@ def test_queue_invariants(
             bounds = [q.wait_bound(now, r) for r in range(8)]
             for x in q.expire_old(now):
                 live.remove(x)
-                assert now - x.enqueued_at >= bounds[rank_of(x.priority, x.in_progress)] - 1e-12
-            # nothing left is over its bound
+                assert x.enqueued_at + bounds[rank_of(x.priority, x.in_progress)] <= now
+            # nothing left is over its bound (the queue's own sum: enqueue time + bound)
             assert all(
-                now - x.enqueued_at < q.wait_bound(now, rank_of(x.priority, x.in_progress))
+                x.enqueued_at + q.wait_bound(now, rank_of(x.priority, x.in_progress)) > now
                 for x in live
             )
         elif op[0] == "remove":
@@ -253,6 +265,25 @@ def test_queue_invariants(
         q.served + q.expired + q.timed_out + q.evicted + q.removed
     )  # every item that left was counted once
     assert left + q.size == pushed
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kind=QUEUES,
+    max_wait=st.floats(1e-6, 1.0),
+    at=st.one_of(st.floats(0.0, 1e6), st.floats(0.0, 1e-200)),
+)
+def test_a_sweep_at_the_next_expiry_expires_the_item(
+    kind: type[WaitQueue], max_wait: float, at: float
+) -> None:
+    """The bulkhead sweeps at `next_expiry`; the item must leave then, whatever the floats
+    (else the sweep re-arms at the same instant, over and over)."""
+    q = kind(4, max_wait)
+    it = item()
+    assert q.push(it, at) == (None, None)
+    due = q.next_expiry(at)
+    assert due is not None and due >= at
+    assert q.expire_old(due) == [it]
 
 
 # -- PriorityCoDelQueue: CoDel and adaptive LIFO per priority class (A3, A4, S3) -----------

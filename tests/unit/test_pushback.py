@@ -159,3 +159,52 @@ async def test_the_httpx_transport_classifies_an_absurd_pushback_as_do_not_retry
     response = gave_up.value.response
     assert isinstance(response, httpx.Response) and response.status_code == 503
     assert len(sent) == 1
+
+
+# -- repeated headers: never anywhere wins, else the longest wait --------------------------
+
+
+class _MultiDict(dict[str, list[str]]):
+    """aiohttp's shape: ``get`` gives the first value, ``getall`` every one."""
+
+    def get(self, key: str, default: object = None) -> object:  # type: ignore[override]
+        values = super().get(key)
+        return values[0] if values else default
+
+    def getall(self, key: str, default: object = ()) -> list[str]:
+        return super().get(key) or list(default)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        (["later", "never"], (None, True)),
+        (["never", "later"], (None, True)),
+        (["later, Never"], (None, True)),
+    ],
+)
+def test_a_never_marker_in_any_value_wins(values: list[str], expected: object) -> None:
+    assert parse_pushback({RETRY_HEADER: values}) == expected
+    assert parse_pushback(_MultiDict({RETRY_HEADER: values})) == expected
+
+
+@given(st.lists(st.integers(0, 10**6), min_size=1, max_size=5))
+def test_the_longest_retry_after_wins(seconds: list[int]) -> None:
+    values = [str(s) for s in seconds]
+    assert parse_pushback({"retry-after": values}) == (float(max(seconds)), False)
+    assert parse_pushback({"retry-after": ", ".join(values)}) == (float(max(seconds)), False)
+    assert parse_pushback(_MultiDict({"retry-after": values})) == (float(max(seconds)), False)
+
+
+@given(st.lists(st.integers(0, PUSHBACK_MAX_MS), min_size=1, max_size=5), st.booleans())
+def test_the_longest_grpc_pushback_wins_unless_one_says_never(ms: list[int], bad: bool) -> None:
+    values = [str(v) for v in ms] + (["-1"] if bad else [])
+    expected = (None, True) if bad else (max(ms) / 1000.0, False)
+    assert parse_pushback({GRPC_PUSHBACK_KEY: values}) == expected
+    assert parse_pushback({GRPC_PUSHBACK_KEY: ",".join(values)}) == expected
+
+
+def test_a_joined_http_date_is_still_a_date() -> None:
+    date = email.utils.formatdate(time.time() + 5, usegmt=True)  # has a comma of its own
+    wait, never = parse_pushback({"retry-after": date})
+    assert not never and wait is not None and 3.0 < wait <= 5.0

@@ -315,9 +315,8 @@ class WaitQueue:
                 self._stored -= 1
                 if not item.queued:
                     continue
-                waited = now - item.enqueued_at
                 # the bound in force while it waited (decided before it leaves its class)
-                too_old = waited > self.wait_bound(now, r)
+                too_old = item.enqueued_at + self.wait_bound(now, r) < now
                 dead = item.deadline_at <= now
                 # leave the queue (inlined _leave: this is the hand-off path)
                 item.queued = False
@@ -331,7 +330,7 @@ class WaitQueue:
                     self._emptied_at[r] = now
                     self._stood_since[r] = self._class_busy[r]
                     self._class_busy[r] = _IDLE
-                self.wait_times.observe(waited)
+                self.wait_times.observe(now - item.enqueued_at)
                 if self._fair:
                     n = self._per_caller[item.caller] - 1
                     if n:
@@ -443,8 +442,9 @@ class WaitQueue:
             d = self._classes[r]
             if not d:
                 continue
-            limit = now - self.wait_bound(now, r)
-            while d and (not d[0].queued or d[0].enqueued_at <= limit):
+            bound = self.wait_bound(now, r)
+            # the same sum as `next_expiry`, so a sweep at the time it gave always expires
+            while d and (not d[0].queued or d[0].enqueued_at + bound <= now):
                 item = d.popleft()
                 self._stored -= 1
                 if item.queued:

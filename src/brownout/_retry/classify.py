@@ -22,6 +22,7 @@ import email.utils
 import time
 from collections.abc import Callable, Mapping
 from enum import StrEnum
+from typing import Any
 
 from .._errors import BrownoutError, DeadlineExceeded, Reason, Rejected
 from .._propagation import DO_NOT_RETRY_VALUE, GRPC_PUSHBACK_KEY, RETRY_HEADER
@@ -239,27 +240,74 @@ def _retry_after(value: object) -> float | None:
     return min(max(0.0, delay), float(_RETRY_AFTER_CAP))
 
 
-def parse_pushback(headers: Mapping[str, str | bytes]) -> tuple[float | None, bool]:
+def _values(headers: Mapping[str, Any], name: str) -> list[object]:
+    """Every value of header ``name``: a multidict's ``getall`` (aiohttp), httpx's
+    ``get_list``, else ``get``, whose value may itself be a list or tuple (gRPC metadata)."""
+    getall = getattr(headers, "getall", None)
+    if getall is not None:
+        return list(getall(name, ()))
+    get_list = getattr(headers, "get_list", None)
+    if get_list is not None:
+        return list(get_list(name))
+    value = headers.get(name)
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _elements(values: list[object]) -> list[str | None]:
+    """The comma-separated elements of every value (RFC 9110 lists); ``None`` for a value
+    that is not ASCII text."""
+    out: list[str | None] = []
+    for value in values:
+        text = _header_text(value)
+        if text is None:
+            out.append(None)
+        else:
+            out.extend(part.strip(_OWS) for part in text.split(","))
+    return out
+
+
+def _longest_retry_after(values: list[object]) -> float | None:
+    waits: list[float] = []
+    for value in values:
+        wait = _retry_after(value)
+        if wait is None:  # a list joined with commas (an HTTP date has a comma of its own)
+            text = _header_text(value) or ""
+            parts = [_retry_after(part) for part in text.split(",")] if "," in text else []
+            waits.extend(w for w in parts if w is not None)
+        else:
+            waits.append(wait)
+    return max(waits) if waits else None
+
+
+def parse_pushback(headers: Mapping[str, Any]) -> tuple[float | None, bool]:
     """Read a response's pushback: ``(retry_after_seconds or None, do_not_retry)``.
 
     Honours ``brownout-retry: never``; ``grpc-retry-pushback-ms`` (gRFC A6: a non-negative
     decimal integer of milliseconds; a negative, malformed or unparseable one, including one
     beyond gRPC's 32-bit range, means do not retry); ``Retry-After`` as delta-seconds or an
     HTTP date, capped at 2^31 seconds (RFC 9111) and ignored when it is neither.
+    Repeated headers (several lines, or one comma-joined line): ``never`` in any element
+    wins; of several pushbacks the longest wait wins, and any unparseable gRPC pushback means
+    do not retry. ``headers`` is a mapping with lower-case keys (httpx, grpc metadata) or a
+    case-insensitive multidict (aiohttp); a value may be a list of the header's values.
     Total: any value, ``str`` or ``bytes``, gives an answer; it never raises, and a
     ``retry_after`` is always finite, between 0 and 2^31.
-    ``headers`` must have lower-case keys (httpx and grpc metadata do; lower-case others).
     """
-    marker = headers.get(RETRY_HEADER)
-    if marker is not None and (_header_text(marker) or "").lower() == DO_NOT_RETRY_VALUE:
+    markers = _elements(_values(headers, RETRY_HEADER))
+    if any(m is not None and m.lower() == DO_NOT_RETRY_VALUE for m in markers):
         return None, True
-    pushback = headers.get(GRPC_PUSHBACK_KEY)
-    if pushback is not None:
-        return _grpc_pushback(pushback)
-    retry_after = headers.get("retry-after")
-    if retry_after is not None:
-        return _retry_after(retry_after), False
-    return None, False
+    pushbacks = _elements(_values(headers, GRPC_PUSHBACK_KEY))
+    if pushbacks:
+        longest = 0.0
+        for element in pushbacks:
+            wait, never = _grpc_pushback(element)
+            if never or wait is None:
+                return None, True
+            longest = max(longest, wait)
+        return longest, False
+    return _longest_retry_after(_values(headers, "retry-after")), False
 
 
 class StopReason(StrEnum):

@@ -7,10 +7,12 @@ import json
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
+from markdown.extensions.toc import slugify
 
 from brownout import Priority, Reason, Stats
 from brownout._stats import GAUGE_KINDS
@@ -106,14 +108,25 @@ def dashboard_exprs() -> list[str]:
     return exprs
 
 
-def alert_rules() -> list[dict]:
+def all_rules() -> list[dict]:
     doc = yaml.safe_load((DASHBOARDS / "brownout-alerts.yml").read_text())
     return [rule for group in doc["groups"] for rule in group["rules"]]
 
 
-def check(exprs: list[str]) -> None:
+def alert_rules() -> list[dict]:
+    return [rule for rule in all_rules() if "alert" in rule]
+
+
+def recording_rules() -> dict[str, str]:
+    return {rule["record"]: rule["expr"] for rule in all_rules() if "record" in rule}
+
+
+def check(exprs: list[str], recorded: set[str] | frozenset[str] = frozenset()) -> None:
     names, labels = exported()
     for expr in exprs:
+        # Series recorded by the rules themselves are not the collector's to export.
+        for name in sorted(recorded, key=len, reverse=True):
+            expr = re.sub(rf"(?<![\w:]){re.escape(name)}(?![\w:])", "", expr)
         for metric in METRIC.findall(expr):
             assert metric in names, f"{metric!r} in {expr!r} is not exported"
         used = {m for group in BY.findall(expr) for m in re.split(r"\s*,\s*", group.strip()) if m}
@@ -125,7 +138,8 @@ def check(exprs: list[str]) -> None:
 def test_every_dashboard_metric_is_exported():
     exprs = dashboard_exprs()
     assert len(exprs) >= 20
-    check(exprs)
+    # The SLO panel reads series the alert rules record; they must be recorded there.
+    check(exprs, set(recording_rules()))
     text = " ".join(exprs)
     for needed in (
         "offered",
@@ -140,13 +154,15 @@ def test_every_dashboard_metric_is_exported():
         "retry_budget",
         "breaker_state",
         "degraded_mode",
+        "goodput_errors:ratio_rate1h",
     ):
         assert needed in text, f"no panel for {needed}"
 
 
 def test_every_alert_metric_is_exported_and_the_required_alerts_exist():
     rules = alert_rules()
-    check([r["expr"] for r in rules])
+    recorded = set(recording_rules())
+    check([r["expr"] for r in all_rules()], recorded)
     by_name = {r["alert"]: r for r in rules}
     for required in (
         "BrownoutLargeShedVolume",
@@ -168,18 +184,120 @@ def test_a_wrong_name_would_be_caught():
         check(["rate(brownout_requests_shedded_total[5m])"])
     with pytest.raises(AssertionError, match="are not exported"):
         check(["sum by (tenant)(rate(brownout_requests_shed_total[5m]))"])
+    with pytest.raises(AssertionError, match="not exported"):
+        check(["job_source:brownout_goodput_nope:ratio_rate1h"], set(recording_rules()))
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+NO_PROMTOOL = (
+    "promtool not installed: it ships with Prometheus (Debian/Ubuntu: "
+    "`apt-get install --no-install-recommends prometheus`; or the release tarball from "
+    "prometheus.io/download)"
+)
+needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason=NO_PROMTOOL)
+
+
+@needs_promtool
 def test_promtool_accepts_the_rules():
-    subprocess.run(
+    result = subprocess.run(
         ["promtool", "check", "rules", str(DASHBOARDS / "brownout-alerts.yml")],
-        check=True,
         capture_output=True,
+        text=True,
     )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+@needs_promtool
+def test_promtool_rule_unit_tests_pass():
+    """dashboards/brownout-alerts.test.yml: every alert firing and not firing."""
+    result = subprocess.run(
+        ["promtool", "test", "rules", str(DASHBOARDS / "brownout-alerts.test.yml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_has_a_rule_unit_test():
+    tests = yaml.safe_load((DASHBOARDS / "brownout-alerts.test.yml").read_text())
+    assert tests["rule_files"] == ["brownout-alerts.yml"]
+    firing: set[str] = set()
+    quiet: set[str] = set()
+    for case in tests["tests"]:
+        for t in case.get("alert_rule_test", []):
+            (firing if t["exp_alerts"] else quiet).add(t["alertname"])
+    names = {r["alert"] for r in alert_rules()}
+    assert names <= firing, f"no firing case for {sorted(names - firing)}"
+    # A case that expects only some series to fire also shows the others staying quiet.
+    assert {"BrownoutGoodputBudgetBurn", "BrownoutLargeShedVolume"} <= quiet
+
+
+def docs_base_url() -> str:
+    project = tomllib.loads((DASHBOARDS.parent / "pyproject.toml").read_text())["project"]
+    return project["urls"]["Documentation"].rstrip("/")
+
+
+def runbook_anchors() -> set[str]:
+    """The ids mkdocs gives docs/runbooks.md's headings (toc's slugify, as in mkdocs.yml)."""
+    text = (DASHBOARDS.parent / "docs" / "runbooks.md").read_text()
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return {slugify(h.strip(), "-") for h in re.findall(r"^#{1,6}\s+(.+)$", text, re.M)}
+
+
+def test_every_alert_links_to_its_runbook_section():
+    anchors = runbook_anchors()
+    base = f"{docs_base_url()}/runbooks.md#"
+    for rule in alert_rules():
+        url = rule["annotations"].get("runbook_url", "")
+        assert url.startswith(base), f"{rule['alert']}: runbook_url {url!r} is not under {base}"
+        anchor = url.removeprefix(base)
+        assert anchor in anchors, f"{rule['alert']}: no section #{anchor} in docs/runbooks.md"
+        # One section per alert, named after it, so the page reads as an index of alerts.
+        assert anchor == slugify(rule["alert"], "-")
+
+
+def test_a_missing_runbook_section_would_be_caught():
+    assert "brownoutlargeshedvolume" in runbook_anchors()
+    assert "brownoutnosuchalert" not in runbook_anchors()
+
+
+WINDOWS = ("5m", "30m", "1h", "6h", "3d")
+
+
+def test_the_goodput_sli_is_the_same_expression_at_every_window():
+    recorded = recording_rules()
+    assert recorded["brownout:goodput_objective:ratio"].strip() == "vector(0.999)"
+    for prefix in ("bad:rate", "valid:rate", "errors:ratio_rate"):
+        names = [f"job_source:brownout_goodput_{prefix}{w}" for w in WINDOWS]
+        shapes = {re.sub(r"(?<![0-9])(?:5m|30m|1h|6h|3d)\b", "W", recorded[n]) for n in names}
+        assert len(shapes) == 1, f"{prefix} differs between windows"
+    bad = recorded["job_source:brownout_goodput_bad:rate5m"]
+    for counter in ("expired", "failed", "completed_late", "shed"):
+        assert f"brownout_requests_{counter}_total" in bad
+    assert 'priority!="sheddable"' in bad and 'reason!="quota"' in bad
+
+
+def test_the_burn_rate_alerts_use_the_workbook_windows_and_factors():
+    by_name = {r["alert"]: r for r in alert_rules()}
+    page = by_name["BrownoutGoodputBudgetBurn"]
+    ticket = by_name["BrownoutGoodputBudgetSlowBurn"]
+    assert page["labels"]["severity"] == "critical"
+    assert ticket["labels"]["severity"] == "warning"
+    pairs = {
+        "BrownoutGoodputBudgetBurn": [("14.4", "1h", "5m"), ("6", "6h", "30m")],
+        "BrownoutGoodputBudgetSlowBurn": [("1", "3d", "6h")],
+    }
+    for name, conditions in pairs.items():
+        expr = " ".join(by_name[name]["expr"].split())
+        for factor, long, short in conditions:
+            for window in (long, short):
+                assert (
+                    f"ratio_rate{window} > on () group_left () "
+                    f"({factor} * (1 - brownout:goodput_objective:ratio))"
+                ) in expr, (name, window)
+
+
+@needs_promtool
 def test_promtool_parses_every_dashboard_query(tmp_path):
     grafana_vars = {
         "$__rate_interval": "5m",

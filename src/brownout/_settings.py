@@ -206,6 +206,7 @@ class Section(Mapping[str, Any]):
         self._code: set[str] = set()
         self._short = False
         self._through = False
+        self._default_kind: str | None = None
 
     # Mapping: a section reads as the table it wraps.
     def __getitem__(self, key: str) -> Any:
@@ -280,20 +281,26 @@ class Section(Mapping[str, Any]):
             short._short = True
             return short
         if isinstance(value, Mapping):
-            return self.table(key)
+            table = self.table(key)
+            table._default_kind = default  # ``[..limit] initial = 30`` keeps the default kind
+            return table
         self.problem(key, f"expected a name or a table, got {_kind(value)}")
         return None
 
     def kind(self, choices: Mapping[str, T]) -> T | None:
         """The choice named by this table's ``kind`` (``-`` for ``_``, any case)."""
         short = self._short  # ``key = "name"``: the problem is the key's, not ``kind``'s
-        name = self.read("kind", _str, "")
+        name = self.read("kind", _str, self._default_kind or "")
         value = choices.get(name.lower().replace("-", "_"))
-        if value is None:
+        if value is None and not name:
+            self.problem("kind", f"missing: one of {', '.join(choices)}")
+        elif value is None:
             close = difflib.get_close_matches(name.lower(), list(choices), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             message = f"{name!r} is not one of {', '.join(choices)}{hint}"
             self.problem(None if short else "kind", message)
+        if value is None:
+            self._through = True  # its other keys are the unknown kind's, not typos
         return value
 
     def kwargs(

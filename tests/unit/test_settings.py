@@ -251,3 +251,12 @@ def test_priority_queue_and_codel_from_a_table() -> None:
     )
     assert policy.bulkhead is not None
     assert isinstance(policy.bulkhead.queue, CoDelQueue)
+
+
+def test_a_table_without_its_kind_is_named_once() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        EdgePolicy.from_config({"edge": {"bulkhead": {"queue": {"max_size": 3}}}})
+    assert excinfo.value.problems == (
+        "edge.bulkhead.queue.kind: missing: one of fifo, lifo, codel, adaptive_lifo, "
+        "priority_codel",
+    )

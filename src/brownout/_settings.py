@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import enum
 import inspect
+import json
 import os
 import re
 import tomllib
@@ -65,7 +66,7 @@ class _Bad(Exception):
 
 
 def _dotted(path: str, key: str) -> str:
-    part = key if _BARE.fullmatch(key) else '"' + key.replace('"', '\\"') + '"'
+    part = key if _BARE.fullmatch(key) else json.dumps(key, ensure_ascii=False)  # TOML-quoted
     return f"{path}.{part}" if path else part
 
 
@@ -84,6 +85,8 @@ def _int(value: object) -> int:
 def _float(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _Bad(f"expected a number (seconds for a duration), got {_kind(value)}")
+    if value != value:  # NaN passes every range check written with < and >
+        raise _Bad("expected a number, got nan")
     return float(value)
 
 

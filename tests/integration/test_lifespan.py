@@ -24,7 +24,7 @@ from tests.integration.servers import serve_aiohttp
 
 from brownout import DegradedMode, DegradedModes, OverloadManager
 from brownout.integrations.lifespan import Background, aiohttp_cleanup_ctx, starlette_lifespan
-from brownout.signals import EventLoopLag, FunctionSignal
+from brownout.signals import EventLoopLag, FunctionSignal, LoopLag
 
 pytestmark = pytest.mark.integration
 
@@ -122,7 +122,8 @@ async def test_aiohttp_cleanup_ctx_runs_the_manager_while_serving() -> None:
 
     app = web.Application()
     app.router.add_get("/", home)
-    app.cleanup_ctx.append(aiohttp_cleanup_ctx(manager, lambda: modes.run(0.05)))
+    probe = LoopLag()  # the bulkheads' shared probe: started and stopped on its own
+    app.cleanup_ctx.append(aiohttp_cleanup_ctx(manager, probe, lambda: modes.run(0.05)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         async with serve_aiohttp(app) as url:
@@ -132,7 +133,8 @@ async def test_aiohttp_cleanup_ctx_runs_the_manager_while_serving() -> None:
             async with httpx.AsyncClient() as client:
                 response = await client.get(url + "/")
             assert response.text == "0"
-        assert not lag.running
+            assert probe.running
+        assert not lag.running and not probe.running
         assert brownout_tasks() == []
         reads = counted.reads
         await asyncio.sleep(0.3)

@@ -3,9 +3,14 @@ every bad key or value is named in one `ConfigError`."""
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from brownout import (
     ConfigError,
@@ -260,3 +265,41 @@ def test_a_table_without_its_kind_is_named_once() -> None:
         "edge.bulkhead.queue.kind: missing: one of fifo, lifo, codel, adaptive_lifo, "
         "priority_codel",
     )
+
+
+def test_nan_is_refused_where_a_constructor_would_let_it_through() -> None:
+    with pytest.raises(ConfigError, match=r"edge\.retry_after_jitter: expected a number, got nan"):
+        EdgePolicy.from_config(load_config(env={"BROWNOUT_EDGE__RETRY_AFTER_JITTER": "nan"}))
+    jitter = EdgePolicy.from_config({"edge": {"retry_after_jitter": math.inf}}).retry_after_jitter
+    assert jitter == math.inf  # infinity is the constructor's to judge
+
+
+KNOWN_EDGE_KEYS = {
+    "bulkhead", "deadline", "trust", "classifier", "health_paths", "routes", "default_priority",
+    "max_claimed_priority", "quota", "on_quota_exceeded", "degraded", "slowed", "expired_status",
+    "statuses", "grpc_codes", "details", "do_not_retry", "retry_after_jitter", "sweep_period",
+    "connections", "name", "events", "rng", "metrics_paths",
+}  # fmt: skip
+
+
+@given(
+    key=st.text(st.characters(codec="ascii", categories=("L", "N", "P")), min_size=1).filter(
+        lambda k: k not in KNOWN_EDGE_KEYS
+    ),
+    value=st.one_of(st.integers(), st.text(), st.booleans()),
+)
+def test_any_unknown_key_is_named(key: str, value: object) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        EdgePolicy.from_config({"edge": {key: value}})
+    assert len(excinfo.value.problems) == 1
+    assert "unknown key" in excinfo.value.problems[0]
+    quoted = key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
+    assert excinfo.value.problems[0].startswith(f"edge.{quoted}: unknown key")
+
+
+@given(initial=st.integers(1, 1000), maximum=st.floats(0.001, 1e6))
+def test_limit_and_maximum_round_trip(initial: int, maximum: float) -> None:
+    config = {"edge": {"bulkhead": {"limit": initial}, "deadline": {"maximum": maximum}}}
+    policy = EdgePolicy.from_config(config)
+    assert policy.bulkhead is not None and policy.bulkhead.limit == initial
+    assert policy.deadline == InboundDeadlinePolicy(default=min(10.0, maximum), maximum=maximum)

@@ -2,9 +2,9 @@
 and an aiohttp cleanup context, both around `Background`.
 
 What runs in the background: objects with ``start()``/``stop()`` (`brownout.OverloadManager`,
-the probes in `brownout.signals`, ``LoopLagMonitor``), started in order and stopped in
-reverse; and loops given as functions that return a coroutine (``DegradedModes.run``, a
-``Reconciler``'s ``run``, ``ShedLogger.run``), run as tasks and cancelled at stop. Stopping
+the probes in `brownout.signals`, `brownout.signals.LoopLag`), started in order and stopped in
+reverse; and loops given as functions that return a coroutine (``DegradedModes.run``,
+``Reconciler.run``, ``ShedLog.run``), run as tasks and cancelled at stop. Stopping
 is bounded by ``stop_timeout`` and idempotent. Nothing here decides anything; no framework
 is imported.
 """

@@ -78,6 +78,7 @@ from ._retry import (
 )
 from ._retry.idempotency import OutcomeLedgerFull
 from ._retry.ledger_redis import RedisOutcomeLedger
+from ._settings import ConfigError, load_config
 from ._stats import Stats
 from ._version import VERSION as __version__
 
@@ -91,6 +92,7 @@ __all__ = [
     "Classification",
     "ClientThrottle",
     "Clock",
+    "ConfigError",
     "Deadline",
     "DeadlineExceeded",
     "DecorrelatedJitterBackoff",
@@ -148,6 +150,7 @@ __all__ = [
     "deadline",
     "depends_on",
     "fallback_scope",
+    "load_config",
     "remaining",
     "request",
 ]

@@ -23,10 +23,11 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from ._admission.protocols import AdmitsWork
+from ._admission.settings import bulkhead_from
 from ._clock import Clock, default_clock
 from ._context import DeadlineScope, current_deadline
 from ._degrade.drill import dependency_call, fallback_scope
@@ -35,7 +36,9 @@ from ._retry.breaker import CircuitBreaker
 from ._retry.idempotency import OutcomeLedger
 from ._retry.outbound import ATTEMPT_EDGE, attempt_budget
 from ._retry.policy import RetryPolicy, RetrySlots, enter_attempt, exit_attempt
+from ._retry.settings import breaker_from, retry_from, throttle_from
 from ._retry.throttle import ClientThrottle
+from ._settings import Section, build_in, from_config
 from .events import EventHub, RequestShed, hub
 
 __all__ = ["Dependency"]
@@ -71,6 +74,36 @@ class Dependency:
         "throttle",
         "timeout",
     )
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any],
+        name: str,
+        *,
+        section: str | tuple[str, ...] | None = None,
+        **code: Any,
+    ) -> Dependency:
+        """Dependency ``name`` described by table ``section`` of ``config`` (default
+        ``[dependencies.<name>]``): timeouts, ``[..retry]`` a `RetryPolicy`, ``[..bulkhead]``,
+        ``[..breaker]`` and ``[..throttle]``. The ledger, clock, events are keyword
+        arguments. Raises `ConfigError`."""
+        where = ("dependencies", name) if section is None else section
+
+        def build(sec: Section) -> Dependency | None:
+            built: dict[str, Any] = {}
+            if sec.has("retry"):
+                built["retry"] = retry_from(RetryPolicy, sec.table("retry"), {"name": name})
+            if sec.has("bulkhead"):
+                built["bulkhead"] = bulkhead_from(sec.table("bulkhead"), name)
+            if sec.has("breaker"):
+                built["breaker"] = breaker_from(sec.table("breaker"), name)
+            if sec.has("throttle"):
+                built["throttle"] = throttle_from(sec.table("throttle"), name)
+            parts = ("retry", "bulkhead", "breaker", "throttle")
+            return build_in(sec, cls, code, skip=("name", *parts), built={"name": name, **built})
+
+        return from_config(config, where, build)
 
     def __init__(
         self,

@@ -32,6 +32,7 @@ ADAPTER_MODULES = (
     "brownout.integrations.httpx",
     "brownout.integrations.aiohttp_client",
     "brownout.integrations.grpc_client",
+    "brownout.integrations.lifespan",
     "brownout.export.prometheus",
     "brownout.export.otel",
     "brownout.export.logging",

@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
         (
             "_checks",
             "_clock",
+            "_settings",
             "_errors",
             "_priority",
             "_snapshot",
@@ -42,7 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
             "_tally_buffer",
             "_deadline",
         ),
-        "vocabulary with no request in it: time, errors, priorities, events, deadlines",
+        "vocabulary with no request in it: time, errors, priorities, events, deadlines, settings",
     ),
     (
         "context",

@@ -15,6 +15,7 @@ but it leaves only after the trigger has cleared (hysteresis: ``leave_at_level``
 from __future__ import annotations
 
 import asyncio
+import difflib
 import functools
 import inspect
 import logging
@@ -22,11 +23,12 @@ import math
 import re
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 from .._clock import Clock, LoopClock, default_clock
+from .._settings import Section, as_bool, build_in, from_config
 from ..events import DegradedModeChanged, EventHub, hub
 from .markers import in_fallback, note_fallback_served
 
@@ -151,6 +153,37 @@ class DegradedModes:
     what the edge puts in the ``brownout-degraded`` header and the problem body's
     ``degraded`` field.
     """
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any],
+        modes: Iterable[DegradedMode],
+        *,
+        section: str = "degraded",
+        **code: Any,
+    ) -> DegradedModes:
+        """The registry of ``modes`` (declared in code) with table ``section`` of ``config``
+        applied: ``name``, and ``[degraded.force]``, declared mode name -> ``true`` (forced on,
+        still ending after its ``max_duration``) or ``false`` (forced off). The clock and
+        events are keyword arguments. Raises `ConfigError`."""
+
+        def build(sec: Section) -> DegradedModes | None:
+            registry = build_in(sec, cls, code, skip=("modes",), built={"modes": modes})
+            force = sec.table("force")
+            for mode in list(force.data):
+                on = force.read(mode, as_bool, None)
+                if registry is None or on is None:
+                    continue
+                if mode not in registry:
+                    close = difflib.get_close_matches(mode, [m.name for m in registry], n=1)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    force.problem(mode, f"no such declared mode{hint}")
+                    continue
+                registry.force(mode, on, trigger="settings")
+            return registry
+
+        return from_config(config, section, build)
 
     def __init__(
         self,

@@ -78,6 +78,7 @@ from .refusals import (
     retry_after_window,
 )
 from .routes import UNMATCHED, ResolvedRoute, Route, compile_template
+from .settings import edge_from
 from .slowed import SlowedRejections
 
 __all__ = ["EdgePolicy", "header_getter", "header_value", "metadata_getter", "one_value"]
@@ -208,6 +209,16 @@ class EdgePolicy:
             raise ValueError("sweep_period must be > 0")
         self._sweeper = Sweeper(self.sweep_period, self._answer_expired)
         self._refusals: dict[Reason, Refusal] = {r: self._build_refusal(r) for r in Reason}
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any], *, section: str = "edge", **code: Any
+    ) -> EdgePolicy:
+        """The policy described by table ``section`` of ``config`` (`brownout.load_config`;
+        keys in docs/configuration.md). What is code (classifier, trust function, quota,
+        degraded, events, rng) is passed as keyword arguments, which win over the settings.
+        Raises `ConfigError` listing every problem."""
+        return edge_from(cls, config, section, code)
 
     # -- configuration, resolved once -----------------------------------------------------
     def _resolve(self, template: str, route: Route) -> ResolvedRoute:

@@ -26,9 +26,11 @@ tokens.
 from __future__ import annotations
 
 import math
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from .._clock import Clock, default_clock
+from .._settings import build_in, from_config
 from .window import SlidingCounters
 
 __all__ = ["GrpcRetryThrottle", "RetryAllowance", "RetryBudget"]
@@ -73,6 +75,14 @@ class RetryBudget:
     """
 
     __slots__ = ("_counters", "_deposit", "_reserve", "_withdraw", "min_per_second", "ratio")
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any], *, section: str = "retry.budget", **code: Any
+    ) -> RetryBudget:
+        """The budget described by table ``section`` of ``config`` (`brownout.load_config`);
+        the clock is a keyword argument. Raises `ConfigError`."""
+        return from_config(config, section, lambda sec: build_in(sec, cls, code))
 
     def __init__(
         self,

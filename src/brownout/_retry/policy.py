@@ -26,16 +26,18 @@ import contextvars
 import functools
 import math
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from .._clock import Clock, default_clock
 from .._context import DeadlineScope, RequestContext, attach, current, current_deadline, detach
 from .._errors import Rejected, UnknownOutcome
+from .._settings import from_config
 from ..events import AttemptRetried, EventHub, OutcomeUnknown, RetryBudgetExhausted, hub
 from .backoff import Backoff, ExponentialBackoff
 from .budget import RetryAllowance, RetryBudget
 from .classify import Failure, FailureClassifier, RetriesExhausted, StopReason, classify
+from .settings import retry_from
 
 __all__ = [
     "AttemptFn",
@@ -137,6 +139,15 @@ class RetryPolicy:
         "reserve",
         "slots",
     )
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any], *, section: str = "retry", **code: Any
+    ) -> RetryPolicy:
+        """The policy described by table ``section`` of ``config`` (`brownout.load_config`):
+        ``[retry.budget]`` a `RetryBudget`, ``backoff`` a name or a table with ``kind``. The
+        classifier, clock and events are keyword arguments. Raises `ConfigError`."""
+        return from_config(config, section, lambda sec: retry_from(cls, sec, code))
 
     def __init__(
         self,

@@ -6,6 +6,7 @@ Inbound (the edge, `brownout._edge`):
 - `brownout.integrations.grpc_server`: `BrownoutServerInterceptor` for ``grpc.aio`` servers;
 - `brownout.integrations.aiohttp_server`: `brownout_middleware` for aiohttp web servers.
 
-Outbound clients live next to them (``httpx``, ``aiohttp_client``, ``grpc_client``).
+Outbound clients live next to them (``httpx``, ``aiohttp_client``, ``grpc_client``);
+`brownout.integrations.lifespan` starts and stops background work with the server.
 Import the module you need; this package imports no framework itself.
 """

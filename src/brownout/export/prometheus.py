@@ -37,14 +37,18 @@ except ModuleNotFoundError as e:  # the extra is not installed
 from .._snapshot import items_of
 from .._stats import LatencyHistogram, Stats
 from ._catalog import COUNTERS, GAUGES, HISTOGRAMS, STATE_COUNTERS, CounterSpec, GaugeSpec
+from ._workers import WorkersCollector, mark_process_dead
 
 __all__ = [
     "BrownoutCollector",
     "MetricsApp",
+    "WorkersCollector",
     "add_aiohttp_metrics",
+    "mark_process_dead",
     "metrics_middleware",
     "mount_metrics",
     "register",
+    "register_multiprocess",
 ]
 
 Scope = MutableMapping[str, Any]
@@ -191,6 +195,25 @@ def register(
 ) -> BrownoutCollector:
     """Register a `BrownoutCollector` for ``stats`` with ``registry`` and return it."""
     collector = BrownoutCollector(stats, caller_label=caller_label, bucket_stride=bucket_stride)
+    registry.register(collector)
+    return collector
+
+
+def register_multiprocess(
+    stats: Stats,
+    registry: CollectorRegistry = REGISTRY,
+    *,
+    path: str | None = None,
+    period: float = 1.0,
+    caller_label: bool = True,
+    bucket_stride: int = 2,
+) -> WorkersCollector:
+    """Register, with ``registry``, brownout's metrics summed over every worker process that
+    shares the multiprocess directory ``path`` (default: ``PROMETHEUS_MULTIPROC_DIR``), and
+    start publishing this worker's ``stats`` there every ``period`` seconds. Call it once in
+    every worker; any worker's scrape shows the sum (`WorkersCollector`)."""
+    source = BrownoutCollector(stats, caller_label=caller_label, bucket_stride=bucket_stride)
+    collector = WorkersCollector(source, path, period=period)
     registry.register(collector)
     return collector
 

@@ -13,6 +13,10 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from brownout import Priority, Stats
@@ -96,6 +100,10 @@ def test_counts_sum_over_workers_and_an_exited_worker_keeps_its_counts(
     # Buckets stay cumulative and ordered after the merge.
     buckets = [v for (n, _l), v in s.items() if n == "brownout_success_latency_seconds_bucket"]
     assert buckets == sorted(buckets)
+    # The merged families are valid OpenMetrics too (histogram samples grouped and ordered).
+    om = generate_openmetrics(registry).decode()
+    parsed = {f.name: f for f in openmetrics_families(om)}
+    assert parsed["brownout_success_latency_seconds"].type == "histogram"
 
     child.kill()
     child.wait()

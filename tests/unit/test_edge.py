@@ -191,6 +191,17 @@ def test_route_label_set_is_bounded() -> None:
     assert policy.route("/t1999").template == "unmatched"
 
 
+def test_metrics_paths_are_exempt_like_health_paths() -> None:
+    """A scrape must be answered while the service sheds: the metrics path is exempt."""
+    policy = EdgePolicy()
+    assert policy.is_exempt("/metrics") and policy.is_exempt("/healthz")
+    assert not policy.is_health("/metrics") and not policy.is_exempt("/work")
+    custom = EdgePolicy(health_paths=["/up"], metrics_paths=["/prom"])
+    assert custom.exempt_paths == {"/up", "/prom"}
+    assert not custom.is_exempt("/metrics")
+    assert not EdgePolicy(metrics_paths=()).is_exempt("/metrics")
+
+
 def test_priority_claims_are_honoured_only_from_trusted_sources() -> None:
     hub, _, rec = observed()
     policy = EdgePolicy(events=hub, max_claimed_priority=Priority.CRITICAL)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 
 import httpx
 import pytest
@@ -204,6 +205,30 @@ async def test_mount_metrics_on_starlette(stats_registry):
         assert "brownout_stats_series" in r.text
         assert (await client.get("/")).text == "hi"
     assert isinstance(MetricsApp(registry), MetricsApp)
+
+
+async def test_metrics_app_compresses_when_accepted_and_answers_head(stats_registry):
+    """prometheus_client's handler: gzip only when the scraper accepts it, the length of
+    what is sent, and HEAD with the head alone."""
+    stats, registry = stats_registry
+    for i in range(50):
+        stats.emit(req(RequestOffered, caller=f"c{i}", remaining=None))
+    app = metrics_middleware(lambda scope, receive, send: None, registry=registry)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        plain = await c.get("/metrics", headers={"accept-encoding": "identity"})
+        assert "content-encoding" not in plain.headers
+        assert int(plain.headers["content-length"]) == len(plain.content)
+        async with c.stream("GET", "/metrics", headers={"accept-encoding": "gzip"}) as r:
+            raw = b"".join([chunk async for chunk in r.aiter_raw()])
+        assert r.headers["content-encoding"] == "gzip"
+        assert int(r.headers["content-length"]) == len(raw) < len(plain.content)
+        assert gzip.decompress(raw) == plain.content
+        head = await c.head("/metrics", headers={"accept-encoding": "identity"})
+        assert head.status_code == 200 and head.content == b""
+        assert head.headers["content-length"] == plain.headers["content-length"]
+    off = metrics_middleware(lambda s, r, send: None, registry=registry, disable_compression=True)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=off), base_url="http://t") as c:
+        assert "content-encoding" not in (await c.get("/metrics")).headers
 
 
 @pytest.mark.looptime

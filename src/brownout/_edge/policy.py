@@ -128,6 +128,8 @@ class EdgePolicy:
       capped at ``max_claimed_priority``;
     - ``classifier``: the last word on priority, caller and operation (runs after auth);
     - ``health_paths``: always answered, never admitted, never counted (S7);
+    - ``metrics_paths``: the metrics endpoints, exempt like health paths, so scrapes are
+      answered while the service sheds (`exempt_paths` holds both);
     - ``routes``: per-route policy keyed by route template (HTTP) or full method name (gRPC);
     - ``quota`` and ``on_quota_exceeded``: the optional quota hook (429), or demotion to
       ``SHEDDABLE`` when the bulkhead has idle capacity (S5);
@@ -160,6 +162,7 @@ class EdgePolicy:
     trust: TrustSource = Trust.UNTRUSTED
     classifier: RequestClassifier | None = None
     health_paths: Collection[str] = ("/health", "/healthz", "/ready", "/readyz")
+    metrics_paths: Collection[str] = ("/metrics",)
     routes: Mapping[str, Route] = field(default_factory=dict)
     default_priority: Priority = Priority.CRITICAL
     max_claimed_priority: Priority = Priority.CRITICAL
@@ -193,6 +196,8 @@ class EdgePolicy:
         if unknown:
             raise ValueError(f"grpc_codes: not grpc.StatusCode names: {sorted(unknown)}")
         self.health_paths = frozenset(self.health_paths)
+        self.metrics_paths = frozenset(self.metrics_paths)
+        self.exempt_paths: frozenset[str] = self.health_paths | self.metrics_paths
         self._trust_fn: Callable[[Any], Trust] | None = (
             None if isinstance(self.trust, Trust) else self.trust
         )
@@ -289,6 +294,11 @@ class EdgePolicy:
     def is_health(self, path: str) -> bool:
         """True for health and readiness paths: answered always, never admitted."""
         return path in self.health_paths
+
+    def is_exempt(self, path: str) -> bool:
+        """True for health and metrics paths: passed to the application, never admitted,
+        queued, shed or counted."""
+        return path in self.exempt_paths
 
     # -- refusals -------------------------------------------------------------------------
     def refusal(

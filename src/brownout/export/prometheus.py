@@ -21,13 +21,13 @@ from typing import Any
 
 try:
     from prometheus_client import REGISTRY, CollectorRegistry
+    from prometheus_client.asgi import make_asgi_app
     from prometheus_client.core import (
         CounterMetricFamily,
         GaugeMetricFamily,
         HistogramMetricFamily,
         Metric,
     )
-    from prometheus_client.exposition import choose_encoder
     from prometheus_client.registry import Collector
 except ModuleNotFoundError as e:  # the extra is not installed
     from .._extras import missing_extra
@@ -37,14 +37,18 @@ except ModuleNotFoundError as e:  # the extra is not installed
 from .._snapshot import items_of
 from .._stats import LatencyHistogram, Stats
 from ._catalog import COUNTERS, GAUGES, HISTOGRAMS, STATE_COUNTERS, CounterSpec, GaugeSpec
+from ._workers import WorkersCollector, mark_process_dead
 
 __all__ = [
     "BrownoutCollector",
     "MetricsApp",
+    "WorkersCollector",
     "add_aiohttp_metrics",
+    "mark_process_dead",
     "metrics_middleware",
     "mount_metrics",
     "register",
+    "register_multiprocess",
 ]
 
 Scope = MutableMapping[str, Any]
@@ -195,46 +199,78 @@ def register(
     return collector
 
 
+def register_multiprocess(
+    stats: Stats,
+    registry: CollectorRegistry = REGISTRY,
+    *,
+    path: str | None = None,
+    period: float = 1.0,
+    caller_label: bool = True,
+    bucket_stride: int = 2,
+) -> WorkersCollector:
+    """Register, with ``registry``, brownout's metrics summed over every worker process that
+    shares the multiprocess directory ``path`` (default: ``PROMETHEUS_MULTIPROC_DIR``), and
+    start publishing this worker's ``stats`` there every ``period`` seconds. Call it once in
+    every worker; any worker's scrape shows the sum (`WorkersCollector`)."""
+    source = BrownoutCollector(stats, caller_label=caller_label, bucket_stride=bucket_stride)
+    collector = WorkersCollector(source, path, period=period)
+    registry.register(collector)
+    return collector
+
+
 class MetricsApp:
-    """A tiny ASGI app that serves a registry in the Prometheus (or OpenMetrics) text format.
+    """An ASGI app serving a registry: prometheus_client's own (`make_asgi_app`), so the text
+    or OpenMetrics format is negotiated from ``Accept``, the output gzip-compressed when the
+    scraper accepts it (``Accept-Encoding: gzip``, as Prometheus sends), and ``name[]``
+    filters honoured. Adds ``Content-Length`` and answers ``HEAD`` with the head alone.
 
     A class, not a function, so Starlette's ``Route``/``Mount`` treat it as a raw ASGI app.
     """
 
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(
+        self, registry: CollectorRegistry = REGISTRY, *, disable_compression: bool = False
+    ) -> None:
         self.registry = registry
+        self._app: ASGIApp = make_asgi_app(registry, disable_compression=disable_compression)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        accept = ""
-        for name, value in scope.get("headers", ()):
-            if name == b"accept":
-                accept = value.decode("latin-1")
-        encoder, content_type = choose_encoder(accept)
-        body = b"" if scope.get("method") == "HEAD" else encoder(self.registry)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", content_type.encode("latin-1")),
+        head = scope.get("method") == "HEAD"
+        started: Message | None = None
+
+        async def framed(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = message  # sent with the body, once its length is known
+                return
+            body: bytes = message.get("body", b"")
+            if started is not None:
+                headers = [
+                    *started.get("headers", ()),
                     (b"content-length", str(len(body)).encode("ascii")),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+                    (b"vary", b"Accept-Encoding"),
+                ]
+                await send({**started, "headers": headers})
+                started = None
+            await send({"type": "http.response.body", "body": b"" if head else body})
+
+        await self._app(scope, receive, framed)
 
 
 def metrics_middleware(
-    app: ASGIApp, *, registry: CollectorRegistry = REGISTRY, path: str = "/metrics"
+    app: ASGIApp,
+    *,
+    registry: CollectorRegistry = REGISTRY,
+    path: str = "/metrics",
+    disable_compression: bool = False,
 ) -> ASGIApp:
     """Wrap any ASGI app so that ``GET path`` serves the registry; everything else passes.
 
     Works for Starlette, FastAPI or a bare ASGI callable, and answers before any admission
     middleware the app has inside, so scrapes are never shed.
     """
-    metrics = MetricsApp(registry)
+    metrics = MetricsApp(registry, disable_compression=disable_compression)
 
     async def with_metrics(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("path") == path:
@@ -246,30 +282,32 @@ def metrics_middleware(
 
 
 def mount_metrics(
-    app: Any, *, registry: CollectorRegistry = REGISTRY, path: str = "/metrics"
+    app: Any,
+    *,
+    registry: CollectorRegistry = REGISTRY,
+    path: str = "/metrics",
+    disable_compression: bool = False,
 ) -> None:
     """Add a ``path`` route serving the registry to a Starlette/FastAPI app (exact path, no
-    trailing-slash redirect)."""
+    trailing-slash redirect). `BrownoutMiddleware` lets it through unadmitted and uncounted
+    when ``path`` is one of the policy's ``metrics_paths`` (default ``("/metrics",)``)."""
     from starlette.routing import Route
 
-    app.router.routes.insert(0, Route(path, MetricsApp(registry), methods=["GET", "HEAD"]))
+    metrics = MetricsApp(registry, disable_compression=disable_compression)
+    app.router.routes.insert(0, Route(path, metrics, methods=["GET", "HEAD"]))
 
 
 def add_aiohttp_metrics(
-    app: Any, *, registry: CollectorRegistry = REGISTRY, path: str = "/metrics"
+    app: Any,
+    *,
+    registry: CollectorRegistry = REGISTRY,
+    path: str = "/metrics",
+    disable_compression: bool = False,
 ) -> None:
-    """Add ``GET path`` serving the registry to an ``aiohttp.web.Application``."""
-    from aiohttp import web
+    """Add ``GET path`` (and ``HEAD``) serving the registry to an ``aiohttp.web.Application``,
+    with prometheus_client's own handler (format negotiated, compressed when accepted). The
+    brownout middleware lets it through when ``path`` is one of the policy's
+    ``metrics_paths``."""
+    from prometheus_client.aiohttp import make_aiohttp_handler
 
-    async def handle(request: web.Request) -> web.Response:
-        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-        media, _, params = content_type.partition(";")
-        charset = "utf-8"
-        if "charset=" in params:
-            charset = params.split("charset=")[1].strip()
-        return web.Response(
-            body=encoder(registry),
-            headers={"Content-Type": f"{media.strip()}; charset={charset}"},
-        )
-
-    app.router.add_get(path, handle)
+    app.router.add_get(path, make_aiohttp_handler(registry, disable_compression))

@@ -4,12 +4,13 @@
 
     app = web.Application(middlewares=[brownout_middleware(policy)])
 
-The same behaviour as the ASGI middleware (`brownout.integrations.asgi`): health paths pass
-through; the operation is the route's canonical template (``/reports/{id}``), resolved by
-aiohttp before middlewares run; refusals are complete ``application/problem+json`` responses
-on a kept-alive connection (503 capacity, 429 quota, ``Retry-After`` only when known and
-jittered); the handler runs inside the request context and is cancelled at deadline expiry
-(504 if nothing was sent yet); streaming responses pass through untouched.
+The same behaviour as the ASGI middleware (`brownout.integrations.asgi`): health and metrics
+paths (`EdgePolicy.exempt_paths`) pass through; the operation is the route's canonical
+template (``/reports/{id}``), resolved by aiohttp before middlewares run; refusals are
+complete ``application/problem+json`` responses on a kept-alive connection (503 capacity, 429
+quota, ``Retry-After`` only when known and jittered); the handler runs inside the request
+context and is cancelled at deadline expiry (504 if nothing was sent yet); streaming
+responses pass through untouched.
 
 Two paths, one behaviour, as in the ASGI middleware: a request with nothing to decide (no
 brownout header but a plain budget, a bulkhead with room and nobody queued) is served inline
@@ -166,7 +167,7 @@ class BrownoutAiohttpMiddleware:
     async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         policy = self.policy
         path = request.path
-        if path in policy.health_paths:  # policy.is_health, inlined
+        if path in policy.exempt_paths:  # policy.is_exempt, inlined
             return await handler(request)
         loop, started = loop_and_time()  # one clock-cache lookup, not asyncio's system call
         resource = request.match_info.route.resource

@@ -6,7 +6,8 @@
 
 What it does per HTTP request (see `brownout._edge` for the policy itself):
 
-- health and readiness paths are passed straight through (never admitted, never queued);
+- health, readiness and metrics paths (`EdgePolicy.exempt_paths`) are passed straight
+  through (never admitted, never queued, never counted);
 - the operation label is the route *template* (``/reports/{id}``): the middleware walks the
   Starlette/FastAPI router (found in ``scope["app"]``) with a bounded path cache, else the
   policy's own ``routes``; anything else is ``"unmatched"``;
@@ -175,7 +176,7 @@ class BrownoutMiddleware:
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root) :] or "/"
-        if path in policy.health_paths:  # policy.is_health, inlined
+        if path in policy.exempt_paths:  # policy.is_exempt, inlined
             await self.app(scope, receive, send)
             return
         loop, started = loop_and_time()  # one clock-cache lookup, not asyncio's system call
@@ -283,7 +284,7 @@ class BrownoutMiddleware:
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root) :] or "/"
-        if path in self.policy.health_paths:
+        if path in self.policy.exempt_paths:
             await self.app(scope, receive, send)
             return
         route = (self._paths.get(path) or self._route(scope, path))[0]

@@ -50,6 +50,8 @@ class Reason(StrEnum):
     """A downstream service already retried or refused and asked callers not to retry."""
     OUTCOME_UNKNOWN = "outcome_unknown"
     """A mutation was sent downstream and never answered: reconcile by idempotency key (D6)."""
+    BACKLOG_FULL = "backlog_full"
+    """The durable queue the work would go to is over its declared depth or age bound."""
 
     @property
     def is_quota(self) -> bool:

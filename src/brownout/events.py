@@ -36,6 +36,12 @@ __all__ = [
     "GuardFailedClosed",
     "HandlerOverran",
     "LimitChanged",
+    "MessageCompleted",
+    "MessageParked",
+    "MessagePublished",
+    "MessageRefused",
+    "MessageRetried",
+    "MessageStarted",
     "OutcomeUnknown",
     "OverloadLevelChanged",
     "QuotaBackendChanged",
@@ -188,6 +194,64 @@ class OutcomeUnknown(RequestEvent):
     """A mutation was sent but its result is unknown; reconcile by ``idempotency_key`` (D6)."""
 
     idempotency_key: str | None
+
+
+@_event
+class MessagePublished(RequestEvent):
+    """A producer enqueued a message on durable queue ``source``; ``valid_for`` is the time
+    its result stays useful (``None``: no deadline of its own)."""
+
+    valid_for: float | None
+
+
+@_event
+class MessageRefused(RequestEvent):
+    """A producer was refused: queue ``source`` is over its bound (``backlog_full``)."""
+
+    reason: Reason
+    detail: str
+
+
+@_event
+class MessageStarted(RequestEvent):
+    """A consumer started a message's handler: ``attempt`` (broker redeliveries included),
+    ``age`` since its first enqueue (wall clock), ``remaining`` time it may run."""
+
+    attempt: int
+    age: float
+    remaining: float | None
+
+
+@_event
+class MessageCompleted(RequestEvent):
+    """A message's handler finished within its time: queue goodput. ``latency`` is the
+    handler's run time, ``age`` the time since its first enqueue."""
+
+    attempt: int
+    latency: float
+    age: float
+
+
+@_event
+class MessageRetried(RequestEvent):
+    """A message was enqueued again to run after ``delay`` seconds as attempt ``attempt``:
+    its handler failed transiently (``cause``), or the consumer was busy (``deferred``)."""
+
+    attempt: int
+    delay: float
+    cause: str
+    budget_exhausted: bool
+    deferred: bool
+
+
+@_event
+class MessageParked(RequestEvent):
+    """A message was moved to the parked queue and will not run: ``reason`` is a
+    `brownout.durable.ParkReason` value."""
+
+    reason: str
+    detail: str
+    attempt: int
 
 
 @_event

@@ -24,6 +24,7 @@ CORE_MODULES = (
     "brownout.events",
     "brownout.testing",
     "brownout.wire",
+    "brownout.durable",
 )
 ADAPTER_MODULES = (
     "brownout.integrations.asgi",

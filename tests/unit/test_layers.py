@@ -57,12 +57,12 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "composition",
-        ("_dependency", "_edge"),
-        "one outbound (Dependency) and one inbound (EdgePolicy) path built from primitives",
+        ("_dependency", "_edge", "_durable"),
+        "one outbound (Dependency), one inbound (EdgePolicy) and one queued (durable) path",
     ),
     (
         "facades",
-        ("__init__", "limits", "queues", "signals", "testing", "wire"),
+        ("__init__", "durable", "limits", "queues", "signals", "testing", "wire"),
         "the public names; re-exports only, so nothing inside imports them",
     ),
     (
@@ -84,7 +84,7 @@ INDEPENDENT = ("_admission", "_retry", "_degrade", "_quota", "_overload", "_stat
 """The primitives import none of each other: admission does not depend on observability, nor
 retries on quotas; composing them is the composition layer's job."""
 
-FACADES = ("__init__", "limits", "queues", "signals", "testing", "wire")
+FACADES = ("__init__", "durable", "limits", "queues", "signals", "testing", "wire")
 
 # Imports under `if TYPE_CHECKING:` or inside a function, by (importer prefix, target prefix):
 # allowed only here, each with its reason. They may point anywhere the layers allow, and

@@ -62,6 +62,7 @@ DETAILS: dict[Reason, str] = {
         "A change was sent to a dependency that never answered; its outcome is unknown. "
         "Reconcile by idempotency key rather than resending."
     ),
+    Reason.BACKLOG_FULL: "The queue this work goes to is over its bound; try again later.",
 }
 """The default detail text of a refusal, in the problem body (HTTP) and the status details
 (gRPC); `EdgePolicy.details` overrides it per reason."""

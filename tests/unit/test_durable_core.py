@@ -51,7 +51,7 @@ from brownout.limits import FixedLimit
 from brownout.queues import FifoQueue
 from brownout.testing import ManualClock
 
-T0 = 1_800_000_000.0  # a wall-clock time (2027)
+START = 1_800_000_000.0  # a wall-clock time (2027)
 
 
 # -- the envelope ---------------------------------------------------------------------------
@@ -59,14 +59,14 @@ T0 = 1_800_000_000.0  # a wall-clock time (2027)
 
 def test_an_envelope_round_trips_through_text_headers() -> None:
     env = Envelope(
-        enqueued_at=T0,
-        valid_until=T0 + 2.5,
+        enqueued_at=START,
+        valid_until=START + 2.5,
         attempt=3,
         idempotency_key="k-1",
         priority=Priority.SHEDDABLE,
         caller="billing",
         operation="charge",
-    ).with_history(T0 + 1, "retry", "TimeoutError: slow")
+    ).with_history(START + 1, "retry", "TimeoutError: slow")
     headers = env.encode()
     assert set(headers) <= set(ENVELOPE_FIELDS)
     assert all(isinstance(v, str) for v in headers.values())
@@ -113,11 +113,11 @@ def test_decoding_any_headers_gives_an_envelope_or_an_envelope_error(headers: di
 
 
 def test_history_is_bounded() -> None:
-    env = Envelope(enqueued_at=T0)
+    env = Envelope(enqueued_at=START)
     for i in range(100):
-        env = env.next_attempt(T0 + i, "retry", "x" * 1000)
+        env = env.next_attempt(START + i, "retry", "x" * 1000)
     assert env.attempt == 101
-    assert len(env.history) == 16 and env.history[-1].at == T0 + 99
+    assert len(env.history) == 16 and env.history[-1].at == START + 99
     assert len(env.encode()["brownout-history"]) < 8_000
 
 
@@ -125,19 +125,19 @@ async def test_stamping_takes_the_request_context() -> None:
     async with brownout.request(
         deadline=2.0, priority=Priority.SHEDDABLE, caller="web", idempotency_key="abc"
     ):
-        env = Envelope.stamp(T0, brownout.current(), ttl=60.0, operation="mail")
-    assert env.enqueued_at == T0 and env.attempt == 1
-    assert env.valid_until is not None and T0 + 1.5 < env.valid_until <= T0 + 2.0
+        env = Envelope.stamp(START, brownout.current(), ttl=60.0, operation="mail")
+    assert env.enqueued_at == START and env.attempt == 1
+    assert env.valid_until is not None and START + 1.5 < env.valid_until <= START + 2.0
     assert (env.priority, env.caller, env.idempotency_key, env.operation) == (
         Priority.SHEDDABLE,
         "web",
         "abc",
         "mail",
     )
-    outside = Envelope.stamp(T0, brownout.current(), ttl=60.0)
-    assert outside.valid_until == T0 + 60.0
+    outside = Envelope.stamp(START, brownout.current(), ttl=60.0)
+    assert outside.valid_until == START + 60.0
     assert outside.idempotency_key is not None and len(outside.idempotency_key) == 32
-    assert Envelope.stamp(T0, None).valid_until is None
+    assert Envelope.stamp(START, None).valid_until is None
 
 
 # -- the decisions --------------------------------------------------------------------------
@@ -145,30 +145,35 @@ async def test_stamping_takes_the_request_context() -> None:
 
 def test_before_runs_useful_work_with_its_remaining_time() -> None:
     policy = MessagePolicy(max_age=60.0)
-    env = Envelope(enqueued_at=T0, valid_until=T0 + 10.0)
-    run = policy.before(env, T0 + 4.0)
+    env = Envelope(enqueued_at=START, valid_until=START + 10.0)
+    run = policy.before(env, START + 4.0)
     assert isinstance(run, Run) and run.attempt == 1 and run.budget == pytest.approx(6.0)
     # the age bound is the shorter one
-    run = MessagePolicy(max_age=5.0).before(env, T0 + 4.0)
+    run = MessagePolicy(max_age=5.0).before(env, START + 4.0)
     assert isinstance(run, Run) and run.budget == pytest.approx(1.0)
     # no deadline, no age bound: no budget
-    run = MessagePolicy().before(Envelope(enqueued_at=T0), T0 + 3600)
+    run = MessagePolicy().before(Envelope(enqueued_at=START), START + 3600)
     assert isinstance(run, Run) and run.budget is None
 
 
 @pytest.mark.parametrize(
     ("env", "now", "policy", "reason"),
     [
-        (Envelope(enqueued_at=T0, valid_until=T0 + 1.0), T0 + 1.0, MessagePolicy(), "expired"),
         (
-            Envelope(enqueued_at=T0, valid_until=T0 + 1.0),
-            T0 + 0.95,
+            Envelope(enqueued_at=START, valid_until=START + 1.0),
+            START + 1.0,
+            MessagePolicy(),
+            "expired",
+        ),
+        (
+            Envelope(enqueued_at=START, valid_until=START + 1.0),
+            START + 0.95,
             MessagePolicy(min_useful=0.1),
             "expired",
         ),
-        (Envelope(enqueued_at=T0), T0 + 60.0, MessagePolicy(max_age=60.0), "too_old"),
-        (Envelope(enqueued_at=T0, attempt=5), T0, MessagePolicy(max_attempts=4), "attempts"),
-        (Envelope(enqueued_at=T0 + 10.0), T0, MessagePolicy(max_skew=5.0), "malformed"),
+        (Envelope(enqueued_at=START), START + 60.0, MessagePolicy(max_age=60.0), "too_old"),
+        (Envelope(enqueued_at=START, attempt=5), START, MessagePolicy(max_attempts=4), "attempts"),
+        (Envelope(enqueued_at=START + 10.0), START, MessagePolicy(max_skew=5.0), "malformed"),
     ],
 )
 def test_before_parks_work_that_cannot_be_useful(
@@ -180,33 +185,33 @@ def test_before_parks_work_that_cannot_be_useful(
 
 
 def test_a_producer_clock_ahead_within_the_skew_counts_as_age_zero() -> None:
-    env = Envelope(enqueued_at=T0 + 2.0, valid_until=T0 + 5.0)
-    run = MessagePolicy(max_age=10.0, max_skew=5.0).before(env, T0)
+    env = Envelope(enqueued_at=START + 2.0, valid_until=START + 5.0)
+    run = MessagePolicy(max_age=10.0, max_skew=5.0).before(env, START)
     assert isinstance(run, Run) and run.budget == pytest.approx(5.0)
-    assert env.age(T0) == 0.0
+    assert env.age(START) == 0.0
 
 
 def test_broker_redeliveries_count_as_attempts() -> None:
     policy = MessagePolicy(max_attempts=3)
-    env = Envelope(enqueued_at=T0, attempt=2)
-    run = policy.before(env, T0, redeliveries=1)
+    env = Envelope(enqueued_at=START, attempt=2)
+    run = policy.before(env, START, redeliveries=1)
     assert isinstance(run, Run) and run.attempt == 3
-    parked = policy.before(env, T0, redeliveries=2)
+    parked = policy.before(env, START, redeliveries=2)
     assert isinstance(parked, Park) and parked.reason is ParkReason.ATTEMPTS
 
 
 def test_malformed_messages_park_or_run_as_declared() -> None:
     error = EnvelopeError("brownout-enqueued-at", "missing")
-    parked = MessagePolicy().malformed(error, T0)
+    parked = MessagePolicy().malformed(error, START)
     assert isinstance(parked, Park) and parked.reason is ParkReason.MALFORMED
     assert parked.envelope is None and "enqueued-at" in parked.detail
-    run = MessagePolicy(on_malformed="run", default_ttl=30.0).malformed(error, T0)
+    run = MessagePolicy(on_malformed="run", default_ttl=30.0).malformed(error, START)
     assert isinstance(run, Run) and run.budget == pytest.approx(30.0)
     assert run.envelope.history[-1].event == "malformed"
 
 
 def _run(env: Envelope | None = None, attempt: int = 1, budget: float | None = 100.0) -> Run:
-    return Run(env or Envelope(enqueued_at=T0, valid_until=T0 + 100.0), attempt, budget)
+    return Run(env or Envelope(enqueued_at=START, valid_until=START + 100.0), attempt, budget)
 
 
 @pytest.mark.parametrize(
@@ -221,7 +226,7 @@ def _run(env: Envelope | None = None, attempt: int = 1, budget: float | None = 1
     ],
 )
 def test_transient_failures_retry_later_with_the_next_attempt(error: Exception) -> None:
-    decision = MessagePolicy().after_failure(_run(), error, T0 + 1.0)
+    decision = MessagePolicy().after_failure(_run(), error, START + 1.0)
     assert isinstance(decision, RetryLater)
     assert decision.envelope.attempt == 2 and 0.0 <= decision.delay <= 1.0
     assert decision.envelope.history[-1].event == "retry"
@@ -233,22 +238,22 @@ def test_transient_failures_retry_later_with_the_next_attempt(error: Exception) 
     [ValueError("bad payload"), ResponseError(400), Rejected(Reason.DO_NOT_RETRY), KeyError("x")],
 )
 def test_permanent_failures_park(error: Exception) -> None:
-    decision = MessagePolicy().after_failure(_run(), error, T0 + 1.0)
+    decision = MessagePolicy().after_failure(_run(), error, START + 1.0)
     assert isinstance(decision, Park) and decision.reason is ParkReason.FAILED
 
 
 def test_a_deadline_cut_parks_expired() -> None:
-    decision = MessagePolicy().after_failure(_run(), DeadlineExceeded(), T0 + 1.0)
+    decision = MessagePolicy().after_failure(_run(), DeadlineExceeded(), START + 1.0)
     assert isinstance(decision, Park) and decision.reason is ParkReason.EXPIRED
 
 
 def test_the_last_attempt_parks_and_a_retry_that_would_expire_parks() -> None:
     policy = MessagePolicy(max_attempts=3)
-    last = policy.after_failure(_run(attempt=3), TimeoutError(), T0)
+    last = policy.after_failure(_run(attempt=3), TimeoutError(), START)
     assert isinstance(last, Park) and last.reason is ParkReason.ATTEMPTS
-    short = Envelope(enqueued_at=T0, valid_until=T0 + 1.0)
+    short = Envelope(enqueued_at=START, valid_until=START + 1.0)
     pushback = ResponseError(503, retry_after=5.0)
-    late = policy.after_failure(_run(short), pushback, T0)
+    late = policy.after_failure(_run(short), pushback, START)
     assert isinstance(late, Park) and late.reason is ParkReason.EXPIRED
 
 
@@ -257,15 +262,15 @@ def test_a_spent_retry_budget_slows_retries_down_instead_of_looping() -> None:
     budget = RetryBudget(0.1, min_per_second=0.0, window=10.0, clock=clock)
     policy = MessagePolicy(retry_budget=budget)
     for _ in range(20):  # 20 messages run: 2 retries allowed
-        policy.before(Envelope(enqueued_at=T0), T0)
-    delays = [policy.after_failure(_run(), TimeoutError(), T0) for _ in range(5)]
+        policy.before(Envelope(enqueued_at=START), START)
+    delays = [policy.after_failure(_run(), TimeoutError(), START) for _ in range(5)]
     assert all(isinstance(d, RetryLater) for d in delays)
     assert [d.budget_exhausted for d in delays] == [False, False, True, True, True]  # type: ignore[union-attr]
     assert all(d.delay == 60.0 for d in delays[2:])  # type: ignore[union-attr]
 
 
 def test_a_retry_after_longer_than_the_backoff_wins() -> None:
-    decision = MessagePolicy().after_failure(_run(), ResponseError(503, retry_after=7.0), T0)
+    decision = MessagePolicy().after_failure(_run(), ResponseError(503, retry_after=7.0), START)
     assert isinstance(decision, RetryLater) and decision.delay == 7.0
 
 
@@ -354,7 +359,7 @@ def _hub() -> tuple[EventHub, list[Any]]:
 
 
 class Wall:
-    def __init__(self, now: float = T0) -> None:
+    def __init__(self, now: float = START) -> None:
         self.now = now
 
     def __call__(self) -> float:
@@ -374,8 +379,8 @@ async def test_a_message_runs_in_its_request_context_and_is_acknowledged() -> No
         got.append((message.body, message.headers, message.attempt, ctx, brownout.remaining()))
 
     env = Envelope(
-        enqueued_at=T0 - 1.0,
-        valid_until=T0 + 5.0,
+        enqueued_at=START - 1.0,
+        valid_until=START + 5.0,
         idempotency_key="k",
         priority=Priority.SHEDDABLE,
         caller="web",
@@ -404,7 +409,7 @@ async def test_the_handler_is_cancelled_at_the_message_deadline_and_parked() -> 
     async def slow(message: Message) -> None:
         await asyncio.sleep(10)
 
-    env = Envelope(enqueued_at=T0, valid_until=T0 + 0.05)
+    env = Envelope(enqueued_at=START, valid_until=START + 0.05)
     runner = MessageRunner(slow, broker, queue="q", events=events, wall=Wall())
     decision = await asyncio.wait_for(runner.process(_delivery(env)), 2.0)
     assert isinstance(decision, Park) and decision.reason is ParkReason.EXPIRED
@@ -421,7 +426,7 @@ async def test_a_transient_failure_is_enqueued_again_before_the_ack() -> None:
         raise ConnectionResetError("dependency reset")
 
     runner = MessageRunner(failing, broker, queue="q", events=events, wall=Wall())
-    decision = await runner.process(_delivery(Envelope(enqueued_at=T0)))
+    decision = await runner.process(_delivery(Envelope(enqueued_at=START)))
     assert isinstance(decision, RetryLater)
     assert [kind for kind, _ in broker.log] == ["retry", "ack"]
     again, delay = broker.log[0][1]
@@ -440,7 +445,7 @@ async def test_expired_and_malformed_messages_never_run() -> None:
     runner = MessageRunner(
         handler, broker, queue="q", policy=MessagePolicy(max_age=60), events=events, wall=Wall()
     )
-    stale = await runner.process(_delivery(Envelope(enqueued_at=T0 - 61)))
+    stale = await runner.process(_delivery(Envelope(enqueued_at=START - 61)))
     junk = await runner.process(Delivered(b"?", {"brownout-attempt": "x"}))
     assert isinstance(stale, Park) and stale.reason is ParkReason.TOO_OLD
     assert isinstance(junk, Park) and junk.reason is ParkReason.MALFORMED
@@ -457,7 +462,7 @@ async def test_a_broker_that_cannot_park_leaves_the_delivery_unacknowledged() ->
 
     runner = MessageRunner(handler, broker, queue="q", events=EventHub(), wall=Wall())
     with pytest.raises(ConnectionError):
-        await runner.process(_delivery(Envelope(enqueued_at=T0)))
+        await runner.process(_delivery(Envelope(enqueued_at=START)))
     assert broker.log == []  # no ack: the broker delivers it again
 
 
@@ -474,10 +479,10 @@ async def test_a_full_consumer_defers_without_using_an_attempt() -> None:
     runner = MessageRunner(
         handler, broker, queue="q", bulkhead=bulkhead, events=events, wall=Wall()
     )
-    first = asyncio.create_task(runner.process(_delivery(Envelope(enqueued_at=T0))))
+    first = asyncio.create_task(runner.process(_delivery(Envelope(enqueued_at=START))))
     await asyncio.sleep(0)
-    second = asyncio.create_task(runner.process(_delivery(Envelope(enqueued_at=T0))))
-    third = await runner.process(_delivery(Envelope(enqueued_at=T0, attempt=2)))
+    second = asyncio.create_task(runner.process(_delivery(Envelope(enqueued_at=START))))
+    third = await runner.process(_delivery(Envelope(enqueued_at=START, attempt=2)))
     assert isinstance(third, RetryLater) and third.envelope.attempt == 2
     assert third.envelope.history[-1].event == "deferred"
     release.set()

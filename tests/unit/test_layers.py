@@ -56,8 +56,9 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "composition",
-        ("_dependency", "_edge"),
-        "one outbound (Dependency) and one inbound (EdgePolicy) path built from primitives",
+        ("_dependency", "_edge", "_testkit"),
+        "one outbound (Dependency) and one inbound (EdgePolicy) path built from primitives;"
+        " the testing kit that drives them",
     ),
     (
         "facades",

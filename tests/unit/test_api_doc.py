@@ -26,6 +26,7 @@ CORE_MODULES = (
     "brownout.wire",
 )
 ADAPTER_MODULES = (
+    "brownout.integrations.pytest_plugin",
     "brownout.integrations.asgi",
     "brownout.integrations.aiohttp_server",
     "brownout.integrations.grpc_server",

@@ -27,6 +27,7 @@ CORE_MODULES = (
     "brownout.durable",
 )
 ADAPTER_MODULES = (
+    "brownout.integrations.pytest_plugin",
     "brownout.integrations.asgi",
     "brownout.integrations.aiohttp_server",
     "brownout.integrations.grpc_server",

@@ -57,8 +57,9 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "composition",
-        ("_dependency", "_edge", "_durable"),
-        "one outbound (Dependency), one inbound (EdgePolicy) and one queued (durable) path",
+        ("_dependency", "_edge", "_durable", "_testkit"),
+        "one outbound (Dependency), one inbound (EdgePolicy) and one queued (durable) path"
+        " built from primitives; the testing kit that drives them",
     ),
     (
         "facades",

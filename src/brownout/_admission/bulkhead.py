@@ -89,6 +89,12 @@ _FAST, _OFFERED, _ADMITTED_NOW, _COMPLETED, _LATE = FAST, OFFERED, ADMITTED, COM
 _CAPACITY_REASONS = frozenset(
     {Reason.QUEUE_FULL, Reason.QUEUE_TIMEOUT, Reason.OVERLOADED, Reason.FAIR_SHARE}
 )
+_FORCEABLE = frozenset({Reason.QUEUE_FULL, Reason.QUEUE_TIMEOUT, Reason.OVERLOADED})
+_FORCED_DETAIL = {
+    Reason.QUEUE_FULL: "the wait queue is full (forced full)",
+    Reason.QUEUE_TIMEOUT: "waited the longest the queue allows (forced full)",
+    Reason.OVERLOADED: "at the concurrency limit (forced full)",
+}
 
 
 class OverloadState(Protocol):
@@ -176,6 +182,7 @@ class Bulkhead:
             estimator = LatencyEstimator()
         self._estimator = estimator
         self._overload = overload
+        self._forced: Reason | None = None
         self._plain = overload is None and not self._adaptive and self._held is None
         if estimate_every < 1:
             raise ValueError("estimate_every must be at least 1")
@@ -231,7 +238,37 @@ class Bulkhead:
     @overload.setter
     def overload(self, value: OverloadState | None) -> None:
         self._overload = value
-        self._plain = value is None and not self._adaptive and self._held is None
+        self._plain = (
+            value is None and not self._adaptive and self._held is None and self._forced is None
+        )
+
+    @property
+    def forced_full(self) -> Reason | None:
+        """The reason new work is refused while `force_full` holds the bulkhead full, else None."""
+        return self._forced
+
+    def force_full(self, on: bool = True, *, reason: Reason = Reason.QUEUE_FULL) -> None:
+        """Refuse new work as if every slot and the whole queue were taken (drills, tests).
+
+        An operator switch (Envoy's runtime "force shed"): while on, `admit` refuses with
+        ``reason`` (`Reason.QUEUE_FULL`, `Reason.QUEUE_TIMEOUT` or `Reason.OVERLOADED`) and
+        `try_admit` with `Reason.OVERLOADED`, each a real `brownout.Rejected` and
+        `RequestShed` event, never counted as a false positive. The checks a full bulkhead
+        makes first still apply (overload manager, expired or too short deadline, loop lag).
+        CRITICAL_PLUS work keeps the reserve, as above a full limit: it is admitted while
+        fewer than ``reserve`` permits are held. Work already admitted runs on; waiters get no
+        slot until ``force_full(False)``. Free when off: the switch takes the bulkhead off its
+        uncontended fast path only while on.
+        """
+        if reason not in _FORCEABLE:
+            raise ValueError(
+                f"a forced-full bulkhead refuses with QUEUE_FULL, QUEUE_TIMEOUT or OVERLOADED, "
+                f"not {reason!r}"
+            )
+        self._forced = reason if on else None
+        self.overload = self._overload  # recompute the fast-path flag
+        if not on and self._queue.size:
+            self._drain()
 
     def oldest_queue_age(self) -> float:
         """Seconds the oldest waiter has waited (0.0 when none) (O2, O5)."""
@@ -323,6 +360,14 @@ class Bulkhead:
         )
         if self._admit_now(permit):
             return permit
+        if self._forced is not None:
+            raise self._refuse(
+                permit,
+                Reason.OVERLOADED,
+                "at the concurrency limit (forced full)",
+                0.0,
+                justified=True,
+            )
         if self._held is not None and self._share_blocks(permit.priority):
             # capacity kept for higher priorities is not free capacity: not a false positive
             raise self._refuse(
@@ -355,8 +400,8 @@ class Bulkhead:
         n = self._in_flight
         if n >= self._limit_value or self._queue.size:
             return None
-        if not self._plain:  # shares, an overload manager or an adaptive limit
-            if self._held is not None:
+        if not self._plain:  # shares, an overload manager, an adaptive limit or forced full
+            if self._held is not None or self._forced is not None:
                 return None
             ov = self._overload
             if ov is not None and priority < ov.shed_below:
@@ -517,6 +562,12 @@ class Bulkhead:
         n = self._in_flight
         if self._held is not None and self._share_blocks(p.priority):
             return False
+        if self._forced is not None:
+            # Forced full: the limit is taken; CRITICAL_PLUS still has the reserve above it.
+            if p.priority is _CRITICAL_PLUS and n < self._reserve:
+                self._grant(p, n, 0.0, now, False)
+                return True
+            return False
         if n < self._limit_value and (
             self._queue.size == 0
             # waiters held back by their share keep slots free for work that outranks them
@@ -642,6 +693,9 @@ class Bulkhead:
             )
 
     async def _wait(self, p: Permit) -> None:
+        forced = self._forced
+        if forced is not None:
+            raise self._refuse(p, forced, _FORCED_DETAIL[forced], 0.0, justified=True)
         q = self._queue
         now = self._clock.now()
         est = self._estimator
@@ -811,6 +865,10 @@ class Bulkhead:
         ov = self._overload
         while q.size:
             n = self._in_flight
+            if self._forced is not None and not (
+                n < self._reserve and q.peek_rank() >= CRITICAL_PLUS_RANK
+            ):
+                return  # forced full: no slot for waiters (CRITICAL_PLUS has the reserve)
             if n >= self._limit_value and not (
                 n < self._limit_value + self._reserve and q.peek_rank() >= CRITICAL_PLUS_RANK
             ):

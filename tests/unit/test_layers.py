@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
             "_extras",
             "_histogram",
             "_version",
+            "_help",
             "events",
             "_tally_buffer",
             "_deadline",

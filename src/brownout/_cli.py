@@ -1,3 +1,4 @@
+# PYTHON_ARGCOMPLETE_OK (argcomplete's global completion looks for this marker)
 """The ``brownout`` command: ``brownout lab`` (the overload lab) and ``brownout top``.
 
 ``brownout lab`` starts the embedded demo system (real uvicorn processes), measures its

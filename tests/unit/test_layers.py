@@ -72,7 +72,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "apps",
-        ("_lab", "_cli"),
+        ("_lab", "_cli", "__main__"),
         "the overload lab and the command line: users of the library",
     ),
 ]

@@ -248,15 +248,13 @@ def _tables(
         return [Text(f"{title}: {empty}", style="italic", overflow="fold")] if empty else []
     names = [long if width >= _WIDE else short for long, short in columns]
 
-    def natural(i: int, header: str, cells: Iterable[str]) -> int:
+    def natural(header: str, cells: Iterable[str]) -> int:
         return max([len(header), *(len(c) for c in cells)])
 
     # a long label folds onto more lines rather than pushing every figure into its own section
     cap = max(12, width // (2 * len(keys)))
-    key_w = [
-        min(natural(i, k, (r[0][i] for r in rows)), max(cap, len(k))) for i, k in enumerate(keys)
-    ]
-    val_w = [natural(i, n, (r[1][i] for r in rows)) for i, n in enumerate(names)]
+    key_w = [min(natural(k, (r[0][i] for r in rows)), max(cap, len(k))) for i, k in enumerate(keys)]
+    val_w = [natural(n, (r[1][i] for r in rows)) for i, n in enumerate(names)]
     sections: list[list[int]] = [[]]
     used = sum(key_w) + 3 * len(keys) + 1  # each column: its padding and one border
     for i, w in enumerate(val_w):
@@ -457,7 +455,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-EXIT_OK, EXIT_USAGE, EXIT_UNREACHABLE = 0, 2, 3
+EXIT_OK, EXIT_UNREACHABLE = 0, 3  # as in brownout._cli (usage errors: argparse's 2)
 
 
 def run(

@@ -98,7 +98,7 @@ async def test_the_last_frame_stays_when_the_server_stops_mid_run() -> None:
     stack = contextlib.AsyncExitStack()
     base = await stack.enter_async_context(serve(app()))
     load = asyncio.create_task(traffic(base))
-    proc = await top("--interval", "0.5", "--window", "5", "--count", "8", f"{base}/metrics")
+    proc = await top("--interval", "0.5", "--window", "5", "--count", "14", f"{base}/metrics")
     assert proc.stdout is not None
     seen = ""
     try:

@@ -1,3 +1,4 @@
+# PYTHON_ARGCOMPLETE_OK (argcomplete's global completion looks for this marker)
 """The ``brownout`` command: ``brownout lab`` (the overload lab) and ``brownout top``.
 
 ``brownout lab`` starts the embedded demo system (real uvicorn processes), measures its
@@ -6,12 +7,16 @@ configurations side by side, prints a table per scenario, writes ``lab-report/``
 raw JSON, an HTML page) and exits non-zero when a brownout invariant fails, so it can run in
 CI. ``brownout lab --target http://127.0.0.1:PORT/path`` runs the ramp against your own
 service instead (loopback addresses only).
+
+Exit statuses, the same for every command (docs/cli.md): `EXIT_OK`, `EXIT_INVARIANT`,
+`EXIT_USAGE` (argparse's own), `EXIT_UNREACHABLE`, `EXIT_MISSING_EXTRA`.
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import shlex
 import sys
 import time
@@ -20,12 +25,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from ._help import HelpFormatter
+from ._version import VERSION
+
 if TYPE_CHECKING:  # (the lab's imports stay lazy: `brownout top` does not need them)
     from rich.console import Console
 
     from ._lab.verdict import Check
 
 __all__ = ["main", "parse_target"]
+
+EXIT_OK = 0
+EXIT_INVARIANT = 1
+"""``brownout lab``: an invariant failed (or held only on a host-bound step)."""
+EXIT_USAGE = 2
+"""Bad arguments: argparse's own status, kept for every usage error."""
+EXIT_UNREACHABLE = 3
+"""The service could not be read (``top``) or the run could not complete (``lab``)."""
+EXIT_MISSING_EXTRA = 4
+"""The command needs an extra that is not installed."""
 
 
 class TargetError(ValueError):
@@ -84,13 +102,16 @@ def _seconds_up_to(ceiling: float) -> Callable[[str], float]:
     return seconds
 
 
-def _lab_parser() -> argparse.ArgumentParser:
+def _lab_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     from ._lab.runner import CONFIGURATIONS
     from ._lab.scenarios import DEFAULT_SCENARIOS, OPT_IN_SCENARIOS, SCENARIOS
 
-    p = argparse.ArgumentParser(
-        prog="brownout lab",
-        description="Overload lab: goodput past the breaking point, protected vs unprotected.",
+    if p is None:
+        p = argparse.ArgumentParser(prog="brownout lab", formatter_class=HelpFormatter)
+    p.description = "Overload lab: goodput past the breaking point, protected vs unprotected."
+    p.epilog = (
+        "exit status: 0 every invariant held, 1 an invariant failed, 2 usage error, "
+        "3 the run could not complete, 4 the lab extra is not installed"
     )
     p.add_argument("--quick", action="store_true", help="a short run (under a minute)")
     p.add_argument(
@@ -101,11 +122,11 @@ def _lab_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--configs",
-        help=f"comma-separated configurations (default all: {','.join(CONFIGURATIONS)})",
+        help=f"comma-separated configurations (default: all of {','.join(CONFIGURATIONS)})",
     )
     p.add_argument(
         "--scenarios",
-        help=f"comma-separated scenarios (default {','.join(DEFAULT_SCENARIOS)}; "
+        help=f"comma-separated scenarios (default: {','.join(DEFAULT_SCENARIOS)}; "
         f"opt-in: {','.join(OPT_IN_SCENARIOS)}; known: {','.join(SCENARIOS)})",
     )
     p.add_argument(
@@ -114,19 +135,23 @@ def _lab_parser() -> argparse.ArgumentParser:
         help="force this declared degraded mode of the demo front on for the whole run "
         "(protected configurations; known: recommendations)",
     )
-    p.add_argument("--out", default="lab-report", help="report folder (default lab-report)")
+    p.add_argument("--out", default="lab-report", help="report folder")
     p.add_argument("--markdown", help="also write this Markdown page (e.g. docs/lab.md)")
     p.add_argument(
         "--deadline",
         type=_seconds_up_to(60.0),
-        help="client deadline in seconds (0 < deadline <= 60)",
+        help="client deadline in seconds, more than 0 and at most 60 "
+        "(default: 1, or 0.5 with --quick)",
     )
     p.add_argument(
         "--step",
         type=_seconds_up_to(3600.0),
-        help="seconds per step (>= 3x the deadline; at most 3600)",
+        help="seconds per step, at least 3x the deadline and at most 3600 "
+        "(default: 3, or 1.5 with --quick)",
     )
-    p.add_argument("--poisson", action="store_true", help="Poisson arrivals (default constant)")
+    p.add_argument(
+        "--poisson", action="store_true", help="Poisson arrivals (default: constant rate)"
+    )
     p.add_argument(
         "--no-fail", action="store_true", help="exit 0 even when an invariant fails (report only)"
     )
@@ -232,7 +257,7 @@ def lab_main(argv: list[str]) -> int:
             )
         except RuntimeError as e:
             console.print(f"[red]error:[/] {e}")
-            return 2
+            return EXIT_UNREACHABLE
         for task in tasks.values():
             t = progress.tasks[task]
             if t.total:
@@ -273,7 +298,7 @@ def conclude(
                 f"[yellow]{bound} check(s) passed on a host-bound step, so not counted as a "
                 "pass[/] (the report says why each step was host-bound)"
             )
-        return 0 if no_fail else 1
+        return EXIT_OK if no_fail else EXIT_INVARIANT
     console.print(f"[green]all invariants held[/] ({len(checks)} checks)")
     return 0
 
@@ -294,40 +319,81 @@ def _lab_entry(argv: list[str]) -> int:
             "pip install 'brownout[lab]'",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_MISSING_EXTRA
     return lab_main(argv)
 
 
 def _top_main(argv: list[str]) -> int:
     try:
         from .export._top import main as top
-    except ImportError as e:
-        print(f"brownout top is not available in this installation ({e})", file=sys.stderr)
-        return 2
+    except ModuleNotFoundError as e:  # brownout's missing-extra error says what to install
+        print(f"brownout top: {e}", file=sys.stderr)
+        return EXIT_MISSING_EXTRA
     return top(argv)
 
 
-USAGE = """usage: brownout COMMAND [options]
+USAGE = """usage: brownout [--version] [--help] COMMAND [options]
 
 commands:
-  lab    the overload lab: protected vs unprotected past the breaking point (--help)
-  top    live view of a service's brownout stats (--help)
+  lab    the overload lab: protected vs unprotected past the breaking point
+  top    live view of a service's brownout metrics
+
+'brownout COMMAND --help' describes a command's options.
+
+exit status: 0 ok, 1 a lab invariant failed, 2 usage error, 3 the service could not be
+read or the run could not complete, 4 an extra the command needs is not installed
 """
 
 
+def _completion_parser() -> argparse.ArgumentParser:
+    """The whole command tree, built only for shell completion (it loads the lab's modules)."""
+    from .export._top import add_arguments
+
+    p = argparse.ArgumentParser(prog="brownout", formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"brownout {VERSION}")
+    commands = p.add_subparsers(dest="command")
+    _lab_parser(commands.add_parser("lab", formatter_class=HelpFormatter))
+    add_arguments(commands.add_parser("top", formatter_class=HelpFormatter))
+    return p
+
+
+def _complete() -> None:
+    """Shell completion when argcomplete is installed (it is not a dependency): exits the
+    process when the shell asks for completions, does nothing otherwise."""
+    if "_ARGCOMPLETE" not in os.environ:
+        return
+    try:
+        import argcomplete  # type: ignore[import-not-found, unused-ignore]
+    except ModuleNotFoundError:
+        return
+    try:
+        parser = _completion_parser()
+    except ImportError:  # an extra is missing: no completion rather than a traceback
+        return
+    argcomplete.autocomplete(parser)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``brownout`` console script."""
+    """Entry point of the ``brownout`` console script; returns the exit status."""
+    if argv is None:
+        _complete()
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
+    if not args:
+        print(USAGE, file=sys.stderr)
+        return EXIT_USAGE
+    if args[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if args else 2
+        return EXIT_OK
+    if args[0] == "--version":
+        print(f"brownout {VERSION}")
+        return EXIT_OK
     command, rest = args[0], args[1:]
     if command == "lab":
         return _lab_entry(rest)
     if command == "top":
         return _top_main(rest)
     print(f"brownout: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

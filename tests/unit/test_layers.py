@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
             "_extras",
             "_histogram",
             "_version",
+            "_help",
             "events",
             "_tally_buffer",
             "_deadline",
@@ -73,7 +74,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "apps",
-        ("_lab", "_cli"),
+        ("_lab", "_cli", "__main__"),
         "the overload lab and the command line: users of the library",
     ),
 ]

@@ -19,6 +19,7 @@ from typing import Any
 from .._context import RequestContext
 from .._errors import BrownoutError
 from .._priority import Priority
+from .._propagation import ATTEMPT_HEADER, IDEMPOTENCY_HEADER, PRIORITY_HEADER
 
 __all__ = [
     "ATTEMPT_FIELD",
@@ -40,11 +41,11 @@ ENQUEUED_AT_FIELD = "brownout-enqueued-at"
 """Wall-clock time (Unix seconds, decimal) of the first enqueue; kept across retries."""
 VALID_UNTIL_FIELD = "brownout-valid-until"
 """Wall-clock time (Unix seconds) after which the result is no longer useful."""
-ATTEMPT_FIELD = "brownout-attempt"
+ATTEMPT_FIELD = ATTEMPT_HEADER
 """1 for the first delivery of the work, 2 for its first retry, and so on."""
-KEY_FIELD = "idempotency-key"
+KEY_FIELD = IDEMPOTENCY_HEADER
 """The same on every attempt, so a handler or its dependency can deduplicate."""
-PRIORITY_FIELD = "brownout-priority"
+PRIORITY_FIELD = PRIORITY_HEADER
 CALLER_FIELD = "brownout-caller"
 OPERATION_FIELD = "brownout-operation"
 HISTORY_FIELD = "brownout-history"

@@ -56,6 +56,10 @@ _CLOCK = default_clock()
 _NEW = object.__new__
 
 
+def _origin_of(parent: Deadline | None) -> str:
+    return "local" if parent is None else parent.origin
+
+
 class _ContextSlots:
     __slots__ = (
         "attempt",
@@ -196,6 +200,7 @@ def inbound_context(
     operation: str,
     in_progress: bool,
     started_at: float,
+    origin: str = "default",
 ) -> RequestContext:
     """A new inbound request's context, unchecked: a fresh `Deadline` at ``at`` on the default
     clock, first attempt, no idempotency key. One call for what `new_deadline` and
@@ -203,6 +208,7 @@ def inbound_context(
     d = _NEW(DeadlineBuilder)
     d.at = at
     d.clock = _CLOCK
+    d.origin = origin
     d.__class__ = Deadline  # type: ignore[assignment]
     new = _NEW(_ContextBuilder)
     new.deadline = d  # type: ignore[assignment]  # (a Deadline once its class is set)
@@ -304,7 +310,8 @@ class DeadlineScope:
             keep = old is not None and (
                 old.at <= at if old.clock is _CLOCK else old.remaining() <= seconds
             )
-            new_deadline = old if keep else Deadline(at)
+            # A shortened request deadline keeps its origin: the budget still came from there.
+            new_deadline = old if keep else Deadline(at, origin=_origin_of(old))
         if self._changes:
             ctx = parent.replace(**self._changes)
             if new_deadline is not ctx.deadline:
@@ -341,7 +348,7 @@ class DeadlineScope:
             at = now + seconds  # type: ignore[operator]
             d = parent.deadline
             if d is None or (d.at > at if d.clock is _CLOCK else d.remaining() > at - now):
-                d = new_deadline(at)
+                d = new_deadline(at, "local" if d is None else d.origin)
                 ctx = parent._with_deadline(d)
             else:
                 ctx = parent

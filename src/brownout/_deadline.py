@@ -18,10 +18,11 @@ _DEFAULT_CLOCK = default_clock()
 
 
 class _DeadlineSlots:
-    __slots__ = ("at", "clock")
+    __slots__ = ("at", "clock", "origin")
 
     at: float
     clock: Clock
+    origin: str
 
 
 class Deadline(_DeadlineSlots):
@@ -37,12 +38,17 @@ class Deadline(_DeadlineSlots):
     at: float
     """The instant, in the clock's time base (the loop's time for the default clock)."""
     clock: Clock
+    origin: str
+    """Where the request's deadline came from (`brownout.InboundBudget.origin` at the edge:
+    ``header``, ``signed``, ``envoy``, ``protocol``, ``default``), kept by the scopes that
+    shorten it; ``local`` for a deadline set with no request deadline above it."""
 
-    def __init__(self, at: float, clock: Clock = _DEFAULT_CLOCK) -> None:
+    def __init__(self, at: float, clock: Clock = _DEFAULT_CLOCK, origin: str = "local") -> None:
         if math.isnan(at):
             raise ValueError("a deadline cannot be NaN")
         object.__setattr__(self, "at", at)
         object.__setattr__(self, "clock", clock)
+        object.__setattr__(self, "origin", origin)
 
     @classmethod
     def after(cls, seconds: float, *, clock: Clock = _DEFAULT_CLOCK) -> Deadline:
@@ -103,7 +109,7 @@ class DeadlineBuilder(_DeadlineSlots):
     __slots__ = ()
 
 
-def new_deadline(at: float) -> Deadline:
+def new_deadline(at: float, origin: str = "local") -> Deadline:
     """A Deadline on the default clock, skipping validation (``at`` is known good).
 
     Built as a layout-identical mutable twin whose class is then switched (the same trick as
@@ -112,6 +118,7 @@ def new_deadline(at: float) -> Deadline:
     d = _NEW(DeadlineBuilder)
     d.at = at
     d.clock = _DEFAULT_CLOCK
+    d.origin = origin
     d.__class__ = Deadline  # type: ignore[assignment]
     return d  # type: ignore[return-value]
 

@@ -19,6 +19,7 @@ events, never raised into the application.
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import hashlib
 import hmac
@@ -51,15 +52,19 @@ __all__ = [
     "BudgetSigner",
     "InboundBudget",
     "InboundDeadlinePolicy",
+    "OutboundHook",
     "Repeated",
     "Trust",
+    "add_outbound_hook",
     "context_headers",
     "decode_budget_ms",
     "decode_grpc_timeout",
     "encode_budget_ms",
     "encode_grpc_timeout",
     "header_values",
+    "note_outbound",
     "outbound_headers",
+    "remove_outbound_hook",
 ]
 
 BUDGET_HEADER = "brownout-budget-ms"
@@ -489,6 +494,32 @@ def context_headers(ctx: RequestContext) -> dict[str, str]:
     return headers
 
 
+OutboundHook = Callable[[RequestContext, "float | None"], None]
+"""Told of each outbound call's budget: the request context and the seconds sent (``None``:
+no deadline). Runs on the call path: it must be cheap and must not raise."""
+
+_outbound_hooks: tuple[OutboundHook, ...] = ()
+
+
+def add_outbound_hook(hook: OutboundHook) -> None:
+    """Have ``hook`` told of every outbound call the bundled clients make (idempotent)."""
+    global _outbound_hooks
+    if hook not in _outbound_hooks:
+        _outbound_hooks = (*_outbound_hooks, hook)
+
+
+def remove_outbound_hook(hook: OutboundHook) -> None:
+    global _outbound_hooks
+    _outbound_hooks = tuple(h for h in _outbound_hooks if h != hook)
+
+
+def note_outbound(ctx: RequestContext, budget: float | None) -> None:
+    """Tell the outbound hooks (tracing) the budget a call is sent with."""
+    for hook in _outbound_hooks:
+        with contextlib.suppress(Exception):  # a broken tracer must not break the call
+            hook(ctx, budget)
+
+
 def outbound_headers(
     *,
     reserve: float = 0.0,
@@ -510,4 +541,8 @@ def outbound_headers(
         headers[BUDGET_HEADER] = encode_budget_ms(budget)
         if signer is not None:
             headers[SIGNED_BUDGET_HEADER] = signer.sign(max(budget, 0.0))
+        if _outbound_hooks:
+            note_outbound(ctx, budget if budget > 0.0 else 0.0)
+    elif _outbound_hooks:
+        note_outbound(ctx, None)
     return headers

@@ -24,6 +24,7 @@ adaptive limit, an estimator, a deadline or an event sink needs one.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import math
 import weakref
@@ -102,6 +103,14 @@ class OverloadState(Protocol):
 
     @property
     def shed_below(self) -> int: ...
+
+
+def _as_waiter(p: Permit, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    """Call ``fn`` in the context of ``p``'s waiter (see `Permit._context`), if it has one."""
+    ctx = p._context
+    if ctx is None:
+        return fn(*args, **kwargs)
+    return ctx.run(fn, *args, **kwargs)
 
 
 class Bulkhead:
@@ -614,8 +623,10 @@ class Bulkhead:
                 row[WAITED] += 1
                 if now is None:
                     now = self._clock.now()
-                events.emit(
-                    RequestAdmitted(now, self.name, p.operation, p.priority, p.caller, queue_wait)
+                _as_waiter(
+                    p,
+                    events.emit,
+                    RequestAdmitted(now, self.name, p.operation, p.priority, p.caller, queue_wait),
                 )
             else:
                 row[_ADMITTED_NOW] += 1
@@ -634,9 +645,11 @@ class Bulkhead:
             if now is None:
                 now = self._clock.now()
             p.admitted_at = now
-            events.emit(
-                RequestAdmitted(now, self.name, p.operation, p.priority, p.caller, queue_wait)
-            )
+            event = RequestAdmitted(now, self.name, p.operation, p.priority, p.caller, queue_wait)
+            if queued:
+                _as_waiter(p, events.emit, event)
+            else:
+                events.emit(event)
         elif self._adaptive:
             p.admitted_at = self._clock.now() if now is None else now
         else:
@@ -750,7 +763,10 @@ class Bulkhead:
                 self._schedule_sweep(loop, now)
         events = self._events
         if events.enabled:
+            p._context = contextvars.copy_context()
             events.emit(RequestQueued(now, self.name, p.operation, p.priority, p.caller, q.size))
+        else:
+            p._context = None
         try:
             await fut
         except asyncio.CancelledError:
@@ -820,15 +836,17 @@ class Bulkhead:
         fut = p._future
         if fut.done():  # its task was cancelled; the waiter cleans up nothing more (O1)
             expired = reason is Reason.DEADLINE_EXPIRED or now >= p.deadline_at
-            self._left_queue(p, now, waited, expired)
+            _as_waiter(p, self._left_queue, p, now, waited, expired)
             return
         if reason is Reason.DEADLINE_EXPIRED:
             events = self._events
             if events.enabled:
-                events.emit(
+                _as_waiter(
+                    p,
+                    events.emit,
                     RequestExpired(
                         now, self.name, p.operation, p.priority, p.caller, "queue", waited
-                    )
+                    ),
                 )
             fut.set_exception(
                 Rejected(reason, f"the deadline passed after {waited * 1000:.0f} ms in queue")
@@ -840,7 +858,7 @@ class Bulkhead:
             Reason.OVERLOADED: "shedding this priority under overload",
             Reason.DEADLINE_TOO_SHORT: "too little time left to run after queueing",
         }.get(reason, reason.value)
-        fut.set_exception(self._refuse(p, reason, detail, waited, justified=True))
+        fut.set_exception(_as_waiter(p, self._refuse, p, reason, detail, waited, justified=True))
 
     def _left_queue(self, p: Permit, now: float, waited: float, expired: bool) -> None:
         """Report a waiter whose task was cancelled while it waited: at or after its deadline
@@ -887,7 +905,7 @@ class Bulkhead:
                     q.served -= 1
                     q.removed += 1
                 # as the waiter reports it when it cleans up (O1)
-                self._left_queue(p, now, now - p.enqueued_at, now >= p.deadline_at)
+                _as_waiter(p, self._left_queue, p, now, now - p.enqueued_at, now >= p.deadline_at)
                 continue
             if reason is None:
                 # D7: check again after taking work off the queue.

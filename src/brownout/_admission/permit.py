@@ -8,6 +8,7 @@ of an admission nothing learns from (`Bulkhead.admit_uncontended`).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -52,6 +53,7 @@ class Permit(QueueItem):
 
     __slots__ = (
         "_bulkhead",
+        "_context",
         "_future",
         "_row",
         "_state",
@@ -62,6 +64,10 @@ class Permit(QueueItem):
     )
 
     _future: asyncio.Future[None]
+    _context: contextvars.Context | None
+    """The waiter's context, copied when it queued (while anyone listens), so that what is
+    decided for it while it waits is emitted there: a sink reading the current span or
+    request sees the waiter's, not those of the task that freed the slot."""
     _row: list[int] | None
     """This permit's row in the bulkhead's `Ledger` while the hub tallies, else None."""
     _timer: asyncio.TimerHandle | None

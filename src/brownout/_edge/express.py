@@ -89,13 +89,23 @@ class ExpressScope:
         cls: Classification,
         seconds: float,
         loop: asyncio.AbstractEventLoop,
+        carried: str = "header",
     ) -> None:
         started = flight.started
+        # ``carried``: where a budget other than the route default came from. The default
+        # is handed on as the route's own float, so identity tells the two apart.
+        origin = "default" if seconds is express.seconds else carried
         flight.classification = cls
         flight.admitted = True
         flight.reports = False  # the bulkhead reports the lifecycle
         ctx = inbound_context(
-            started + seconds, cls.priority, cls.caller, cls.operation, cls.in_progress, started
+            started + seconds,
+            cls.priority,
+            cls.caller,
+            cls.operation,
+            cls.in_progress,
+            started,
+            origin,
         )
         flight.deadline = ctx.deadline
         task = flight.task = current_task_of(loop)

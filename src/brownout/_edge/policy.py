@@ -429,11 +429,12 @@ class EdgePolicy:
                 and not policy.read_envoy
             ):
                 seconds = policy.default
+                origin = "default"
             else:
-                seconds = policy.resolve(get, trust).seconds
+                seconds, origin, _ = policy.resolve(get, trust)
         else:
             # The protocol's own deadline, honoured by the rule the headers follow.
-            seconds = policy.resolve(get, trust, budget).seconds
+            seconds, origin, _ = policy.resolve(get, trust, budget)
         if self.classifier is None and trust is not _TRUSTED and not events.enabled:
             # No claim can be honoured and nobody listens for an ignored one: the route's own.
             # Immutable, so one per route serves every such request.
@@ -455,7 +456,11 @@ class EdgePolicy:
         if (
             deadline is None or not deadline.at <= seconds
         ):  # (a NaN reaches Deadline, which refuses it)
-            deadline = new_deadline(seconds) if seconds == seconds else Deadline(seconds)
+            deadline = (
+                new_deadline(seconds, origin)
+                if seconds == seconds
+                else Deadline(seconds, origin=origin)
+            )
         flight.deadline = deadline
         if self.quota is not None:
             # Under the request's deadline: a shared store takes at most its share of what is

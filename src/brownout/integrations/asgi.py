@@ -186,11 +186,13 @@ class BrownoutMiddleware:
         route, express = entry
         permit: Permit | Untracked | None = None
         if express is not None and get_current() is NO_REQUEST:
-            seconds = (
-                express.seconds
-                if _claims_nothing(map(_header_name, scope["headers"]))
-                else policy.express_budget(route, scope, scope["headers"])
-            )
+            if _claims_nothing(map(_header_name, scope["headers"])):
+                seconds = express.seconds
+                origin = "default"
+            else:
+                seconds = policy.express_budget(route, scope, scope["headers"])
+                # (the route's own default float is returned when the header may not set it)
+                origin = "default" if seconds is express.seconds else "header"
             if seconds > 0.0:
                 cls = express.classification
                 if express.classifier is not None:
@@ -243,7 +245,9 @@ class BrownoutMiddleware:
         exchange.watching = False
         exchange.resume_watch = False
         exchange.response_done = False
-        ctx = inbound_context(started + seconds, priority, caller, operation, in_progress, started)
+        ctx = inbound_context(
+            started + seconds, priority, caller, operation, in_progress, started, origin
+        )
         exchange.deadline = ctx.deadline
         task = exchange.task = _current_task(loop)
         assert task is not None

@@ -56,6 +56,7 @@ from .._propagation import (
     PRIORITY_HEADER,
     REFUSAL_REASON_KEY,
     context_headers,
+    note_outbound,
 )
 from .._retry.classify import ResponseError, TransientError, parse_pushback
 from .._retry.outbound import answer_for_caller, attempt_budget
@@ -155,6 +156,7 @@ def _details(
         timeout = _wire_timeout(timeout)
     if details.timeout is not None and (timeout is None or details.timeout < timeout):
         timeout = details.timeout
+    note_outbound(ctx, timeout)  # (tracing: the budget on the span, `enable_tracing`)
     metadata = grpc.aio.Metadata()
     if details.metadata is not None:
         for k, v in details.metadata:

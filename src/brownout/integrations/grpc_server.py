@@ -368,7 +368,7 @@ async def _express(
 ) -> Any:
     """The express path (`EdgePolicy.express`): what `serve` does for a call with no
     metadata to decide about at an uncontended bulkhead, inline."""
-    scope = ExpressScope(policy, express, _Flight(started, context), cls, seconds, loop)
+    scope = ExpressScope(policy, express, _Flight(started, context), cls, seconds, loop, "protocol")
     flight = scope.flight
     try:
         try:

@@ -540,3 +540,76 @@ async def test_a_publisher_without_measure_cannot_have_a_bound() -> None:
 
     with pytest.raises(ValueError, match="measure"):
         Publisher("q", send, bound=BacklogBound(max_depth=1))
+
+
+# -- signals: Stats and the Prometheus exporter count what the durable core decided --------
+
+
+async def test_message_decisions_become_metrics() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from brownout import Stats
+    from brownout.export.prometheus import register
+
+    events = EventHub()
+    stats = events.subscribe(Stats())
+    broker = Recording()
+
+    async def handler(message: Message) -> None:
+        if message.body == b"bad":
+            raise ValueError("bad")
+        if message.body == b"flaky":
+            raise ConnectionResetError("reset")
+
+    runner = MessageRunner(
+        handler,
+        broker,
+        queue="orders",
+        policy=MessagePolicy(max_age=60),
+        events=events,
+        wall=Wall(),
+    )
+    for body, age in ((b"ok", 2.0), (b"ok", 30.0), (b"bad", 1.0), (b"flaky", 1.0), (b"ok", 61.0)):
+        delivery = Delivered(body, Envelope(enqueued_at=START - age).encode())
+        await runner.process(delivery)
+
+    depth = [7]
+
+    async def send(body: bytes, headers: dict[str, str]) -> None:
+        pass
+
+    async def measure() -> tuple[int | None, float | None]:
+        return depth[0], 12.5
+
+    publisher = Publisher(
+        "orders",
+        send,
+        bound=BacklogBound(max_depth=10),
+        measure=measure,
+        events=events,
+        refresh=0.0,
+        wall=Wall(),
+    )
+    await publisher.publish(b"x")
+    depth[0] = 10
+    with pytest.raises(Rejected):
+        await publisher.publish(b"x")
+    stats.watch(publisher)
+
+    assert stats.count("msg_started", source="orders") == 4
+    assert stats.count("msg_completed", source="orders") == 2
+    assert stats.count("msg_parked", reason="failed") == 1
+    assert stats.count("msg_parked", reason="too_old") == 1
+    assert stats.count("msg_retried", reason="ConnectionResetError") == 1
+    assert stats.count("msg_published") == 1
+    assert stats.count("msg_refused", reason="backlog_full") == 1
+    assert stats.message_age["orders"].count == 4
+
+    registry = CollectorRegistry()
+    register(stats, registry)
+    text = generate_latest(registry).decode()
+    assert 'brownout_messages_completed_total{caller="unknown",operation="unknown"' in text
+    assert "brownout_messages_parked_total{" in text and 'reason="too_old"' in text
+    assert 'brownout_backlog_depth_messages{source="orders"} 10.0' in text
+    assert 'brownout_backlog_oldest_age_seconds{source="orders"} 12.5' in text
+    assert 'brownout_message_age_seconds_bucket{le="+Inf",source="orders"} 4.0' in text

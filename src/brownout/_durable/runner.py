@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -381,6 +381,16 @@ class Publisher:
         valid_for = envelope.remaining(envelope.enqueued_at)
         self._emit(MessagePublished, envelope, valid_for=valid_for)
         return envelope
+
+    def gauges(self) -> Iterator[tuple[str, Mapping[str, str], float]]:
+        """The last backlog reading, for `brownout.Stats.watch` (``backlog_depth``,
+        ``backlog_oldest_age``; nothing before the first measurement)."""
+        depth, age = self._reading
+        labels = {"source": self.queue}
+        if depth is not None:
+            yield ("backlog_depth", labels, float(depth))
+        if age is not None:
+            yield ("backlog_oldest_age", labels, float(age))
 
     def _emit(self, kind: Any, envelope: Envelope, **fields: Any) -> None:
         if self.events.enabled:

@@ -24,6 +24,8 @@ GAUGE_KINDS = (
     "degraded_mode_active_seconds",
     "degraded_mode_max_seconds",
     "quota_fallback_active",
+    "backlog_depth",
+    "backlog_oldest_age",
 )
 """Gauge names exporters know how to name and describe. Observables may report these (with a
 ``source`` label, or ``mode`` for degraded modes); other names are exported generically."""

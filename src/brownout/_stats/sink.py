@@ -40,6 +40,12 @@ from ..events import (
     GuardFailedClosed,
     HandlerOverran,
     LimitChanged,
+    MessageCompleted,
+    MessageParked,
+    MessagePublished,
+    MessageRefused,
+    MessageRetried,
+    MessageStarted,
     OutcomeUnknown,
     OverloadLevelChanged,
     QuotaBackendChanged,
@@ -77,8 +83,18 @@ COUNTER_KINDS = (
     "retried",
     "budget_exhausted",
     "outcome_unknown",
+    "msg_published",
+    "msg_refused",
+    "msg_started",
+    "msg_completed",
+    "msg_retried",
+    "msg_parked",
 )
-"""Every counter `Stats` keeps. ``completed`` is goodput (useful successes)."""
+"""Every counter `Stats` keeps. ``completed`` is goodput (useful successes); ``msg_completed``
+is queue goodput (messages whose handler finished within their time)."""
+
+_MESSAGE_AGE_BOUNDS = tuple(round(1e-3 * 10 ** (i / 4), 9) for i in range(0, 8 * 4 + 1))
+"""1 ms .. 100,000 s, 4 buckets per decade: a message may wait hours, a request may not."""
 
 Key = tuple[str, str, str, str, str]
 """(kind, operation, priority, caller, reason): the shape `Stats.series` returns."""
@@ -155,6 +171,9 @@ class Stats:
         """Time in queue of admitted work, by source (O2)."""
         self.remaining_on_arrival: dict[str, LatencyHistogram] = {}
         """Remaining deadline when work was offered, by source, i.e. at each hop (O2)."""
+        self.message_age: dict[str, LatencyHistogram] = {}
+        """Age of durable-queue messages (since their first enqueue) when a consumer started
+        them, by queue: how stale the work is that consumers spend capacity on."""
         self.limits: dict[str, int] = {}
         self.breakers: dict[str, str] = {}
         self.breaker_transitions: dict[tuple[str, str], int] = {}
@@ -206,6 +225,12 @@ class Stats:
             DeadlineHeaderIgnored: self._header_ignored,
             StaleServed: self._stale_served,
             GuardFailedClosed: self._guard_failed_closed,
+            MessagePublished: self._msg_published,
+            MessageRefused: self._msg_refused,
+            MessageStarted: self._msg_started,
+            MessageCompleted: self._msg_completed,
+            MessageRetried: self._msg_retried,
+            MessageParked: self._msg_parked,
         }
 
     # -- the sink ---------------------------------------------------------------------------
@@ -466,6 +491,28 @@ class Stats:
         key = (self.sources(e.what), self.reasons(e.cause))
         self.guard_failed_closed[key] = self.guard_failed_closed.get(key, 0) + 1
 
+    def _msg_published(self, e: MessagePublished) -> None:
+        self._count("msg_published", e)
+
+    def _msg_refused(self, e: MessageRefused) -> None:
+        self._count("msg_refused", e, e.reason.value)
+
+    def _msg_started(self, e: MessageStarted) -> None:
+        labels = self._count("msg_started", e)
+        h = self.message_age.get(labels[0])
+        if h is None:
+            h = self.message_age[labels[0]] = LatencyHistogram(_MESSAGE_AGE_BOUNDS)
+        h.observe(e.age)
+
+    def _msg_completed(self, e: MessageCompleted) -> None:
+        self._count("msg_completed", e)
+
+    def _msg_retried(self, e: MessageRetried) -> None:
+        self._count("msg_retried", e, "deferred" if e.deferred else self.reasons(e.cause))
+
+    def _msg_parked(self, e: MessageParked) -> None:
+        self._count("msg_parked", e, self.reasons(e.reason))
+
     # -- live state -------------------------------------------------------------------------
     def watch(self, observable: Observable) -> Observable:
         """Read ``observable.gauges()`` at every scrape; returns it (for `unwatch`).
@@ -633,6 +680,7 @@ class Stats:
             + len(self.success_latency)
             + len(self.queue_wait)
             + len(self.remaining_on_arrival)
+            + len(self.message_age)
         )
 
     def snapshot(self) -> dict[str, Any]:
@@ -673,6 +721,7 @@ class Stats:
         self.success_latency.clear()
         self.queue_wait.clear()
         self.remaining_on_arrival.clear()
+        self.message_age.clear()
         self.breaker_transitions.clear()
         self.degraded_activations.clear()
         self.headers_ignored.clear()

@@ -143,6 +143,46 @@ COUNTERS: tuple[CounterSpec, ...] = (
         "brownout.outcome_unknown",
         "Mutations whose outcome is unknown; reconcile by idempotency key (D6).",
     ),
+    CounterSpec(
+        "msg_published",
+        "brownout_messages_published",
+        "brownout.messages.published",
+        "Messages a producer enqueued on a durable queue (source: the queue).",
+    ),
+    CounterSpec(
+        "msg_refused",
+        "brownout_messages_refused",
+        "brownout.messages.refused",
+        "Messages a producer was refused because the queue was over its bound, by reason.",
+        "reason",
+    ),
+    CounterSpec(
+        "msg_started",
+        "brownout_messages_started",
+        "brownout.messages.started",
+        "Messages whose handler a consumer started.",
+    ),
+    CounterSpec(
+        "msg_completed",
+        "brownout_messages_completed",
+        "brownout.messages.completed",
+        "Messages whose handler finished within their time: queue goodput.",
+    ),
+    CounterSpec(
+        "msg_retried",
+        "brownout_messages_retried",
+        "brownout.messages.retried",
+        "Messages enqueued again for a later attempt, by cause (deferred: consumer busy).",
+        "cause",
+    ),
+    CounterSpec(
+        "msg_parked",
+        "brownout_messages_parked",
+        "brownout.messages.parked",
+        "Messages parked instead of run, by reason (expired, too_old, attempts, failed, "
+        "malformed); never dropped.",
+        "reason",
+    ),
 )
 GAUGES: tuple[GaugeSpec, ...] = (
     GaugeSpec(
@@ -216,6 +256,20 @@ GAUGES: tuple[GaugeSpec, ...] = (
         "Declared maximum duration of a degraded mode (G2).",
     ),
     GaugeSpec(
+        "backlog_depth",
+        "brownout_backlog_depth_messages",
+        "brownout.backlog.depth",
+        "{message}",
+        "Messages waiting in a durable queue, as its producer last measured (source: queue).",
+    ),
+    GaugeSpec(
+        "backlog_oldest_age",
+        "brownout_backlog_oldest_age_seconds",
+        "brownout.backlog.oldest_age",
+        "s",
+        "Age of a durable queue's oldest waiting message: scale consumers on this, not CPU.",
+    ),
+    GaugeSpec(
         "quota_fallback_active",
         "brownout_quota_fallback_active",
         "brownout.quota.fallback",
@@ -246,6 +300,13 @@ HISTOGRAMS: tuple[HistogramSpec, ...] = (
         "brownout.deadline.remaining",
         ("source",),
         "Remaining deadline when a request arrived at this hop (O2).",
+    ),
+    HistogramSpec(
+        "message_age",
+        "brownout_message_age_seconds",
+        "brownout.message.age",
+        ("source",),
+        "Age of durable-queue messages (since first enqueue) when a consumer started them.",
     ),
 )
 

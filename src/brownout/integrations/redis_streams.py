@@ -20,7 +20,7 @@ Entries. A message is one stream entry: the body under the field ``body``, the e
 fields (`brownout.durable.ENVELOPE_FIELDS`) and the user's headers as text fields.
 
 Acknowledging. ``XACK`` and, with ``delete_on_ack=True`` (default), ``XDEL`` in one
-transaction: the stream holds only work not yet done, so its memory is its backlog's. A
+script: the stream holds only work not yet done, so its memory is its backlog's. A
 stream read by several groups (fan-out) needs ``delete_on_ack=False`` and its own trimming
 (``XTRIM MINID`` below the slowest group's last delivered id).
 
@@ -147,6 +147,13 @@ def stream_keys(name: str) -> StreamKeys:
 
 # -- scripts ----------------------------------------------------------------------------------
 
+_ACK = """
+-- KEYS: stream. ARGV: group, delete ('1'), ids... (one command for a batch of entries)
+local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3))
+if ARGV[2] == '1' then redis.call('XDEL', KEYS[1], unpack(ARGV, 3)) end
+return acked
+"""
+
 _RETRY = """
 -- KEYS: stream, retry set. ARGV: group, id, delay ms, delete ('1'), fields...
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
@@ -216,6 +223,7 @@ class _Script:
             return await client.eval(self.text, len(keys), *keys, *args)
 
 
+_ACK_SCRIPT = _Script(_ACK)
 _RETRY_SCRIPT = _Script(_RETRY)
 _PARK_SCRIPT = _Script(_PARK)
 _MOVE_SCRIPT = _Script(_MOVE)
@@ -443,6 +451,13 @@ class StreamEntry:
         return f"StreamEntry(id={self.id!r}, redeliveries={self.redeliveries})"
 
 
+def _fields(reply: Any) -> dict[bytes, bytes]:
+    fields: dict[bytes, bytes] = dict(reply)
+    if all(type(k) is bytes and type(v) is bytes for k, v in fields.items()):
+        return fields  # what a client without decode_responses returns
+    return {_raw(k): _raw(v) for k, v in fields.items()}
+
+
 def _entries(reply: Any) -> list[tuple[str, dict[bytes, bytes] | None]]:
     """``(id, fields)`` from an XREADGROUP or XAUTOCLAIM reply (RESP2 or RESP3 shapes)."""
     out: list[tuple[str, dict[bytes, bytes] | None]] = []
@@ -451,7 +466,7 @@ def _entries(reply: Any) -> list[tuple[str, dict[bytes, bytes] | None]]:
         out.append(
             (
                 _text(entry_id),
-                None if fields is None else {_raw(k): _raw(v) for k, v in dict(fields).items()},
+                None if fields is None else _fields(fields),
             )
         )
     return out
@@ -537,6 +552,8 @@ class Consumer:
         self._done = asyncio.Event()
         self._grace = 10.0
         self._claim_cursor = "0-0"
+        self._acks: list[tuple[str, asyncio.Future[None]]] = []
+        self._ack_flush: asyncio.Task[None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -727,19 +744,37 @@ class Consumer:
 
     # -- the broker side (brownout.durable.MessageBroker) -------------------------------------
     async def ack(self, delivery: StreamEntry) -> None:
-        """``XACK`` (and ``XDEL`` with ``delete_on_ack``) in one transaction."""
+        """``XACK`` (and ``XDEL`` with ``delete_on_ack``), atomically; returns once Redis
+        confirmed it. Acknowledgements that arrive together share one script call."""
         if delivery.settled:
             return
-        if self.delete_on_ack:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.xack(self.keys.stream, self.group, delivery.id)
-                pipe.xdel(self.keys.stream, delivery.id)
-                await _bounded(pipe.execute(), self.timeout, "XACK")
-        else:
-            await _bounded(
-                self.redis.xack(self.keys.stream, self.group, delivery.id), self.timeout, "XACK"
-            )
+        done = asyncio.get_running_loop().create_future()
+        self._acks.append((delivery.id, done))
+        if self._ack_flush is None:
+            self._ack_flush = asyncio.create_task(self._flush_acks())
+        await done
         delivery.settled = True
+
+    async def _flush_acks(self, most: int = 256) -> None:
+        try:
+            while self._acks:
+                await asyncio.sleep(0)  # acknowledgements of this loop turn join the batch
+                batch, self._acks = self._acks[:most], self._acks[most:]
+                args = [self.group, "1" if self.delete_on_ack else "0", *(i for i, _ in batch)]
+                try:
+                    await _bounded(
+                        _ACK_SCRIPT(self.redis, (self.keys.stream,), args), self.timeout, "XACK"
+                    )
+                except Exception as e:
+                    for _, waiter in batch:
+                        if not waiter.done():
+                            waiter.set_exception(e)
+                else:
+                    for _, waiter in batch:
+                        if not waiter.done():
+                            waiter.set_result(None)
+        finally:
+            self._ack_flush = None
 
     async def retry_later(self, delivery: StreamEntry, envelope: Envelope, delay: float) -> None:
         """Store a copy with ``envelope`` in the retry set, due in ``delay`` s, and

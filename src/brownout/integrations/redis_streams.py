@@ -387,10 +387,14 @@ class Producer:
         """The group's (depth, oldest age in seconds) now, in two round trips."""
         if self.group is None:
             return None, None
-        if not self._group_ready:
-            await _ensure_group(self.redis, self.keys, self.group, self.timeout)
-            self._group_ready = True
-        return await _bounded(self._measure(self.group), self.timeout, "backlog")
+        try:
+            if not self._group_ready:
+                await _ensure_group(self.redis, self.keys, self.group, self.timeout)
+                self._group_ready = True
+            return await _bounded(self._measure(self.group), self.timeout, "backlog")
+        except StreamUnavailable:
+            self._group_ready = False  # the stream may be gone: make the group again
+            raise
 
     async def _measure(self, group: str) -> tuple[int | None, float | None]:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -561,7 +565,6 @@ class Consumer:
         if self._running:
             raise RuntimeError("this consumer is already running")
         self._running = True
-        self._stop = asyncio.Event()
         self._done = asyncio.Event()
         mover = asyncio.create_task(self._move_loop(), name=f"brownout-mover-{self.name}")
         try:
@@ -571,6 +574,7 @@ class Consumer:
             await asyncio.gather(mover, return_exceptions=True)
             await self._drain(self._grace)
             self._running = False
+            self._stop.clear()  # a stop before this run ended it; the next run starts afresh
             self._done.set()
 
     async def stop(self, grace: float = 10.0) -> None:
@@ -707,7 +711,7 @@ class Consumer:
                 self.group,
                 min=ids[0],
                 max=ids[-1],
-                count=len(ids) + 16,
+                count=len(ids) + len(self._tasks) + 16,  # our in-flight ones may interleave
                 consumername=self.name,
             ),
             self.timeout,

@@ -35,6 +35,7 @@ ADAPTER_MODULES = (
     "brownout.integrations.aiohttp_client",
     "brownout.integrations.grpc_client",
     "brownout.integrations.lifespan",
+    "brownout.integrations.redis_streams",
     "brownout.export.prometheus",
     "brownout.export.otel",
     "brownout.export.logging",

@@ -7,6 +7,7 @@ Inbound (the edge, `brownout._edge`):
 - `brownout.integrations.aiohttp_server`: `brownout_middleware` for aiohttp web servers.
 
 Outbound clients live next to them (``httpx``, ``aiohttp_client``, ``grpc_client``);
-`brownout.integrations.lifespan` starts and stops background work with the server.
+`brownout.integrations.lifespan` starts and stops background work with the server;
+`brownout.integrations.redis_streams` runs durable queues on Redis Streams.
 Import the module you need; this package imports no framework itself.
 """

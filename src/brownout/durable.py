@@ -12,6 +12,10 @@ broker-independent halves they drive.
 
 from ._durable import (
     ENVELOPE_FIELDS,
+    PARK_DETAIL_FIELD,
+    PARK_REASON_FIELD,
+    PARKED_AT_FIELD,
+    PARKED_FIELDS,
     BacklogBound,
     Delivery,
     Envelope,
@@ -23,6 +27,7 @@ from ._durable import (
     MessagePolicy,
     MessageRunner,
     Park,
+    ParkedMessage,
     ParkReason,
     Publisher,
     RetryLater,
@@ -32,6 +37,10 @@ from ._durable import (
 
 __all__ = [
     "ENVELOPE_FIELDS",
+    "PARKED_AT_FIELD",
+    "PARKED_FIELDS",
+    "PARK_DETAIL_FIELD",
+    "PARK_REASON_FIELD",
     "BacklogBound",
     "Delivery",
     "Envelope",
@@ -44,6 +53,7 @@ __all__ = [
     "MessageRunner",
     "Park",
     "ParkReason",
+    "ParkedMessage",
     "Publisher",
     "RetryLater",
     "Run",

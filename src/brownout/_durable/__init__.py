@@ -2,6 +2,13 @@
 consumer halves (standard library only; the broker adapters live in `integrations`)."""
 
 from .envelope import ENVELOPE_FIELDS, Envelope, EnvelopeError, HistoryEntry
+from .parked import (
+    PARK_DETAIL_FIELD,
+    PARK_REASON_FIELD,
+    PARKED_AT_FIELD,
+    PARKED_FIELDS,
+    ParkedMessage,
+)
 from .policy import BacklogBound, MessagePolicy, Park, ParkReason, RetryLater, Run, message_failure
 from .runner import (
     Delivery,
@@ -14,6 +21,10 @@ from .runner import (
 
 __all__ = [
     "ENVELOPE_FIELDS",
+    "PARKED_AT_FIELD",
+    "PARKED_FIELDS",
+    "PARK_DETAIL_FIELD",
+    "PARK_REASON_FIELD",
     "BacklogBound",
     "Delivery",
     "Envelope",
@@ -26,6 +37,7 @@ __all__ = [
     "MessageRunner",
     "Park",
     "ParkReason",
+    "ParkedMessage",
     "Publisher",
     "RetryLater",
     "Run",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import secrets
 import signal
 import socket
@@ -417,3 +418,32 @@ async def test_prefetch_follows_an_adaptive_limit(
     assert bulkhead.limit == 5
     await consumer.stop()
     await asyncio.wait_for(running, 10)
+
+
+def rabbit_doc_blocks() -> str:
+    """docs/queues.md's ```python blocks before the section after "RabbitMQ (aio-pika)",
+    the broker-bound ones (marked not to run by the unit docs test) included."""
+    text = (HERE.parents[1] / "docs" / "queues.md").read_text()
+    start = text.index("## RabbitMQ (aio-pika)")
+    following = text.find("\n## ", start + 1)
+    text = text if following < 0 else text[:following]
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    assert len(blocks) >= 3
+    return "\n".join(blocks)
+
+
+async def test_the_docs_examples_run_against_rabbitmq(queue: str) -> None:
+    script = rabbit_doc_blocks().replace('"emails"', repr(queue))
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        script,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert b"sending b'welcome:42' attempt 1" in out
+    assert b"replayed 0" in out

@@ -34,6 +34,7 @@ ADAPTER_MODULES = (
     "brownout.integrations.aiohttp_client",
     "brownout.integrations.grpc_client",
     "brownout.integrations.lifespan",
+    "brownout.integrations.aio_pika",
     "brownout.export.prometheus",
     "brownout.export.otel",
     "brownout.export.logging",

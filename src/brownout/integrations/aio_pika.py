@@ -85,12 +85,15 @@ from .._priority import Priority
 from ..events import EventHub, hub
 
 __all__ = [
+    "PARK_ID_FIELD",
     "RETRY_DELAYS",
     "Consumer",
     "NotConfirmed",
     "ParkedQueue",
     "Producer",
     "declare",
+    "parked_queue",
+    "retry_queue",
 ]
 
 RETRY_DELAYS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
@@ -132,6 +135,7 @@ def retry_queue(queue: str, delay: float) -> tuple[str, float]:
 
 
 def parked_queue(queue: str) -> str:
+    """The name of ``queue``'s parked queue."""
     return f"{queue}.parked"
 
 

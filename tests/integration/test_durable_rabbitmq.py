@@ -447,3 +447,24 @@ async def test_the_docs_examples_run_against_rabbitmq(queue: str) -> None:
     assert proc.returncode == 0, err.decode()
     assert b"sending b'welcome:42' attempt 1" in out
     assert b"replayed 0" in out
+
+
+async def test_run_raises_when_its_channel_closes(queue: str) -> None:
+    connection = await aio_pika.connect(URL)
+    ch = await connection.channel()
+    await declare(ch, queue)
+    consumer = Consumer(ch, queue, lambda m: asyncio.sleep(0))
+    running = asyncio.ensure_future(consumer.run())
+    await until(lambda: consumer.prefetch > 0, 10)
+    await connection.close()
+    with pytest.raises(ConnectionError, match="closed"):
+        await asyncio.wait_for(running, 10)
+
+
+async def test_stop_before_run_makes_run_return(
+    channel: aio_pika.abc.AbstractChannel, queue: str
+) -> None:
+    await declare(channel, queue)
+    consumer = Consumer(channel, queue, lambda m: asyncio.sleep(0))
+    await consumer.stop()
+    await asyncio.wait_for(consumer.run(), 10)

@@ -404,6 +404,7 @@ class Consumer:
         )
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping: asyncio.Event | None = None
+        self._started = False
         self._queue: AbstractQueue | None = None
         self._tag: str | None = None
         self._prefetch = 0
@@ -431,16 +432,34 @@ class Consumer:
             await self._queue.cancel(old)
 
     async def run(self) -> None:
-        """Consume until `stop`; returns once no handler is running."""
-        if self._stopping is not None:
+        """Consume until `stop`; returns once no handler is running. Raises
+        `ConnectionError` when the channel closes under it (a robust channel reopens itself
+        and keeps consuming instead)."""
+        if self._started:
             raise RuntimeError("a Consumer runs once")
-        self._stopping = asyncio.Event()
-        self._queue = await self.channel.declare_queue(self.queue, passive=True)
-        await self._subscribe()
+        self._started = True
+        if self._stopping is None:
+            self._stopping = asyncio.Event()
+        stopping = self._stopping
+        closed: list[BaseException | None] = []
+
+        def on_close(_: Any, error: BaseException | None) -> None:
+            if not isinstance(self.channel, aio_pika.RobustChannel):
+                closed.append(error)
+                stopping.set()
+
+        self.channel.close_callbacks.add(on_close)
         try:
-            await self._stopping.wait()
+            self._queue = await self.channel.declare_queue(self.queue, passive=True)
+            await self._subscribe()
+            await stopping.wait()
         finally:
+            self.channel.close_callbacks.discard(on_close)
             await self._drain()
+        if closed:
+            raise ConnectionError(
+                f"the channel of Consumer({self.queue!r}) closed: {closed[0]!r}"
+            ) from closed[0]
 
     async def stop(self) -> None:
         """Stop consuming and let `run` finish (running handlers get ``stop_timeout``)."""
@@ -468,9 +487,6 @@ class Consumer:
         if self._stopping is not None and self._stopping.is_set() and self._tag is None:
             await message.nack(requeue=True)  # arrived after stop: not ours to run
             return
-        task = asyncio.ensure_future(self._process(message))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
         if (
             self.bulkhead is not None
             and self.bulkhead.limit != self._prefetch
@@ -478,6 +494,14 @@ class Consumer:
             and time.monotonic() - self._followed_at >= self.follow_every
         ):
             self._following = asyncio.ensure_future(self._follow())
+        task = asyncio.current_task()  # aio-pika runs each delivery in a task of its own
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            await self._process(message)
+        finally:
+            if task is not None:
+                self._tasks.discard(task)
 
     async def _follow(self) -> None:
         try:

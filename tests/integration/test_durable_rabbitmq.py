@@ -468,3 +468,39 @@ async def test_stop_before_run_makes_run_return(
     consumer = Consumer(channel, queue, lambda m: asyncio.sleep(0))
     await consumer.stop()
     await asyncio.wait_for(consumer.run(), 10)
+
+
+@pytest.mark.parametrize("quorum", [False, True], ids=["classic", "quorum"])
+async def test_a_delivery_whose_consumer_died_comes_back_as_the_next_attempt(
+    channel: aio_pika.abc.AbstractChannel, queue: str, quorum: bool
+) -> None:
+    await declare(channel, queue, quorum=quorum)
+    await Producer(channel, queue).publish(b"poison", idempotency_key="p")
+    attempts: list[int] = []
+    for _ in range(2):  # a consumer whose connection dies mid-handler, twice
+        connection = await aio_pika.connect(URL)
+        started = asyncio.Event()
+
+        async def hang(message: Message, started: asyncio.Event = started) -> None:
+            attempts.append(message.attempt)
+            started.set()
+            await asyncio.sleep(60)
+
+        consumer = Consumer(await connection.channel(), queue, hang, stop_timeout=0.1)
+        running = asyncio.ensure_future(consumer.run())
+        await asyncio.wait_for(started.wait(), 10)
+        await connection.close()  # no ack, no nack: the broker redelivers
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(running, 10)
+    done: list[Message] = []
+
+    async def handle(message: Message) -> None:
+        done.append(message)
+
+    consumer = Consumer(channel, queue, handle, policy=MessagePolicy(max_attempts=5))
+    running = asyncio.ensure_future(consumer.run())
+    await until(lambda: len(done) == 1, 10)
+    await consumer.stop()
+    await asyncio.wait_for(running, 10)
+    assert attempts == [1, 2] and done[0].attempt == 3
+    assert done[0].idempotency_key == "p"  # a duplicate the handler can recognise

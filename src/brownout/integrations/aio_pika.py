@@ -33,8 +33,11 @@ What RabbitMQ gives and how it is used:
   headers, ``brownout-park-reason``, ``brownout-park-detail`` and ``brownout-parked-at``;
 - the original delivery is acknowledged only after its retry or parked copy is confirmed,
   so a consumer that dies at any point loses nothing (RabbitMQ redelivers what it held);
-- redeliveries: a quorum queue's ``x-delivery-count`` header when present, else the
-  ``redelivered`` flag counts as 1;
+- redeliveries: a quorum queue's ``x-delivery-count`` header counts them. A classic queue
+  only flags a message ``redelivered`` (at least once, not how often), so the consumer
+  re-enqueues such a message as its next attempt (a confirmed copy, then the ack; event
+  `brownout.events.MessageRetried` with cause ``redelivered``) instead of running it: a
+  message that kills every consumer reaches ``max_attempts`` and is parked;
 - prefetch follows the bulkhead's limit. RabbitMQ applies ``basic.qos`` only to consumers
   started after it, so when an adaptive limit moves the consumer re-subscribes with the new
   prefetch (at most once per ``follow_every`` seconds).
@@ -74,6 +77,7 @@ from .._durable import (
     PARKED_FIELDS,
     BacklogBound,
     Envelope,
+    EnvelopeError,
     MessageHandler,
     MessagePolicy,
     MessageRunner,
@@ -82,7 +86,7 @@ from .._durable import (
 )
 from .._errors import BrownoutError
 from .._priority import Priority
-from ..events import EventHub, hub
+from ..events import EventHub, MessageRetried, hub
 
 __all__ = [
     "PARK_ID_FIELD",
@@ -303,7 +307,7 @@ class _Delivery:
         count = self.headers.get("x-delivery-count")
         if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
             self.redeliveries = count
-        else:
+        else:  # a classic queue: see Consumer._restamp
             self.redeliveries = 1 if message.redelivered else 0
 
     @property
@@ -512,9 +516,44 @@ class Consumer:
         finally:
             self._following = None
 
+    async def _restamp(self, delivery: _Delivery) -> bool:
+        """Count a classic queue's redelivery in the envelope: re-enqueue the message as its
+        next attempt instead of running it. Its ``redelivered`` flag says "at least once
+        before", never how often, so without this a message that kills every consumer
+        would come back as the same attempt forever. False when there is nothing to count."""
+        if "x-delivery-count" in delivery.headers or not delivery.message.redelivered:
+            return False
+        try:
+            envelope = Envelope.decode(delivery.headers)
+        except EnvelopeError:
+            return False  # the runner parks it (or runs it, ``on_malformed="run"``)
+        runner = self.runner
+        now = runner.wall()
+        following = envelope.next_attempt(now, "redelivered", "its consumer stopped before the ack")
+        await runner.broker.retry_later(delivery, following, 0.0)
+        await delivery.message.ack()
+        if runner.events.enabled:
+            runner.events.emit(
+                MessageRetried(
+                    runner.clock.now(),
+                    self.queue,
+                    envelope.operation,
+                    envelope.priority,
+                    envelope.caller,
+                    attempt=following.attempt,
+                    delay=0.0,
+                    cause="redelivered",
+                    budget_exhausted=False,
+                    deferred=False,
+                )
+            )
+        return True
+
     async def _process(self, message: AbstractIncomingMessage) -> None:
         try:
-            await self.runner.process(_Delivery(message))
+            delivery = _Delivery(message)
+            if not await self._restamp(delivery):
+                await self.runner.process(delivery)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await message.nack(requeue=True)

@@ -282,7 +282,7 @@ async def test_parked_messages_can_be_listed_shown_replayed_and_purged(
     await declare(channel, queue)
     producer = Producer(channel, queue, ttl=60)
     for i in range(4):
-        await producer.publish(f"m{i}".encode(), idempotency_key=f"k{i}")
+        await producer.publish(f"m{i}".encode(), idempotency_key=f"k{i}", headers={"tenant": "t1"})
     fail = True
     done: list[Message] = []
 
@@ -309,6 +309,8 @@ async def test_parked_messages_can_be_listed_shown_replayed_and_purged(
     await until(lambda: len(done) == 1, 10)
     again = done[0]
     assert again.body == b"m1" and again.attempt == 1 and again.idempotency_key == "k1"
+    assert again.headers.get("tenant") in ("t1", b"t1")  # the user's headers kept
+    assert not any(k.startswith("brownout-park") for k in again.headers)
     assert [h.event for h in again.envelope.history][-2:] == ["parked", "replayed"]
     assert again.envelope.valid_until is not None
     assert again.envelope.valid_until - again.envelope.enqueued_at == pytest.approx(30)

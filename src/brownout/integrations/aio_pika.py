@@ -50,7 +50,7 @@ import contextlib
 import math
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 try:
@@ -319,7 +319,11 @@ class _Broker:
     """The core's `brownout.durable.MessageBroker` on one channel with confirms."""
 
     def __init__(
-        self, channel: AbstractChannel, queue: str, timeout: float | None, wall: Any
+        self,
+        channel: AbstractChannel,
+        queue: str,
+        timeout: float | None,
+        wall: Callable[[], float],
     ) -> None:
         self.channel = channel
         self.queue = queue
@@ -382,7 +386,7 @@ class Consumer:
         stop_timeout: float = 10.0,
         timeout: float | None = 10.0,
         events: EventHub = hub,
-        wall: Any = time.time,
+        wall: Callable[[], float] = time.time,
         clock: Clock | None = None,
     ) -> None:
         _check_confirms(channel)
@@ -584,7 +588,7 @@ class ParkedQueue:
         *,
         scan_limit: int = 10_000,
         timeout: float | None = 10.0,
-        wall: Any = time.time,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         _check_confirms(channel)
         if scan_limit < 1:
@@ -697,7 +701,7 @@ class ParkedQueue:
             operation=old.operation if old is not None else "unknown",
             history=old.history if old is not None else (),
         ).with_history(now, "replayed", f"was parked: {parked.reason}")
-        headers = {**_user_headers(parked.headers), **fresh.encode()}
+        headers = {**_user_headers(message.headers), **fresh.encode()}  # values as they were
         await _publish(self.channel, self.queue, _copy(parked.body, headers, message), self.timeout)
 
     def __repr__(self) -> str:

@@ -577,6 +577,8 @@ class ParkedQueue:
     keeps with a nack-requeue (they stay in their place; their ``redelivered`` flag is set,
     which nothing reads here). A method looks at no more than ``scan_limit`` messages, so
     memory stays bounded; a larger parked queue is seen through its first ``scan_limit``.
+    ``replay(None)`` leaves alone a message parked after it started (one of its own replays
+    parked again), so it never replays one twice.
     ``channel`` should be this object's own (confirms on): its unacknowledged messages are
     the ones held. Operations on one `ParkedQueue` run one at a time.
     """
@@ -612,11 +614,11 @@ class ParkedQueue:
         return ParkedMessage.from_headers(ident, message.body, kept)
 
     async def _scan(self, limit: int) -> tuple[AbstractQueue, list[AbstractIncomingMessage]]:
-        """Take up to ``limit`` messages (no more than were there when it started)."""
+        """Take up to ``limit`` messages, until the queue is empty. (Not bounded by a passive
+        declare's ``message_count``: right after a nack-requeue it lags behind.)"""
         queue = await self.channel.declare_queue(self.name, passive=True)
-        present = queue.declaration_result.message_count or 0
         taken: list[AbstractIncomingMessage] = []
-        while len(taken) < min(limit, present):
+        while len(taken) < limit:
             message = await queue.get(no_ack=False, fail=False, timeout=self.timeout)
             if message is None:
                 break
@@ -668,6 +670,7 @@ class ParkedQueue:
     async def _each(self, ids: Sequence[str] | None, action: Any, ttl: float | None) -> int:
         wanted = None if ids is None else set(ids)
         count = 0
+        started = self.wall()
         async with self._lock:
             _, taken = await self._scan(self.scan_limit)
             keep: list[AbstractIncomingMessage] = []
@@ -677,6 +680,9 @@ class ParkedQueue:
                     parked = self._read(message)
                     if wanted is not None and parked.id not in wanted:
                         keep.append(message)
+                        continue
+                    if wanted is None and (parked.parked_at or 0.0) >= started:
+                        keep.append(message)  # parked again while this runs: not twice
                         continue
                     if action is not None:
                         await action(parked, message, ttl)

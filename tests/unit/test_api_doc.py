@@ -36,6 +36,7 @@ ADAPTER_MODULES = (
     "brownout.integrations.grpc_client",
     "brownout.integrations.lifespan",
     "brownout.integrations.redis_streams",
+    "brownout.integrations.aio_pika",
     "brownout.export.prometheus",
     "brownout.export.otel",
     "brownout.export.logging",

@@ -321,7 +321,7 @@ def main(
 ) -> int:
     """``brownout queue``: returns the exit status."""
     p = add_arguments(argparse.ArgumentParser(prog="brownout queue", formatter_class=HelpFormatter))
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     if args.action in ("show", "replay", "purge") and not args.ids and not args.all:
         p.error(f"{args.action} needs message ids" + ("" if args.action == "show" else " or --all"))
     if args.all and args.ids:

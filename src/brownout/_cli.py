@@ -323,6 +323,12 @@ def _lab_entry(argv: list[str]) -> int:
     return lab_main(argv)
 
 
+def _queue_main(argv: list[str]) -> int:
+    from ._queue_cli import main as queue
+
+    return queue(argv)
+
+
 def _top_main(argv: list[str]) -> int:
     try:
         from .export._top import main as top
@@ -337,6 +343,7 @@ USAGE = """usage: brownout [--version] [--help] COMMAND [options]
 commands:
   lab    the overload lab: protected vs unprotected past the breaking point
   top    live view of a service's brownout metrics
+  queue  list, show, replay or purge the messages a durable queue parked
 
 'brownout COMMAND --help' describes a command's options.
 
@@ -354,6 +361,9 @@ def _completion_parser() -> argparse.ArgumentParser:
     commands = p.add_subparsers(dest="command")
     _lab_parser(commands.add_parser("lab", formatter_class=HelpFormatter))
     add_arguments(commands.add_parser("top", formatter_class=HelpFormatter))
+    from ._queue_cli import add_arguments as queue_arguments
+
+    queue_arguments(commands.add_parser("queue", formatter_class=HelpFormatter))
     return p
 
 
@@ -392,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         return _lab_entry(rest)
     if command == "top":
         return _top_main(rest)
+    if command == "queue":
+        return _queue_main(rest)
     print(f"brownout: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return EXIT_USAGE
 

@@ -3,6 +3,7 @@ default shown, and one table of exit statuses for every command."""
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from brownout._cli import (
     _completion_parser,
     main,
 )
+from brownout._queue_cli import _confirm
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENT_IDS = sorted(
@@ -51,7 +53,7 @@ def test_version_prints_the_installed_version() -> None:
     assert r.stdout.strip() == f"brownout {__version__}"
 
 
-@pytest.mark.parametrize("command", [(), ("lab",), ("top",)])
+@pytest.mark.parametrize("command", [(), ("lab",), ("top",), ("queue",)])
 def test_help_is_in_plain_words_with_no_requirement_codes(command: tuple[str, ...]) -> None:
     assert len(REQUIREMENT_IDS) > 40  # the page was read
     r = brownout(*command, "--help")
@@ -108,3 +110,33 @@ def test_the_completion_tree_has_every_command_and_option() -> None:
     assert (top.command, top.window, top.count) == ("top", 5.0, 2)
     args = p.parse_args(["lab", "--quick"])
     assert args.command == "lab" and args.quick
+    queue = p.parse_args(["queue", "list", "--redis", "redis://127.0.0.1/0", "--queue", "q"])
+    assert (queue.command, queue.action, queue.queue) == ("queue", "list", "q")
+
+
+class _Terminal:
+    def __init__(self, answer: str) -> None:
+        self.answer = answer
+
+    def isatty(self) -> bool:
+        return True
+
+    def readline(self) -> str:
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    ("yes", "stdin", "expected"),
+    [
+        (True, None, True),
+        (False, _Terminal("y\n"), True),
+        (False, _Terminal("YES\n"), True),
+        (False, _Terminal("\n"), False),
+        (False, _Terminal("n\n"), False),
+        (False, io.StringIO("y\n"), None),  # not a terminal: nobody to ask
+    ],
+)
+def test_queue_changes_are_confirmed(yes: bool, stdin: object, expected: bool | None) -> None:
+    asked: list[str] = []
+    assert _confirm("Delete?", yes, stdin, asked.append) is expected
+    assert asked == ([] if yes or expected is None else ["Delete? [y/N] "])

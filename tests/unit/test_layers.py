@@ -74,12 +74,12 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "apps",
-        ("_lab", "_cli", "__main__"),
+        ("_lab", "_cli", "_queue_cli", "__main__"),
         "the overload lab and the command line: users of the library",
     ),
 ]
 
-CORE_EXCLUDED = ("integrations", "export", "_lab", "_cli")
+CORE_EXCLUDED = ("integrations", "export", "_lab", "_cli", "_queue_cli")
 """Everything else is the core: standard library imports only."""
 
 INDEPENDENT = ("_admission", "_retry", "_degrade", "_quota", "_overload", "_stats")
@@ -98,6 +98,9 @@ DEFERRED: dict[tuple[str, str], str] = {
     ("_dependency", "_context"): "event fields read only when a sink listens (branch edge)",
     ("_cli", "_lab"): "the lab's modules load only for the subcommand that runs them",
     ("_cli", "export._top"): "`brownout top` loads its exporter only when asked",
+    ("_cli", "_queue_cli"): "`brownout queue` loads its broker adapters only when asked",
+    ("_queue_cli", "integrations.redis_streams"): "the Redis client only for --redis",
+    ("_queue_cli", "integrations.aio_pika"): "the RabbitMQ client only for --amqp",
     ("_lab.demo", "_lab"): "the demo process loads its own pieces after the fork",
     ("_lab.demo", "_admission.loop_lag"): "the demo process starts its probe after the fork",
     ("_lab.demo", "__init__"): "the demo process loads brownout after the fork",

@@ -10,16 +10,16 @@ from brownout.durable import (
     ParkedMessage,
 )
 
-T0 = 1_800_000_000.0
+START = 1_800_000_000.0
 
 
 def test_a_parked_copy_reads_back_with_its_envelope_reason_and_own_headers() -> None:
-    env = Envelope(enqueued_at=T0, valid_until=T0 + 5, attempt=2, idempotency_key="k")
+    env = Envelope(enqueued_at=START, valid_until=START + 5, attempt=2, idempotency_key="k")
     fields = {
         **env.encode(),
         PARK_REASON_FIELD: "expired",
         PARK_DETAIL_FIELD: "1.000 s past its deadline",
-        PARKED_AT_FIELD: repr(T0 + 6),
+        PARKED_AT_FIELD: repr(START + 6),
         "tenant": "acme",
     }
     raw = {k.encode(): v.encode() for k, v in fields.items()}
@@ -28,7 +28,7 @@ def test_a_parked_copy_reads_back_with_its_envelope_reason_and_own_headers() -> 
     assert (parked.reason, parked.detail, parked.parked_at) == (
         "expired",
         "1.000 s past its deadline",
-        T0 + 6,
+        START + 6,
     )
     assert parked.headers == {"tenant": "acme"}
     assert parked.body == b"body" and parked.id == "1-0"

@@ -48,3 +48,31 @@ def test_fences_have_one_word_info_strings() -> None:
         if re.match(r"\s*```\S*\s+\S", line)
     ]
     assert bad == []
+
+
+YAML_BLOCK = re.compile(r"^```ya?ml[^\n]*\n(.*?)^```", re.S | re.M)
+
+
+def test_yaml_examples_parse() -> None:
+    """```yaml blocks (alert rules, KEDA and HPA manifests) are not run, but must be valid YAML."""
+    import yaml
+
+    seen = 0
+    bad = []
+    for page in sorted(DOCS.glob("*.md")):
+        for n, block in enumerate(YAML_BLOCK.findall(page.read_text()), 1):
+            seen += 1
+            try:
+                list(yaml.safe_load_all(block))
+            except yaml.YAMLError as error:
+                bad.append(f"{page.name}, yaml block {n}: {error}")
+    assert seen >= 4, "the observability page's autoscaling examples are gone"
+    assert bad == []
+
+
+def test_a_broken_yaml_example_would_be_caught() -> None:
+    import yaml
+
+    (block,) = YAML_BLOCK.findall("```yaml\ntarget: {type: Value, value: 30\n```\n")
+    with pytest.raises(yaml.YAMLError):
+        list(yaml.safe_load_all(block))

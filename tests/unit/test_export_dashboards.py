@@ -22,6 +22,12 @@ from brownout.events import (
     DeadlineHeaderIgnored,
     DegradedModeChanged,
     LimitChanged,
+    MessageCompleted,
+    MessageParked,
+    MessagePublished,
+    MessageRefused,
+    MessageRetried,
+    MessageStarted,
     OutcomeUnknown,
     OverloadLevelChanged,
     QuotaBackendChanged,
@@ -75,6 +81,14 @@ def fully_populated_stats() -> Stats:
         DegradedModeChanged(at=0.0, source="d", mode="stale", active=True, trigger="t"),
         QuotaBackendChanged(at=0.0, source="quota", fallback=True, detail="down"),
         DeadlineHeaderIgnored(at=0.0, source="edge", header="h", problem="p"),
+        MessagePublished(**kw, valid_for=60.0),
+        MessageRefused(**kw, reason=Reason.BACKLOG_FULL, detail="d"),
+        MessageStarted(**kw, attempt=1, age=2.0, remaining=58.0),
+        MessageCompleted(**kw, attempt=1, latency=0.1, age=2.1),
+        MessageRetried(
+            **kw, attempt=2, delay=1.0, cause="E", budget_exhausted=False, deferred=False
+        ),
+        MessageParked(**kw, reason="too_old", detail="d", attempt=1),
     ):
         s.emit(e)
     s.declare_degraded_mode("stale", 60)
@@ -155,6 +169,14 @@ def test_every_dashboard_metric_is_exported():
         "breaker_state",
         "degraded_mode",
         "goodput_errors:ratio_rate1h",
+        "backlog_oldest_age",
+        "backlog_depth",
+        "messages_started",
+        "messages_completed",
+        "messages_parked",
+        "messages_retried",
+        "messages_refused",
+        "message_age_seconds_bucket",
     ):
         assert needed in text, f"no panel for {needed}"
 
@@ -169,6 +191,11 @@ def test_every_alert_metric_is_exported_and_the_required_alerts_exist():
         "BrownoutFalsePositiveShedding",
         "BrownoutRetryBudgetExhausted",
         "BrownoutDegradedModeOverMaximum",
+        "BrownoutBacklogTooOld",
+        "BrownoutMessagesParkedBroken",
+        "BrownoutMessagesParkedStale",
+        "BrownoutProducersRefused",
+        "BrownoutQueueGoodputLow",
     ):
         assert required in by_name
         assert by_name[required]["annotations"]["summary"]
@@ -177,6 +204,10 @@ def test_every_alert_metric_is_exported_and_the_required_alerts_exist():
         "brownout_requests_shed_false_positive_total"
         in by_name["BrownoutFalsePositiveShedding"]["expr"]
     )
+    # Work that will not succeed by waiting is its own signal, apart from work that ran out of time.
+    assert 'reason=~"failed|malformed"' in by_name["BrownoutMessagesParkedBroken"]["expr"]
+    assert 'reason=~"expired|too_old|attempts"' in by_name["BrownoutMessagesParkedStale"]["expr"]
+    assert "brownout_backlog_oldest_age_seconds" in by_name["BrownoutBacklogTooOld"]["expr"]
 
 
 def test_a_wrong_name_would_be_caught():
@@ -305,6 +336,7 @@ def test_promtool_parses_every_dashboard_query(tmp_path):
         "$job": ".*",
         "$source": ".*",
         "$operation": ".*",
+        "$queue": ".*",
     }
     rules = []
     for i, expr in enumerate(e for e in dashboard_exprs() if not e.startswith("label_values")):

@@ -614,3 +614,50 @@ async def test_message_decisions_become_metrics() -> None:
     assert 'brownout_backlog_depth_messages{source="orders"} 10.0' in text
     assert 'brownout_backlog_oldest_age_seconds{source="orders"} 12.5' in text
     assert 'brownout_message_age_seconds_bucket{le="+Inf",source="orders"} 4.0' in text
+
+
+async def test_a_backlog_monitor_keeps_gauges_fresh_and_drops_stale_ones() -> None:
+    from brownout.durable import BacklogMonitor
+
+    clock = ManualClock()
+    readings = [(3, 1.5)]
+
+    async def measure() -> tuple[int | None, float | None]:
+        if not readings:
+            raise ConnectionError("broker down")
+        return readings.pop(0)
+
+    monitor = BacklogMonitor("orders", measure, period=5.0, clock=clock)
+    assert list(monitor.gauges()) == []  # nothing measured yet
+    assert await monitor.sample() == (3, 1.5)
+    assert list(monitor.gauges()) == [
+        ("backlog_depth", {"source": "orders"}, 3.0),
+        ("backlog_oldest_age", {"source": "orders"}, 1.5),
+    ]
+    assert await monitor.sample() == (None, None)  # the broker is down: logged, counted
+    assert monitor.failures == 1
+    clock.advance(15.0)
+    assert len(list(monitor.gauges())) == 2  # three periods old: still reported
+    clock.advance(0.1)
+    assert list(monitor.gauges()) == []  # older: reported as nothing, not as a stale value
+    with pytest.raises(ValueError):
+        BacklogMonitor("q", measure, period=0)
+
+
+async def test_a_backlog_monitor_runs_until_cancelled() -> None:
+    from brownout.durable import BacklogMonitor
+
+    calls: list[int] = []
+
+    async def measure() -> tuple[int | None, float | None]:
+        calls.append(1)
+        return len(calls), None
+
+    monitor = BacklogMonitor("q", measure, period=0.01)
+    task = asyncio.create_task(monitor.run())
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(calls) >= 3
+    assert next(iter(monitor.gauges()))[0] == "backlog_depth"

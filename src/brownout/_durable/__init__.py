@@ -1,6 +1,7 @@
 """Durable queues: the envelope, the decisions and the broker-independent producer and
 consumer halves (standard library only; the broker adapters live in `integrations`)."""
 
+from .backlog import BacklogMonitor
 from .envelope import ENVELOPE_FIELDS, Envelope, EnvelopeError, HistoryEntry
 from .parked import (
     PARK_DETAIL_FIELD,
@@ -26,6 +27,7 @@ __all__ = [
     "PARK_DETAIL_FIELD",
     "PARK_REASON_FIELD",
     "BacklogBound",
+    "BacklogMonitor",
     "Delivery",
     "Envelope",
     "EnvelopeError",

@@ -257,3 +257,17 @@ async def test_the_docs_example_runs_against_rabbitmq(queue: str) -> None:
     assert len(lines) == 1, out.decode()
     assert lines[0].startswith("invoice b'invoice-7' attempt 1 seconds left "), lines
     assert 20 <= int(lines[0].rsplit(" ", 1)[1]) <= 30, lines  # the request's 30 s, not 300
+
+
+async def test_the_in_memory_test_broker_gets_a_clear_error(queue: str) -> None:
+    # TestRabbitBroker has no connection to store copies in: say so instead of an AttributeError
+    broker = RabbitBroker(url(), logger=None)
+    broker.add_middleware(BrownoutMiddleware(broker, queues=[queue]))
+
+    @broker.subscriber(RabbitQueue(queue, durable=True))
+    async def handle(body: bytes) -> None:
+        raise AssertionError("must not run without a broker to park in")
+
+    with pytest.raises(RuntimeError, match="TestRabbitBroker has no connection"):
+        async with faststream_rabbit.TestRabbitBroker(broker) as test_broker:
+            await test_broker.publish(b"x", queue=queue)

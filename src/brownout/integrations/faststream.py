@@ -127,6 +127,12 @@ class BrownoutMiddleware:
                 channel = self._channel
                 if channel is None or channel.is_closed:
                     connection = await self.broker.connect()
+                    if not hasattr(connection, "channel"):
+                        raise RuntimeError(
+                            "BrownoutMiddleware needs a RabbitBroker connected to RabbitMQ, "
+                            "where it stores retry and parked copies; FastStream's "
+                            "TestRabbitBroker has no connection: test against a real broker"
+                        )
                     channel = await connection.channel()  # confirms: aio-pika's default
                     self._channel = channel
                     self._runners.clear()  # their brokers hold the closed channel

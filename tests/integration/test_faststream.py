@@ -271,3 +271,31 @@ async def test_the_in_memory_test_broker_gets_a_clear_error(queue: str) -> None:
     with pytest.raises(RuntimeError, match="TestRabbitBroker has no connection"):
         async with faststream_rabbit.TestRabbitBroker(broker) as test_broker:
             await test_broker.publish(b"x", queue=queue)
+
+
+async def test_a_delivery_lost_mid_handler_comes_back_as_the_next_attempt(queue: str) -> None:
+    # the subscriber's channel dies while the handler runs: RabbitMQ redelivers the message
+    # (classic queue: flagged redelivered), which counts as an attempt, same key
+    events, seen = recorder()
+    broker = RabbitBroker(url(), logger=None)
+    broker.add_middleware(BrownoutMiddleware(broker, queues=[queue], events=events))
+    runs: list[tuple[int, str | None]] = []
+
+    @broker.subscriber(RabbitQueue(queue, durable=True))
+    async def handle(body: bytes, message: RabbitMessage) -> None:
+        ctx = current()
+        assert ctx is not None
+        runs.append((ctx.attempt, ctx.idempotency_key))
+        if len(runs) == 1:
+            await message.raw_message.channel.close()  # as if the consumer died here
+            raise asyncio.CancelledError
+
+    async with broker:
+        await broker.start()
+        await broker.publish(b"job", queue=queue)
+        await until(lambda: any(isinstance(e, MessageCompleted) for e in seen), 30)
+
+    assert [a for a, _ in runs] == [1, 2]
+    assert runs[0][1] == runs[1][1]
+    retried = [e for e in seen if isinstance(e, MessageRetried)]
+    assert [e.cause for e in retried] == ["redelivered"]

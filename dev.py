@@ -86,8 +86,8 @@ def cmd_test(extra: list[str]) -> int:
 def ensure_redis() -> None:
     """Start a throwaway Redis on 127.0.0.1:6379 when none answers and redis-server exists.
 
-    The quota tests need a real Redis; they skip loudly (with the reason) only when no
-    redis-server binary exists at all.
+    The Redis tests need a real one; without it they fail, saying how to start it
+    (tests/services.py).
     """
     import socket
 
@@ -98,7 +98,7 @@ def ensure_redis() -> None:
         pass
     server = shutil.which("redis-server")
     if server is None:
-        print("dev.py: no redis-server on PATH; Redis tests will be skipped", flush=True)
+        print("dev.py: no redis-server on PATH; the Redis tests will fail", flush=True)
         return
     subprocess.run(
         [server, "--daemonize", "yes", "--port", "6379", "--save", "", "--appendonly", "no"],

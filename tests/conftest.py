@@ -15,9 +15,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("BROWNOUT_TESTING", "1")
 
+from tests import services  # noqa: E402  (importable once ROOT is on the path)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # The kit's fixtures come from the ``pytest11`` entry point once brownout is installed
     # with it; a checkout run from source (PYTHONPATH=src) loads the plugin here.
     if not config.pluginmanager.has_plugin("brownout"):
         config.pluginmanager.import_plugin(PLUGIN)
+
+
+# -- real servers: a test that needs one asks for its fixture (see tests/services.py) --------
+@pytest.fixture(scope="session")
+def redis_server() -> services.Service:
+    """The Redis the tests use (``BROWNOUT_TEST_REDIS``); fails the test when it is down."""
+    return services.require(services.REDIS)
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_server() -> services.Service:
+    """The RabbitMQ the tests use (``BROWNOUT_TEST_RABBITMQ``); fails the test when down."""
+    return services.require(services.RABBITMQ)

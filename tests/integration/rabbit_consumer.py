@@ -18,7 +18,7 @@ from brownout.durable import Message, MessagePolicy
 from brownout.integrations.aio_pika import Consumer
 from brownout.limits import FixedLimit
 
-URL = "amqp://guest:guest@127.0.0.1:5672/"
+URL = f"amqp://guest:guest@{os.environ.get('BROWNOUT_TEST_RABBITMQ', '127.0.0.1:5672')}/"
 
 
 async def main(queue: str, log: str) -> None:

@@ -7,6 +7,7 @@ Usage: python streams_worker.py STREAM GROUP NAME DONE_KEY ATTEMPTS_KEY
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 import redis.asyncio as redis_asyncio
@@ -16,7 +17,8 @@ from brownout.integrations.redis_streams import Consumer
 
 
 async def main(stream: str, group: str, name: str, done_key: str, attempts_key: str) -> None:
-    client = redis_asyncio.Redis(host="127.0.0.1", port=6379)
+    host, _, port = os.environ.get("BROWNOUT_TEST_REDIS", "127.0.0.1:6379").rpartition(":")
+    client = redis_asyncio.Redis(host=host, port=int(port))
 
     async def handle(message: Message) -> None:
         number = message.headers["n"]

@@ -1,4 +1,4 @@
-"""Durable queues on a real RabbitMQ (127.0.0.1:5672, guest/guest) through
+"""Durable queues on a real RabbitMQ (127.0.0.1:5672 or ``BROWNOUT_TEST_RABBITMQ``) through
 `brownout.integrations.aio_pika`: every message published is completed, parked (by reason) or
 still queued; a consumer killed mid-handler loses nothing; the producer is refused over its
 bound; malformed messages are parked and the consumer keeps going.
@@ -13,7 +13,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import sys
 import time
 from collections import Counter
@@ -23,6 +22,8 @@ from pathlib import Path
 import pytest
 
 aio_pika = pytest.importorskip("aio_pika")
+
+from tests import services  # noqa: E402
 
 from brownout import Bulkhead, Priority, Reason, Rejected  # noqa: E402
 from brownout.durable import BacklogBound, Message, MessagePolicy, ParkReason  # noqa: E402
@@ -38,28 +39,11 @@ from brownout.integrations.aio_pika import (  # noqa: E402
 from brownout.limits import FixedLimit  # noqa: E402
 from brownout.testing import ManualClock  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("rabbitmq_server")]
 
-URL = "amqp://guest:guest@127.0.0.1:5672/"
+URL = f"amqp://guest:guest@{services.RABBITMQ.address}/"
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
-
-
-def _rabbit_up() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
-            return True
-    except OSError:
-        return False
-
-
-if not _rabbit_up():
-    pytest.skip(
-        "SKIPPED LOUDLY: no RabbitMQ at 127.0.0.1:5672, the RabbitMQ adapter is untested; "
-        "start it with `rabbitmq-server -detached` (or `docker run -d -p 5672:5672 "
-        "rabbitmq:3`), user guest/guest",
-        allow_module_level=True,
-    )
 
 
 def fast_policy(**kw: object) -> MessagePolicy:
@@ -437,7 +421,11 @@ def rabbit_doc_blocks() -> str:
 
 
 async def test_the_docs_examples_run_against_rabbitmq(queue: str) -> None:
-    script = rabbit_doc_blocks().replace('"emails"', repr(queue))
+    script = (
+        rabbit_doc_blocks()
+        .replace('"emails"', repr(queue))
+        .replace("amqp://guest:guest@127.0.0.1:5672/", URL)
+    )
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable,

@@ -1,5 +1,5 @@
-"""Durable queues on a real Redis Streams (127.0.0.1:6379): nothing lost, bounded producers,
-parking you can work with, and Redis failures that never hang (issue 26).
+"""Durable queues on a real Redis Streams (``BROWNOUT_TEST_REDIS``, 127.0.0.1:6379): nothing
+lost, bounded producers, parking you can work with, and Redis failures that never hang (issue 26).
 
 Each test uses its own stream (a unique name) and deletes its keys at teardown.
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests import services
 
 from brownout import Bulkhead, ExponentialBackoff, Priority, Reason, Rejected, UnknownOutcome
 from brownout.durable import BacklogBound, Message, MessagePolicy
@@ -43,16 +44,8 @@ FAST = ExponentialBackoff(0.02, cap=0.05)
 
 
 @pytest.fixture
-async def redis() -> AsyncIterator[Any]:
-    client = redis_asyncio.Redis(host="127.0.0.1", port=6379, socket_timeout=5)
-    try:
-        await client.ping()
-    except Exception as e:  # pragma: no cover - environment
-        await client.aclose()
-        pytest.fail(
-            f"no Redis at 127.0.0.1:6379 ({e}): start one with "
-            "`redis-server --port 6379 --daemonize yes` (7.0 or newer)"
-        )
+async def redis(redis_server: services.Service) -> AsyncIterator[Any]:
+    client = redis_asyncio.Redis(host=redis_server.host, port=redis_server.port, socket_timeout=5)
     yield client
     await client.aclose()
 

@@ -42,7 +42,6 @@ import contextlib
 import math
 import random
 import re
-import socket
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -56,6 +55,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as StarletteRoute
+from tests import services
 from tests.integration.servers import client_limits, serve, serve_aiohttp
 from tests.integration.test_edge_accounting import Recorder
 from tests.limits import SpyLimit
@@ -445,15 +445,6 @@ def stats_reasons(stats: Stats, op: str, caller: str) -> dict[str, int]:
     return out
 
 
-def redis_answers(port: int = 6379) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(7).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
 @contextlib.asynccontextmanager
 async def stores(kind: str) -> AsyncIterator[Callable[[str], Any]]:
     """A factory of one store per quota name: in memory, or Redis under a unique prefix (its
@@ -464,9 +455,8 @@ async def stores(kind: str) -> AsyncIterator[Callable[[str], Any]]:
     redis_asyncio = pytest.importorskip("redis.asyncio")
     from brownout import RedisQuotaStore
 
-    if not redis_answers():
-        pytest.skip("no Redis on 127.0.0.1:6379")
-    client = redis_asyncio.Redis(host="127.0.0.1", port=6379, retry=None)
+    server = services.require(services.REDIS)
+    client = redis_asyncio.Redis(host=server.host, port=server.port, retry=None)
     prefix = f"bq-s9qd:{uuid.uuid4().hex[:12]}:"
     try:
         yield lambda name: RedisQuotaStore(client, prefix=f"{prefix}{name}:", timeout=1.0)

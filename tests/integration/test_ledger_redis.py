@@ -1,6 +1,7 @@
 """Unknown outcomes on a real Redis and a real HTTP server over loopback (D6, T3).
 
-Uses the shared Redis at 127.0.0.1:6379 with a unique key prefix per test (cleaned up).
+Uses the shared Redis (127.0.0.1:6379, or ``BROWNOUT_TEST_REDIS``) with a unique key prefix
+per test (cleaned up).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from tests import services
 
 from brownout import (
     Dependency,
@@ -36,13 +38,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-async def redis_client() -> AsyncIterator[tuple[object, str]]:
-    client = redis_asyncio.Redis(host="127.0.0.1", port=6379)
-    try:
-        await client.ping()
-    except Exception:  # pragma: no cover - environment
-        await client.aclose()
-        pytest.skip("SKIPPED LOUDLY: no Redis at 127.0.0.1:6379; the Redis ledger is untested")
+async def redis_client(redis_server: services.Service) -> AsyncIterator[tuple[object, str]]:
+    client = redis_asyncio.Redis(host=redis_server.host, port=redis_server.port)
     prefix = f"test-ledger-{uuid.uuid4().hex}"
     yield client, prefix
     keys = [k async for k in client.scan_iter(match=f"{prefix}:*")]

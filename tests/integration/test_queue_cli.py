@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests import services
 
 from brownout.durable import Message
 
@@ -62,14 +63,8 @@ async def redis_parked() -> AsyncIterator[tuple[list[str], Callable[[], Awaitabl
     redis_asyncio = pytest.importorskip("redis.asyncio")
     from brownout.integrations.redis_streams import Consumer, ParkedStream, Producer, stream_keys
 
-    client = redis_asyncio.Redis(host="127.0.0.1", port=6379, socket_timeout=5)
-    try:
-        await client.ping()
-    except Exception as e:  # pragma: no cover - environment
-        await client.aclose()
-        pytest.fail(
-            f"no Redis at 127.0.0.1:6379 ({e}): start it with `redis-server --daemonize yes`"
-        )
+    server = services.require(services.REDIS)
+    client = redis_asyncio.Redis(host=server.host, port=server.port, socket_timeout=5)
     name = f"test-cli-{uuid.uuid4().hex[:10]}"
     try:
         producer = Producer(client, name)
@@ -85,7 +80,7 @@ async def redis_parked() -> AsyncIterator[tuple[list[str], Callable[[], Awaitabl
         async def in_stream() -> int:
             return int(await client.xlen(stream_keys(name).stream))
 
-        yield ["--redis", "redis://127.0.0.1:6379/0", "--queue", name], in_stream
+        yield ["--redis", f"redis://{server.address}/0", "--queue", name], in_stream
     finally:
         keys = stream_keys(name)
         await client.delete(keys.stream, keys.retry, keys.parked)
@@ -97,14 +92,8 @@ async def rabbit_parked() -> AsyncIterator[tuple[list[str], Callable[[], Awaitab
     aio_pika = pytest.importorskip("aio_pika")
     from brownout.integrations.aio_pika import Consumer, ParkedQueue, Producer, declare
 
-    url = "amqp://guest:guest@127.0.0.1:5672/"
-    try:
-        connection = await aio_pika.connect(url, timeout=5)
-    except Exception as e:  # pragma: no cover - environment
-        pytest.fail(
-            f"no RabbitMQ at 127.0.0.1:5672 ({e}): start it with `rabbitmq-server -detached` "
-            "(user guest/guest)"
-        )
+    url = f"amqp://guest:guest@{services.require(services.RABBITMQ).address}/"
+    connection = await aio_pika.connect(url, timeout=5)
     name = f"test-cli-{uuid.uuid4().hex[:10]}"
     try:
         channel = await connection.channel(publisher_confirms=True)

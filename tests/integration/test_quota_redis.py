@@ -7,8 +7,9 @@
   timeout (fail-open: local share; fail-closed: 503 reason) without hanging or hammering;
   a restarted Redis is picked up again automatically.
 
-The shared server is 127.0.0.1:6379 (started here if down). Tests that kill or slow a server
-use their own throwaway redis-server on a free port; every test uses a unique key prefix.
+The shared server is 127.0.0.1:6379 (``BROWNOUT_TEST_REDIS``; the tests that need it fail
+when it does not answer). Tests that kill or slow a server use their own throwaway
+redis-server (the binary on PATH) on a free port; every test uses a unique key prefix.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from tests import services
 
 import brownout
 from brownout import Quota, Reason, RedisQuotaStore
@@ -37,13 +39,7 @@ redis_asyncio = pytest.importorskip("redis.asyncio")
 pytestmark = pytest.mark.integration
 
 REDIS_SERVER = shutil.which("redis-server")
-if REDIS_SERVER is None:
-    pytest.skip(
-        "SKIPPED LOUDLY: no redis-server binary on PATH; the Redis quota store is untested here",
-        allow_module_level=True,
-    )
-
-SHARED_PORT = 6379
+SHARED_HOST, SHARED_PORT = services.REDIS.host, services.REDIS.port
 NO_PERSISTENCE = ("--save", "", "--appendonly", "no")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,14 +68,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def shared_redis() -> None:
-    """The shared Redis on 6379: started (daemonized, no persistence) when it is down."""
-    if not _answers(SHARED_PORT):
-        subprocess.run(
-            [REDIS_SERVER, "--daemonize", "yes", "--port", str(SHARED_PORT), *NO_PERSISTENCE],
-            check=True,
-        )
-        _wait_until_answers(SHARED_PORT)
+def shared_redis(redis_server: services.Service) -> None:
+    """The shared Redis: the tests fail with how to start it when it does not answer."""
 
 
 class ThrowawayRedis:
@@ -90,7 +80,12 @@ class ThrowawayRedis:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        assert REDIS_SERVER is not None
+        if REDIS_SERVER is None:
+            pytest.fail(
+                "no redis-server binary on PATH: this test starts and kills a Redis of its "
+                "own. Install it: apt-get install redis-server",
+                pytrace=False,
+            )
         self.proc = subprocess.Popen(
             [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", *NO_PERSISTENCE],
             stdout=subprocess.DEVNULL,
@@ -122,7 +117,7 @@ def prefix() -> str:
 
 @pytest.fixture
 async def client() -> AsyncIterator[object]:
-    c = redis_asyncio.Redis(host="127.0.0.1", port=SHARED_PORT)
+    c = redis_asyncio.Redis(host=SHARED_HOST, port=SHARED_PORT)
     try:
         yield c
     finally:
@@ -227,8 +222,8 @@ import redis.asyncio as redis
 from brownout import Quota, RedisQuotaStore
 from brownout.events import EventHub
 
-async def main(port, prefix, rate, burst, offered, seconds):
-    client = redis.Redis(host="127.0.0.1", port=port)
+async def main(port, prefix, rate, burst, offered, seconds, host):
+    client = redis.Redis(host=host, port=port)
     quota = Quota(rate, burst, store=RedisQuotaStore(client, prefix=prefix, timeout=0.5),
                   events=EventHub())
     await client.rpush(prefix + "ready", 1)
@@ -251,7 +246,7 @@ async def main(port, prefix, rate, burst, offered, seconds):
     print(admitted, sent, failed)
 
 asyncio.run(main(int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4]),
-                 float(sys.argv[5]), float(sys.argv[6])))
+                 float(sys.argv[5]), float(sys.argv[6]), sys.argv[7]))
 """
 
 
@@ -272,6 +267,7 @@ async def test_several_processes_share_one_quota_within_5_percent(
             str(burst),
             str(rate * 2),
             str(seconds),
+            SHARED_HOST,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=env,

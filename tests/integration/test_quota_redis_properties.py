@@ -32,16 +32,14 @@ import asyncio
 import itertools
 import math
 import random
-import shutil
 import socket
-import subprocess
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests import services
 
 import brownout
 from brownout import InMemoryQuotaStore, Quota, Reason, RedisQuotaStore
@@ -53,15 +51,7 @@ redis_asyncio = pytest.importorskip("redis.asyncio")
 
 pytestmark = pytest.mark.integration
 
-REDIS_SERVER = shutil.which("redis-server")
-if REDIS_SERVER is None:
-    pytest.skip(
-        "SKIPPED LOUDLY: no redis-server binary on PATH; the Redis quota store is untested here",
-        allow_module_level=True,
-    )
-
-PORT = 6379
-NO_PERSISTENCE = ("--save", "", "--appendonly", "no")
+HOST, PORT = services.REDIS.host, services.REDIS.port
 DEAD_PORT = 1  # nothing listens on tcpmux: connection refused at once
 RUN = f"bq-prop:{uuid.uuid4().hex[:12]}:"
 _examples = itertools.count()
@@ -72,32 +62,14 @@ SETTINGS = settings(
 )
 
 
-def _answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module", autouse=True)
-def shared_redis() -> Iterator[None]:
-    """The shared Redis on 6379 (started when down); this run's keys are deleted after."""
-    if not _answers(PORT):
-        assert REDIS_SERVER is not None
-        subprocess.run(
-            [REDIS_SERVER, "--daemonize", "yes", "--port", str(PORT), *NO_PERSISTENCE],
-            check=True,
-        )
-        stop = time.monotonic() + 5
-        while not _answers(PORT):
-            assert time.monotonic() < stop, "redis-server did not come up"
-            time.sleep(0.02)
+def shared_redis(redis_server: services.Service) -> Iterator[None]:
+    """The shared Redis (the tests fail when it does not answer); this run's keys are deleted
+    after."""
     yield
 
     async def clean() -> int:
-        c = redis_asyncio.Redis(host="127.0.0.1", port=PORT)
+        c = redis_asyncio.Redis(host=HOST, port=PORT)
         try:
             keys = [k async for k in c.scan_iter(match=RUN + "*", count=1000)]
             if keys:
@@ -115,7 +87,7 @@ def fresh_prefix() -> str:
 
 
 def live_client() -> object:
-    return redis_asyncio.Redis(host="127.0.0.1", port=PORT, retry=None)
+    return redis_asyncio.Redis(host=HOST, port=PORT, retry=None)
 
 
 class ListSink:
@@ -440,7 +412,7 @@ class Gate:
             self._server = None
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", PORT)
+        up_reader, up_writer = await asyncio.open_connection(HOST, PORT)
         self._writers |= {writer, up_writer}
 
         async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:

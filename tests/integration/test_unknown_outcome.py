@@ -22,6 +22,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from tests import services
 from tests.integration.servers import serve
 
 from brownout import (
@@ -100,12 +101,8 @@ async def ledger(request: pytest.FixtureRequest) -> AsyncIterator[OutcomeLedger]
     redis_asyncio = pytest.importorskip("redis.asyncio")
     from brownout._retry.ledger_redis import RedisOutcomeLedger
 
-    client = redis_asyncio.Redis(host="127.0.0.1", port=6379)
-    try:
-        await client.ping()
-    except Exception:  # pragma: no cover - environment
-        await client.aclose()
-        pytest.skip("SKIPPED LOUDLY: no Redis at 127.0.0.1:6379; the Redis ledger is untested")
+    server = services.require(services.REDIS)
+    client = redis_asyncio.Redis(host=server.host, port=server.port)
     prefix = f"test-unknown-{uuid.uuid4().hex}"
     try:
         yield RedisOutcomeLedger(client, prefix=prefix, ttl=60)

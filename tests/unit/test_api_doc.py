@@ -37,6 +37,7 @@ ADAPTER_MODULES = (
     "brownout.integrations.lifespan",
     "brownout.integrations.redis_streams",
     "brownout.integrations.aio_pika",
+    "brownout.integrations.faststream",
     "brownout.export.prometheus",
     "brownout.export.otel",
     "brownout.export.logging",

@@ -71,6 +71,7 @@ _BLOCK = "import sys\nfor name in {blocked!r}: sys.modules[name] = None  # as if
         ("brownout.integrations.httpx", "httpx", "httpx"),
         ("brownout.integrations.redis_streams", "redis", "redis"),
         ("brownout.integrations.aio_pika", "aio_pika", "rabbitmq"),
+        ("brownout.integrations.faststream", "faststream", "faststream"),
         ("brownout.export.otel", "opentelemetry", "otel"),
         ("brownout.export.prometheus", "prometheus_client", "prometheus"),
         ("brownout.export._top", "rich", "top"),

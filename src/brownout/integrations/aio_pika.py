@@ -55,13 +55,7 @@ from typing import Any
 
 try:
     import aio_pika
-    import aiormq
-    from aio_pika.abc import (
-        AbstractChannel,
-        AbstractIncomingMessage,
-        AbstractQueue,
-        DeliveryMode,
-    )
+    from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 except ModuleNotFoundError as _error:  # pragma: no cover - depends on the environment
     from .._extras import missing_extra
 
@@ -70,23 +64,27 @@ except ModuleNotFoundError as _error:  # pragma: no cover - depends on the envir
 from .._admission import Bulkhead
 from .._clock import Clock
 from .._durable import (
-    ENVELOPE_FIELDS,
-    PARK_DETAIL_FIELD,
-    PARK_REASON_FIELD,
-    PARKED_AT_FIELD,
-    PARKED_FIELDS,
     BacklogBound,
     Envelope,
-    EnvelopeError,
     MessageHandler,
     MessagePolicy,
     MessageRunner,
     ParkedMessage,
     Publisher,
 )
-from .._errors import BrownoutError
 from .._priority import Priority
-from ..events import EventHub, MessageRetried, hub
+from ..events import EventHub, hub
+from ._amqp import BROKER_HEADERS as _BROKER_HEADERS
+from ._amqp import PARK_ID_FIELD, RETRY_DELAYS, NotConfirmed, parked_queue, retry_queue
+from ._amqp import AmqpBroker as _Broker
+from ._amqp import AmqpDelivery as _Delivery
+from ._amqp import check_confirms as _check_confirms
+from ._amqp import copy_message as _copy
+from ._amqp import declare_side_queues as _declare_side_queues
+from ._amqp import headers_of as _headers
+from ._amqp import publish_confirmed as _publish
+from ._amqp import restamp_redelivery as _restamp
+from ._amqp import user_headers as _user_headers
 
 __all__ = [
     "PARK_ID_FIELD",
@@ -100,48 +98,6 @@ __all__ = [
     "retry_queue",
 ]
 
-RETRY_DELAYS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
-"""The retry queues' delays (seconds): a retry waits for the smallest one at least as long as
-the policy's delay (the largest when longer)."""
-PARK_ID_FIELD = "brownout-park-id"
-"""The parked copy's id in ``<queue>.parked`` (RabbitMQ messages have no id of their own)."""
-
-# broker-set headers a copy must not carry back (RabbitMQ adds them on dead-lettering)
-_BROKER_HEADERS = frozenset(
-    {
-        "x-death",
-        "x-delivery-count",
-        "x-first-death-exchange",
-        "x-first-death-queue",
-        "x-first-death-reason",
-        "x-last-death-exchange",
-        "x-last-death-queue",
-        "x-last-death-reason",
-    }
-)
-_OWN_HEADERS = frozenset(ENVELOPE_FIELDS) | frozenset(PARKED_FIELDS) | {PARK_ID_FIELD}
-
-
-class NotConfirmed(BrownoutError, RuntimeError):
-    """RabbitMQ did not confirm a publish (nack, unroutable, or the channel closed): the
-    message may not be stored."""
-
-    def __init__(self, queue: str, detail: str) -> None:
-        super().__init__(f"RabbitMQ did not confirm a message to {queue!r}: {detail}")
-        self.queue = queue
-        self.detail = detail
-
-
-def retry_queue(queue: str, delay: float) -> tuple[str, float]:
-    """The retry queue for ``delay`` seconds and its bucket's delay."""
-    bucket = next((d for d in RETRY_DELAYS if d >= delay), RETRY_DELAYS[-1])
-    return f"{queue}.retry.{round(bucket * 1000)}", bucket
-
-
-def parked_queue(queue: str) -> str:
-    """The name of ``queue``'s parked queue."""
-    return f"{queue}.parked"
-
 
 async def declare(channel: AbstractChannel, queue: str, *, quorum: bool = False) -> None:
     """Declare ``queue``, its retry queues and ``<queue>.parked``, durable; idempotent.
@@ -152,76 +108,7 @@ async def declare(channel: AbstractChannel, queue: str, *, quorum: bool = False)
     """
     main_args: dict[str, Any] = {"x-queue-type": "quorum"} if quorum else {}
     await channel.declare_queue(queue, durable=True, arguments=main_args)
-    for delay in RETRY_DELAYS:
-        name, bucket = retry_queue(queue, delay)
-        await channel.declare_queue(
-            name,
-            durable=True,
-            arguments={
-                "x-message-ttl": round(bucket * 1000),
-                "x-dead-letter-exchange": "",
-                "x-dead-letter-routing-key": queue,
-            },
-        )
-    await channel.declare_queue(parked_queue(queue), durable=True)
-
-
-def _headers(raw: Mapping[str, Any] | None) -> dict[str, Any]:
-    return dict(raw) if raw else {}
-
-
-def _user_headers(raw: Mapping[str, Any] | None) -> dict[str, Any]:
-    return {
-        k: v for k, v in _headers(raw).items() if k not in _OWN_HEADERS and k not in _BROKER_HEADERS
-    }
-
-
-def _field(value: Any) -> Any:
-    """A header value as the AMQP encoder takes it (it refuses the ``bytes`` it decodes)."""
-    if isinstance(value, bytes):
-        return bytearray(value)
-    if isinstance(value, dict):
-        return {str(k): _field(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_field(v) for v in value]
-    return value
-
-
-def _copy(body: bytes, headers: dict[str, Any], like: Any = None) -> aio_pika.Message:
-    return aio_pika.Message(
-        body,
-        headers={k: _field(v) for k, v in headers.items()},
-        delivery_mode=DeliveryMode.PERSISTENT,
-        content_type=getattr(like, "content_type", None),
-        content_encoding=getattr(like, "content_encoding", None),
-        correlation_id=getattr(like, "correlation_id", None),
-        message_id=getattr(like, "message_id", None),
-        type=getattr(like, "type", None),
-        app_id=getattr(like, "app_id", None),
-    )
-
-
-async def _publish(
-    channel: AbstractChannel, queue: str, message: aio_pika.Message, wait: float | None
-) -> None:
-    """Publish to ``queue`` through the default exchange; return once confirmed."""
-    try:
-        result = await channel.default_exchange.publish(
-            message, routing_key=queue, mandatory=True, timeout=wait
-        )
-    except aiormq.exceptions.DeliveryError as error:
-        raise NotConfirmed(queue, f"nacked: {error}") from error
-    except (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError) as error:
-        raise NotConfirmed(queue, f"{type(error).__name__}: {error}") from error
-    except TimeoutError as error:
-        raise NotConfirmed(queue, f"no confirm within {wait} s") from error
-    if not isinstance(result, aiormq.spec.Basic.Ack):
-        raise NotConfirmed(queue, "unroutable (does the queue exist? see declare())")
-
-
-def _check_confirms(channel: AbstractChannel) -> None:
-    if getattr(channel, "publisher_confirms", True) is False:
-        raise ValueError("the channel needs publisher confirms: channel(publisher_confirms=True)")
+    await _declare_side_queues(channel, queue)
 
 
 class Producer:
@@ -294,69 +181,6 @@ class Producer:
 
     def __repr__(self) -> str:
         return f"Producer(queue={self.queue!r}, bound={self.publisher.bound!r})"
-
-
-class _Delivery:
-    """An aio-pika delivery as the core's `brownout.durable.Delivery`."""
-
-    __slots__ = ("headers", "message", "redeliveries")
-
-    def __init__(self, message: AbstractIncomingMessage) -> None:
-        self.message = message
-        self.headers: Mapping[str, Any] = _headers(message.headers)
-        count = self.headers.get("x-delivery-count")
-        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
-            self.redeliveries = count
-        else:  # a classic queue: see Consumer._restamp
-            self.redeliveries = 1 if message.redelivered else 0
-
-    @property
-    def body(self) -> bytes:
-        return self.message.body
-
-
-class _Broker:
-    """The core's `brownout.durable.MessageBroker` on one channel with confirms."""
-
-    def __init__(
-        self,
-        channel: AbstractChannel,
-        queue: str,
-        timeout: float | None,
-        wall: Callable[[], float],
-    ) -> None:
-        self.channel = channel
-        self.queue = queue
-        self.timeout = timeout
-        self.wall = wall
-
-    async def ack(self, delivery: _Delivery) -> None:
-        await delivery.message.ack()
-
-    async def retry_later(self, delivery: _Delivery, envelope: Envelope, delay: float) -> None:
-        name, _ = retry_queue(self.queue, delay)
-        headers = {**_user_headers(delivery.headers), **envelope.encode()}
-        await _publish(
-            self.channel, name, _copy(delivery.body, headers, delivery.message), self.timeout
-        )
-
-    async def park(
-        self, delivery: _Delivery, envelope: Envelope | None, reason: str, detail: str
-    ) -> None:
-        if envelope is not None:
-            headers = {**_user_headers(delivery.headers), **envelope.encode()}
-        else:  # unreadable: keep what came, for whoever inspects it
-            headers = {
-                k: v
-                for k, v in delivery.headers.items()
-                if k not in PARKED_FIELDS and k not in _BROKER_HEADERS
-            }
-        headers[PARK_REASON_FIELD] = reason
-        headers[PARK_DETAIL_FIELD] = detail[:1000]
-        headers[PARKED_AT_FIELD] = repr(self.wall())
-        headers[PARK_ID_FIELD] = secrets.token_hex(8)
-        message = _copy(delivery.body, headers, delivery.message)
-        await _publish(self.channel, parked_queue(self.queue), message, self.timeout)
 
 
 class Consumer:
@@ -521,37 +345,7 @@ class Consumer:
             self._following = None
 
     async def _restamp(self, delivery: _Delivery) -> bool:
-        """Count a classic queue's redelivery in the envelope: re-enqueue the message as its
-        next attempt instead of running it. Its ``redelivered`` flag says "at least once
-        before", never how often, so without this a message that kills every consumer
-        would come back as the same attempt forever. False when there is nothing to count."""
-        if "x-delivery-count" in delivery.headers or not delivery.message.redelivered:
-            return False
-        try:
-            envelope = Envelope.decode(delivery.headers)
-        except EnvelopeError:
-            return False  # the runner parks it (or runs it, ``on_malformed="run"``)
-        runner = self.runner
-        now = runner.wall()
-        following = envelope.next_attempt(now, "redelivered", "its consumer stopped before the ack")
-        await runner.broker.retry_later(delivery, following, 0.0)
-        await delivery.message.ack()
-        if runner.events.enabled:
-            runner.events.emit(
-                MessageRetried(
-                    runner.clock.now(),
-                    self.queue,
-                    envelope.operation,
-                    envelope.priority,
-                    envelope.caller,
-                    attempt=following.attempt,
-                    delay=0.0,
-                    cause="redelivered",
-                    budget_exhausted=False,
-                    deferred=False,
-                )
-            )
-        return True
+        return await _restamp(self.runner, self.queue, delivery)
 
     async def _process(self, message: AbstractIncomingMessage) -> None:
         try:

@@ -51,6 +51,7 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 try:
@@ -164,6 +165,9 @@ async def declare(channel: AbstractChannel, queue: str, *, quorum: bool = False)
             },
         )
     await channel.declare_queue(parked_queue(queue), durable=True)
+
+
+_NO_HEADERS: Mapping[str, Any] = MappingProxyType({})
 
 
 def _headers(raw: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -303,7 +307,7 @@ class _Delivery:
 
     def __init__(self, message: AbstractIncomingMessage) -> None:
         self.message = message
-        self.headers: Mapping[str, Any] = _headers(message.headers)
+        self.headers: Mapping[str, Any] = message.headers or _NO_HEADERS  # read, never written
         count = self.headers.get("x-delivery-count")
         if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
             self.redeliveries = count
@@ -313,6 +317,112 @@ class _Delivery:
     @property
     def body(self) -> bytes:
         return self.message.body
+
+
+_RUNNING, _QUEUED, _SETTLED = 0, 1, 2
+_MAX_HELD = 4096  # settled tags kept above a stuck floor; beyond, acks go one by one
+
+
+class _Acks:
+    """A consumer channel's acknowledgements, sent together: the acks of one loop turn that
+    continue an unbroken run of settled delivery tags go as one ``basic.ack`` with
+    ``multiple=True``; the others one by one.
+
+    ``multiple=True`` acknowledges every unacknowledged tag up to its own on the channel, so
+    it is sent only up to a tag when every earlier tag (from 1, the channel's first) was
+    delivered to this consumer and is settled or in the same batch; a tag this consumer never
+    saw (a ``basic.get`` on the channel) breaks the run for good, and its acks then go one by
+    one. A reopened channel (robust reconnect) numbers from 1 again: the run restarts.
+    """
+
+    __slots__ = ("channel", "floor", "flushing", "held", "waiting")
+
+    def __init__(self) -> None:
+        self.channel: Any = None
+        """The aiormq channel the tags below belong to."""
+        self.floor = 0
+        """Every tag up to this one is settled."""
+        self.held: dict[int, int] = {}
+        """Tags above ``floor`` delivered to this consumer: running, queued or settled."""
+        self.waiting: list[tuple[Any, int, asyncio.Future[None]]] = []
+        self.flushing: asyncio.Task[None] | None = None
+
+    def delivered(self, message: AbstractIncomingMessage) -> None:
+        channel = message.channel
+        if channel is not self.channel:
+            self.channel = channel
+            self.floor = 0
+            self.held = {}
+        tag = message.delivery_tag
+        if tag is not None:
+            self.held[tag] = _RUNNING
+
+    def release(self, message: AbstractIncomingMessage) -> bool:
+        """Settle ``message`` otherwise than by an ack (the caller nacks it). False when its
+        ack is already queued or sent: it must not be settled twice."""
+        tag = message.delivery_tag
+        state = self.held.get(tag, _RUNNING) if tag is not None else _RUNNING
+        if state != _RUNNING:
+            return False
+        if tag is not None and tag in self.held:
+            self.held[tag] = _SETTLED
+        return True
+
+    async def ack(self, message: AbstractIncomingMessage) -> None:
+        tag = message.delivery_tag
+        channel = message.channel
+        if tag is None:  # (no-ack consumers have none; ours always do)
+            await message.ack()
+            return
+        if channel is self.channel and tag in self.held:
+            self.held[tag] = _QUEUED
+        done = asyncio.get_running_loop().create_future()
+        self.waiting.append((channel, tag, done))
+        if self.flushing is None:
+            self.flushing = asyncio.ensure_future(self._flush())
+        await done
+
+    async def _flush(self) -> None:
+        try:
+            while self.waiting:
+                await asyncio.sleep(0)  # acknowledgements of this loop turn join the batch
+                batch, self.waiting = self.waiting, []
+                held, floor, top = self.held, self.floor, 0
+                while True:
+                    state = held.get(floor + 1)
+                    if state is None or state == _RUNNING:
+                        break
+                    floor += 1
+                    del held[floor]
+                    if state == _QUEUED:
+                        top = floor
+                self.floor = floor
+                if len(held) > _MAX_HELD:
+                    self.held = held = {t: v for t, v in held.items() if v != _SETTLED}
+                try:
+                    if top:
+                        await self.channel.basic_ack(top, multiple=True)
+                    for channel, tag, _ in batch:
+                        if channel is not self.channel or tag > top:
+                            await channel.basic_ack(tag)
+                            if channel is self.channel and tag in held:
+                                held[tag] = _SETTLED
+                except Exception as error:
+                    for _, _, waiter in batch:
+                        if not waiter.done():
+                            waiter.set_exception(error)
+                else:
+                    for _, _, waiter in batch:
+                        if not waiter.done():
+                            waiter.set_result(None)
+        finally:
+            self.flushing = None
+
+    async def drain(self) -> None:
+        """Wait until the queued acknowledgements are sent."""
+        while self.flushing is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.flushing)
 
 
 class _Broker:
@@ -329,9 +439,10 @@ class _Broker:
         self.queue = queue
         self.timeout = timeout
         self.wall = wall
+        self.acks = _Acks()
 
     async def ack(self, delivery: _Delivery) -> None:
-        await delivery.message.ack()
+        await self.acks.ack(delivery.message)
 
     async def retry_later(self, delivery: _Delivery, envelope: Envelope, delay: float) -> None:
         name, _ = retry_queue(self.queue, delay)
@@ -400,9 +511,11 @@ class Consumer:
         self.follow_every = follow_every
         self.stop_timeout = stop_timeout
         self._fixed_prefetch = prefetch
+        broker = _Broker(channel, queue, timeout, wall)
+        self._acks = broker.acks
         self.runner = MessageRunner(
             handler,
-            _Broker(channel, queue, timeout, wall),
+            broker,
             queue=queue,
             policy=policy,
             bulkhead=bulkhead,
@@ -490,9 +603,13 @@ class Consumer:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
+        await self._acks.drain()
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         if self._stopping is not None and self._stopping.is_set() and self._tag is None:
+            with contextlib.suppress(Exception):
+                self._acks.delivered(message)
+                self._acks.release(message)
             await message.nack(requeue=True)  # arrived after stop: not ours to run
             return
         if (
@@ -535,7 +652,7 @@ class Consumer:
         now = runner.wall()
         following = envelope.next_attempt(now, "redelivered", "its consumer stopped before the ack")
         await runner.broker.retry_later(delivery, following, 0.0)
-        await delivery.message.ack()
+        await runner.broker.ack(delivery)
         if runner.events.enabled:
             runner.events.emit(
                 MessageRetried(
@@ -555,12 +672,14 @@ class Consumer:
 
     async def _process(self, message: AbstractIncomingMessage) -> None:
         try:
+            self._acks.delivered(message)
             delivery = _Delivery(message)
             if not await self._restamp(delivery):
                 await self.runner.process(delivery)
         except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await message.nack(requeue=True)
+            if self._acks.release(message):  # not when its ack is already on its way
+                with contextlib.suppress(Exception):
+                    await message.nack(requeue=True)
             raise
         except Exception:  # the broker failed: left unacknowledged, RabbitMQ delivers it again
             self.failures += 1

@@ -335,7 +335,7 @@ class _Acks:
     one. A reopened channel (robust reconnect) numbers from 1 again: the run restarts.
     """
 
-    __slots__ = ("channel", "floor", "flushing", "held", "waiting")
+    __slots__ = ("channel", "failed", "floor", "flushing", "held", "waiting")
 
     def __init__(self) -> None:
         self.channel: Any = None
@@ -344,8 +344,10 @@ class _Acks:
         """Every tag up to this one is settled."""
         self.held: dict[int, int] = {}
         """Tags above ``floor`` delivered to this consumer: running, queued or settled."""
-        self.waiting: list[tuple[Any, int, asyncio.Future[None]]] = []
+        self.waiting: list[tuple[Any, int]] = []
         self.flushing: asyncio.Task[None] | None = None
+        self.failed = 0
+        """Acknowledgements the channel refused (closed): those messages come back."""
 
     def delivered(self, message: AbstractIncomingMessage) -> None:
         channel = message.channel
@@ -368,19 +370,19 @@ class _Acks:
             self.held[tag] = _SETTLED
         return True
 
-    async def ack(self, message: AbstractIncomingMessage) -> None:
-        tag = message.delivery_tag
+    def ack(self, message: AbstractIncomingMessage) -> None:
+        """Queue the ack of ``message``: it leaves with this loop turn's batch. (``basic.ack``
+        has no answer to wait for; one that cannot be sent leaves the message unacknowledged,
+        and RabbitMQ delivers it again.)"""
         channel = message.channel
-        if tag is None:  # (no-ack consumers have none; ours always do)
-            await message.ack()
+        tag = message.delivery_tag
+        if tag is None:  # (a delivery to a no-ack consumer: nothing to acknowledge)
             return
         if channel is self.channel and tag in self.held:
             self.held[tag] = _QUEUED
-        done = asyncio.get_running_loop().create_future()
-        self.waiting.append((channel, tag, done))
+        self.waiting.append((channel, tag))
         if self.flushing is None:
             self.flushing = asyncio.ensure_future(self._flush())
-        await done
 
     async def _flush(self) -> None:
         try:
@@ -399,24 +401,21 @@ class _Acks:
                 self.floor = floor
                 if len(held) > _MAX_HELD:
                     self.held = held = {t: v for t, v in held.items() if v != _SETTLED}
-                try:
-                    if top:
-                        await self.channel.basic_ack(top, multiple=True)
-                    for channel, tag, _ in batch:
-                        if channel is not self.channel or tag > top:
-                            await channel.basic_ack(tag)
-                            if channel is self.channel and tag in held:
-                                held[tag] = _SETTLED
-                except Exception as error:
-                    for _, _, waiter in batch:
-                        if not waiter.done():
-                            waiter.set_exception(error)
-                else:
-                    for _, _, waiter in batch:
-                        if not waiter.done():
-                            waiter.set_result(None)
+                if top:
+                    await self._send(self.channel, top, True, top)
+                for channel, tag in batch:
+                    if channel is not self.channel or tag > top:
+                        await self._send(channel, tag, False, 1)
+                        if channel is self.channel and tag in held:
+                            held[tag] = _SETTLED
         finally:
             self.flushing = None
+
+    async def _send(self, channel: Any, tag: int, multiple: bool, count: int) -> None:
+        try:
+            await channel.basic_ack(tag, multiple=multiple)
+        except Exception:  # the channel closed: RabbitMQ delivers those messages again
+            self.failed += count
 
     async def drain(self) -> None:
         """Wait until the queued acknowledgements are sent."""
@@ -442,7 +441,8 @@ class _Broker:
         self.acks = _Acks()
 
     async def ack(self, delivery: _Delivery) -> None:
-        await self.acks.ack(delivery.message)
+        """Queued, and sent with the other acks of this loop turn (see `_Acks`)."""
+        self.acks.ack(delivery.message)
 
     async def retry_later(self, delivery: _Delivery, envelope: Envelope, delay: float) -> None:
         name, _ = retry_queue(self.queue, delay)
@@ -531,8 +531,12 @@ class Consumer:
         self._prefetch = 0
         self._followed_at = -math.inf
         self._following: asyncio.Task[None] | None = None
-        self.failures = 0
+        self._failures = 0
+
+    @property
+    def failures(self) -> int:
         """Deliveries left unacknowledged because the broker failed (they come back)."""
+        return self._failures + self._acks.failed
 
     @property
     def prefetch(self) -> int:
@@ -682,7 +686,7 @@ class Consumer:
                     await message.nack(requeue=True)
             raise
         except Exception:  # the broker failed: left unacknowledged, RabbitMQ delivers it again
-            self.failures += 1
+            self._failures += 1
 
     def __repr__(self) -> str:
         return f"Consumer(queue={self.queue!r}, prefetch={self._prefetch})"

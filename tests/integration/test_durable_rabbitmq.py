@@ -496,3 +496,89 @@ async def test_a_delivery_whose_consumer_died_comes_back_as_the_next_attempt(
     await asyncio.wait_for(running, 10)
     assert attempts == [1, 2] and done[0].attempt == 3
     assert done[0].idempotency_key == "p"  # a duplicate the handler can recognise
+
+
+async def test_acks_go_together_but_never_past_a_message_still_running(
+    queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    connection = await aio_pika.connect(URL)
+    try:
+        channel = await connection.channel()
+        await declare(channel, queue)
+        producer = Producer(channel, queue)
+        for i in range(40):
+            await producer.publish(f"m{i}".encode())
+        underlay = await channel.get_underlay_channel()
+        sent: list[tuple[int, bool]] = []
+        real_ack = underlay.basic_ack
+
+        async def spy(delivery_tag: int, multiple: bool = False, wait: bool = True) -> None:
+            sent.append((delivery_tag, multiple))
+            await real_ack(delivery_tag, multiple=multiple, wait=wait)
+
+        monkeypatch.setattr(underlay, "basic_ack", spy)
+        done: list[bytes] = []
+        release = asyncio.Event()
+
+        async def handle(message: Message) -> None:
+            if message.body == b"m0":  # the first delivery (tag 1) holds on
+                await release.wait()
+            done.append(message.body)
+
+        consumer = Consumer(channel, queue, handle, bulkhead=Bulkhead("acks", FixedLimit(8)))
+        running = asyncio.ensure_future(consumer.run())
+        await until(lambda: len(done) == 39, 20)
+        # nothing acknowledged tag 1 (m0 runs): no multiple ack yet, each one alone
+        assert sent and all(not multiple for _, multiple in sent) and 1 not in dict(sent)
+        release.set()
+        await until(lambda: len(done) == 40, 20)
+        await consumer.stop()
+        await asyncio.wait_for(running, 10)
+        acked = {tag for tag, multiple in sent if not multiple}
+        top = max((tag for tag, multiple in sent if multiple), default=0)
+        assert acked | set(range(1, top + 1)) == set(range(1, 41))
+    finally:
+        await connection.close()  # an unacknowledged message would be back in the queue
+    check = await aio_pika.connect(URL)
+    try:
+        assert await depth(await check.channel(), queue) == 0
+    finally:
+        await check.close()
+
+
+async def test_acks_of_one_loop_turn_go_as_one(queue: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    connection = await aio_pika.connect(URL)
+    try:
+        channel = await connection.channel()
+        await declare(channel, queue)
+        producer = Producer(channel, queue)
+        for i in range(200):
+            await producer.publish(f"m{i}".encode())
+        underlay = await channel.get_underlay_channel()
+        sent: list[tuple[int, bool]] = []
+        real_ack = underlay.basic_ack
+
+        async def spy(delivery_tag: int, multiple: bool = False, wait: bool = True) -> None:
+            sent.append((delivery_tag, multiple))
+            await real_ack(delivery_tag, multiple=multiple, wait=wait)
+
+        monkeypatch.setattr(underlay, "basic_ack", spy)
+        done: list[bytes] = []
+
+        async def handle(message: Message) -> None:
+            done.append(message.body)
+
+        consumer = Consumer(channel, queue, handle, bulkhead=Bulkhead("acks", FixedLimit(16)))
+        running = asyncio.ensure_future(consumer.run())
+        await until(lambda: len(done) == 200, 20)
+        await consumer.stop()
+        await asyncio.wait_for(running, 10)
+        assert len(sent) < 200 and any(multiple for _, multiple in sent)
+        assert max(tag for tag, _ in sent) == 200
+    finally:
+        await connection.close()
+    check = await aio_pika.connect(URL)
+    try:
+        assert await depth(await check.channel(), queue) == 0
+    finally:
+        await check.close()

@@ -13,7 +13,7 @@ import json
 import math
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .._context import RequestContext
@@ -188,27 +188,60 @@ class Envelope:
         Raises `EnvelopeError` naming the field when ``brownout-enqueued-at`` is missing or a
         present field is malformed; optional fields that are absent take their defaults.
         """
-        raw = headers.get(ENQUEUED_AT_FIELD)
+        get = headers.get
+        raw = get(ENQUEUED_AT_FIELD)
         if raw is None:
             raise EnvelopeError(ENQUEUED_AT_FIELD, "missing: not a message brownout enqueued")
         enqueued_at = _time(ENQUEUED_AT_FIELD, raw)
-        valid_raw = headers.get(VALID_UNTIL_FIELD)
-        valid_until = None if valid_raw is None else _time(VALID_UNTIL_FIELD, valid_raw)
-        attempt_raw = headers.get(ATTEMPT_FIELD)
-        attempt = 1 if attempt_raw is None else _attempt(attempt_raw)
-        return cls(
-            enqueued_at=enqueued_at,
-            valid_until=valid_until,
-            attempt=attempt,
-            idempotency_key=_optional_text(headers, KEY_FIELD),
-            priority=_priority(headers.get(PRIORITY_FIELD)),
-            caller=_optional_text(headers, CALLER_FIELD) or "unknown",
-            operation=_optional_text(headers, OPERATION_FIELD) or "unknown",
-            history=_history(headers.get(HISTORY_FIELD)),
-        )
+        raw = get(VALID_UNTIL_FIELD)
+        valid_until = None if raw is None else _time(VALID_UNTIL_FIELD, raw)
+        raw = get(ATTEMPT_FIELD)
+        attempt = 1 if raw is None else _attempt(raw)
+        raw = get(PRIORITY_FIELD)
+        priority = Priority.CRITICAL if raw is None else _priority(raw)
+        raw = get(HISTORY_FIELD)
+        # The fields were checked one by one: build the instance without `__post_init__`.
+        new = _NEW(_EnvelopeBuilder)
+        new.enqueued_at = enqueued_at
+        new.valid_until = valid_until
+        new.attempt = attempt
+        new.idempotency_key = _label(KEY_FIELD, get(KEY_FIELD))
+        new.priority = priority
+        new.caller = _label(CALLER_FIELD, get(CALLER_FIELD)) or "unknown"
+        new.operation = _label(OPERATION_FIELD, get(OPERATION_FIELD)) or "unknown"
+        new.history = () if raw is None else _history(raw)
+        new.__class__ = cls  # type: ignore[assignment]
+        return new  # type: ignore[return-value]
+
+
+class _EnvelopeBuilder:
+    """`Envelope`'s mutable twin (the same slots, in order), for `Envelope.decode`."""
+
+    __slots__ = tuple(f.name for f in fields(Envelope))
+
+    enqueued_at: float
+    valid_until: float | None
+    attempt: int
+    idempotency_key: str | None
+    priority: Priority
+    caller: str
+    operation: str
+    history: tuple[HistoryEntry, ...]
+
+
+_NEW = object.__new__
+_MAX_RAW = _MAX_TEXT * 64
 
 
 def _text(name: str, value: object) -> str:
+    # the common cases first: well-formed bytes (AMQP) or text
+    if type(value) is bytes and len(value) <= _MAX_RAW:
+        try:
+            return value.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise EnvelopeError(name, "not UTF-8") from None
+    if type(value) is str and len(value) <= _MAX_RAW:
+        return value.strip()
     if isinstance(value, bytes | bytearray):
         try:
             value = bytes(value).decode("utf-8")
@@ -216,13 +249,12 @@ def _text(name: str, value: object) -> str:
             raise EnvelopeError(name, "not UTF-8") from None
     if not isinstance(value, str):
         raise EnvelopeError(name, f"not text: {type(value).__name__}")
-    if len(value) > _MAX_TEXT * 64:
-        raise EnvelopeError(name, f"longer than {_MAX_TEXT * 64} characters")
+    if len(value) > _MAX_RAW:
+        raise EnvelopeError(name, f"longer than {_MAX_RAW} characters")
     return value.strip()
 
 
-def _optional_text(headers: Mapping[str, Any], name: str) -> str | None:
-    value = headers.get(name)
+def _label(name: str, value: object) -> str | None:
     if value is None:
         return None
     text = _text(name, value)

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from .._admission import Bulkhead
 from .._clock import Clock, default_clock
-from .._context import current, request
+from .._context import current
 from .._errors import DeadlineExceeded, Reason, Rejected
 from .._priority import Priority
 from ..events import (
@@ -32,6 +32,7 @@ from ..events import (
 )
 from .envelope import ENVELOPE_FIELDS, Envelope, EnvelopeError
 from .policy import BacklogBound, MessagePolicy, Park, RetryLater, Run
+from .scope import MessageScope, MessageSweeper
 
 __all__ = [
     "Delivery",
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 WallClock = Callable[[], float]
+_ENVELOPE_FIELDS = frozenset(ENVELOPE_FIELDS)
 
 
 class Delivery(Protocol):
@@ -82,7 +84,7 @@ class MessageBroker(Protocol):
 class Message:
     """What a handler gets: the body, the envelope, and the headers that are not brownout's."""
 
-    __slots__ = ("attempt", "body", "delivery", "envelope", "headers")
+    __slots__ = ("_headers", "_raw", "attempt", "body", "delivery", "envelope")
 
     def __init__(
         self,
@@ -96,9 +98,20 @@ class Message:
         self.envelope = envelope
         self.attempt = attempt
         """This delivery's attempt number (1 for the first); > 1 may be a duplicate."""
-        self.headers = {k: v for k, v in headers.items() if k not in ENVELOPE_FIELDS}
+        self._raw = headers
+        self._headers: dict[str, Any] | None = None
         self.delivery = delivery
         """The adapter's own delivery object (an aio-pika message, a stream entry)."""
+
+    @property
+    def headers(self) -> dict[str, Any]:
+        """The message's headers that are not brownout's envelope (read on first use)."""
+        headers = self._headers
+        if headers is None:
+            headers = self._headers = {
+                k: v for k, v in self._raw.items() if k not in _ENVELOPE_FIELDS
+            }
+        return headers
 
     @property
     def idempotency_key(self) -> str | None:
@@ -145,6 +158,7 @@ class MessageRunner:
         self.events = events
         self.wall = wall
         self.clock = clock if clock is not None else default_clock()
+        self._sweeper = MessageSweeper()
 
     async def process(self, delivery: Delivery) -> Run | RetryLater | Park:
         """Handle one delivery to the end; returns what was decided."""
@@ -166,30 +180,30 @@ class MessageRunner:
     async def _run(self, delivery: Delivery, run: Run, now: float) -> Run | RetryLater | Park:
         env = run.envelope
         message = Message(delivery.body, env, run.attempt, delivery.headers, delivery)
-        self._emit(MessageStarted, env, attempt=run.attempt, age=env.age(now), remaining=run.budget)
-        started = self.clock.now()
+        events = self.events.enabled
+        if events:
+            self._emit(
+                MessageStarted, env, attempt=run.attempt, age=env.age(now), remaining=run.budget
+            )
+        clock = self.clock
+        started = clock.now()
         entered = False
-
-        async def guarded() -> None:
-            nonlocal entered
-            if self.bulkhead is None:
-                entered = True
-                await self.handler(message)
-                return
-            async with self.bulkhead.admit():
-                entered = True
-                await self.handler(message)
-
+        bulkhead = self.bulkhead
+        scope = MessageScope()
         try:
-            async with request(
-                deadline=run.budget,
-                priority=env.priority,
-                caller=env.caller,
-                operation=env.operation,
-                attempt=run.attempt,
-                idempotency_key=env.idempotency_key,
-            ):
-                await guarded()
+            scope.enter(run.budget, env, run.attempt, self._sweeper)
+            try:
+                if bulkhead is None:
+                    entered = True
+                    await self.handler(message)
+                else:
+                    async with bulkhead.admit():
+                        entered = True
+                        await self.handler(message)
+            except BaseException as error:
+                scope.exit(error)  # the message's own deadline: DeadlineExceeded
+                raise
+            scope.exit(None)
         except Rejected as refused:
             if entered:
                 return await self._failed(delivery, run, refused)
@@ -200,11 +214,16 @@ class MessageRunner:
             return await self._failed(delivery, run, error, deadline_passed=True)
         except Exception as error:
             return await self._failed(delivery, run, error)
-        latency = self.clock.now() - started
+        latency = clock.now() - started
         await self.broker.ack(delivery)
-        self._emit(
-            MessageCompleted, env, attempt=run.attempt, latency=latency, age=env.age(self.wall())
-        )
+        if self.events.enabled:
+            self._emit(
+                MessageCompleted,
+                env,
+                attempt=run.attempt,
+                latency=latency,
+                age=env.age(self.wall()),
+            )
         return run
 
     async def _failed(

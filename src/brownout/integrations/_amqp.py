@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 try:
@@ -111,6 +112,9 @@ async def declare_side_queues(channel: AbstractChannel, queue: str) -> None:
     await channel.declare_queue(parked_queue(queue), durable=True)
 
 
+_NO_HEADERS: Mapping[str, Any] = MappingProxyType({})
+
+
 def headers_of(raw: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(raw) if raw else {}
 
@@ -176,7 +180,7 @@ class AmqpDelivery:
 
     def __init__(self, message: AbstractIncomingMessage) -> None:
         self.message = message
-        self.headers: Mapping[str, Any] = headers_of(message.headers)
+        self.headers: Mapping[str, Any] = message.headers or _NO_HEADERS  # read, never written
         count = self.headers.get("x-delivery-count")
         if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
             self.redeliveries = count
@@ -246,7 +250,7 @@ async def restamp_redelivery(runner: MessageRunner, queue: str, delivery: AmqpDe
     now = runner.wall()
     following = envelope.next_attempt(now, "redelivered", "its consumer stopped before the ack")
     await runner.broker.retry_later(delivery, following, 0.0)
-    await delivery.message.ack()
+    await runner.broker.ack(delivery)
     if runner.events.enabled:
         runner.events.emit(
             MessageRetried(

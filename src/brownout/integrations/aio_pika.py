@@ -183,6 +183,129 @@ class Producer:
         return f"Producer(queue={self.queue!r}, bound={self.publisher.bound!r})"
 
 
+_RUNNING, _QUEUED, _SETTLED = 0, 1, 2
+_MAX_HELD = 4096  # settled tags kept above a stuck floor; beyond, acks go one by one
+
+
+class _Acks:
+    """A consumer channel's acknowledgements, sent together: the acks of one loop turn that
+    continue an unbroken run of settled delivery tags go as one ``basic.ack`` with
+    ``multiple=True``; the others one by one.
+
+    ``multiple=True`` acknowledges every unacknowledged tag up to its own on the channel, so
+    it is sent only up to a tag when every earlier tag (from 1, the channel's first) was
+    delivered to this consumer and is settled or in the same batch; a tag this consumer never
+    saw (a ``basic.get`` on the channel) breaks the run for good, and its acks then go one by
+    one. A reopened channel (robust reconnect) numbers from 1 again: the run restarts.
+    """
+
+    __slots__ = ("channel", "failed", "floor", "flushing", "held", "waiting")
+
+    def __init__(self) -> None:
+        self.channel: Any = None
+        """The aiormq channel the tags below belong to."""
+        self.floor = 0
+        """Every tag up to this one is settled."""
+        self.held: dict[int, int] = {}
+        """Tags above ``floor`` delivered to this consumer: running, queued or settled."""
+        self.waiting: list[tuple[Any, int]] = []
+        self.flushing: asyncio.Task[None] | None = None
+        self.failed = 0
+        """Acknowledgements the channel refused (closed): those messages come back."""
+
+    def delivered(self, message: AbstractIncomingMessage) -> None:
+        channel = message.channel
+        if channel is not self.channel:
+            self.channel = channel
+            self.floor = 0
+            self.held = {}
+        tag = message.delivery_tag
+        if tag is not None:
+            self.held[tag] = _RUNNING
+
+    def release(self, message: AbstractIncomingMessage) -> bool:
+        """Settle ``message`` otherwise than by an ack (the caller nacks it). False when its
+        ack is already queued or sent: it must not be settled twice."""
+        tag = message.delivery_tag
+        state = self.held.get(tag, _RUNNING) if tag is not None else _RUNNING
+        if state != _RUNNING:
+            return False
+        if tag is not None and tag in self.held:
+            self.held[tag] = _SETTLED
+        return True
+
+    def ack(self, message: AbstractIncomingMessage) -> None:
+        """Queue the ack of ``message``: it leaves with this loop turn's batch. (``basic.ack``
+        has no answer to wait for; one that cannot be sent leaves the message unacknowledged,
+        and RabbitMQ delivers it again.)"""
+        channel = message.channel
+        tag = message.delivery_tag
+        if tag is None:  # (a delivery to a no-ack consumer: nothing to acknowledge)
+            return
+        if channel is self.channel and tag in self.held:
+            self.held[tag] = _QUEUED
+        self.waiting.append((channel, tag))
+        if self.flushing is None:
+            self.flushing = asyncio.ensure_future(self._flush())
+
+    async def _flush(self) -> None:
+        try:
+            while self.waiting:
+                await asyncio.sleep(0)  # acknowledgements of this loop turn join the batch
+                batch, self.waiting = self.waiting, []
+                held, floor, top = self.held, self.floor, 0
+                while True:
+                    state = held.get(floor + 1)
+                    if state is None or state == _RUNNING:
+                        break
+                    floor += 1
+                    del held[floor]
+                    if state == _QUEUED:
+                        top = floor
+                self.floor = floor
+                if len(held) > _MAX_HELD:
+                    self.held = held = {t: v for t, v in held.items() if v != _SETTLED}
+                if top:
+                    await self._send(self.channel, top, True, top)
+                for channel, tag in batch:
+                    if channel is not self.channel or tag > top:
+                        await self._send(channel, tag, False, 1)
+                        if channel is self.channel and tag in held:
+                            held[tag] = _SETTLED
+        finally:
+            self.flushing = None
+
+    async def _send(self, channel: Any, tag: int, multiple: bool, count: int) -> None:
+        try:
+            await channel.basic_ack(tag, multiple=multiple)
+        except Exception:  # the channel closed: RabbitMQ delivers those messages again
+            self.failed += count
+
+    async def drain(self) -> None:
+        """Wait until the queued acknowledgements are sent."""
+        while self.flushing is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.flushing)
+
+
+class _AckingBroker(_Broker):
+    """`AmqpBroker` whose acknowledgements are queued and sent together (see `_Acks`)."""
+
+    def __init__(
+        self,
+        channel: AbstractChannel,
+        queue: str,
+        timeout: float | None,
+        wall: Callable[[], float],
+    ) -> None:
+        super().__init__(channel, queue, timeout, wall)
+        self.acks = _Acks()
+
+    async def ack(self, delivery: _Delivery) -> None:
+        """Queued, and sent with the other acks of this loop turn (see `_Acks`)."""
+        self.acks.ack(delivery.message)
+
+
 class Consumer:
     """Consumes ``queue`` (declared with `declare`) through a `brownout.durable.MessageRunner`:
     each delivery is run, retried later or parked by ``policy``, admitted through
@@ -224,9 +347,11 @@ class Consumer:
         self.follow_every = follow_every
         self.stop_timeout = stop_timeout
         self._fixed_prefetch = prefetch
+        broker = _AckingBroker(channel, queue, timeout, wall)
+        self._acks = broker.acks
         self.runner = MessageRunner(
             handler,
-            _Broker(channel, queue, timeout, wall),
+            broker,
             queue=queue,
             policy=policy,
             bulkhead=bulkhead,
@@ -242,8 +367,12 @@ class Consumer:
         self._prefetch = 0
         self._followed_at = -math.inf
         self._following: asyncio.Task[None] | None = None
-        self.failures = 0
+        self._failures = 0
+
+    @property
+    def failures(self) -> int:
         """Deliveries left unacknowledged because the broker failed (they come back)."""
+        return self._failures + self._acks.failed
 
     @property
     def prefetch(self) -> int:
@@ -314,9 +443,13 @@ class Consumer:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
+        await self._acks.drain()
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         if self._stopping is not None and self._stopping.is_set() and self._tag is None:
+            with contextlib.suppress(Exception):
+                self._acks.delivered(message)
+                self._acks.release(message)
             await message.nack(requeue=True)  # arrived after stop: not ours to run
             return
         if (
@@ -349,15 +482,17 @@ class Consumer:
 
     async def _process(self, message: AbstractIncomingMessage) -> None:
         try:
+            self._acks.delivered(message)
             delivery = _Delivery(message)
             if not await self._restamp(delivery):
                 await self.runner.process(delivery)
         except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await message.nack(requeue=True)
+            if self._acks.release(message):  # not when its ack is already on its way
+                with contextlib.suppress(Exception):
+                    await message.nack(requeue=True)
             raise
         except Exception:  # the broker failed: left unacknowledged, RabbitMQ delivers it again
-            self.failures += 1
+            self._failures += 1
 
     def __repr__(self) -> str:
         return f"Consumer(queue={self.queue!r}, prefetch={self._prefetch})"

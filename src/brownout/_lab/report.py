@@ -685,6 +685,28 @@ degraded goodput.
   normal latency read as queueing once the mode left (the step after recovery shows the
   limit holding).
 
+**Backlog after an outage** (`backlog`, opt-in, about 85 s; needs Redis 7 at
+`--redis`, default `redis://127.0.0.1:6379/0`, and says so when it does not answer; figures
+from a run: [durable queues](queues.md#backlog-after-an-outage-the-lab)):
+
+```console
+$ brownout lab --scenarios backlog
+```
+
+A durable queue instead of HTTP (Q1, Q2). A producer publishes 100 messages/s, open loop, to
+a Redis stream, each valid for 3 s; the consumer's dependency (inside the consumer process:
+4 calls at a time of 20 ms, 200 messages/s) is down for 10 s, then 12 s after recovery. A
+naive consumer (plain redis-py, FIFO, a failure requeued at once, no deadline check) against
+brownout's `redis_streams.Consumer` with the default `MessagePolicy`, each on a fresh stream,
+then brownout again with an outage half as long while the scenario's supervisor SIGKILLs its
+consumer process 0.5 s and 2.5 s after recovery and restarts it. Every message is accounted
+for from Redis (a completion log the handler writes before the acknowledgement, the parked
+stream, the stream and its retry set): published = completed + parked + still queued, and
+lost must be 0. Pass/fail: brownout serves fresh messages (published after recovery) within
+their deadline again within 5 s of recovery (at least 95% of each second's, for good), and
+loses nothing, kills included. The table gives completions in time and late per second after
+recovery, parked by reason, and a per-second table and plot around recovery.
+
 The three-layer chain (front -> mid -> backend) is not a lab scenario: it is measured by
 counts in `tests/integration/test_retry_chain.py` (20 originals: 23 attempts at the bottom
 with brownout, 540 with naive 3-attempt retries at every layer).

@@ -82,5 +82,7 @@ def test_backlog_scenario_recovers_and_loses_nothing(tmp_path: Path) -> None:
     killed = runs["brownout-killed"]
     assert len(killed["kills"]) == 2, killed["kills"]
     assert all(k["restarted_in"] < 30 for k in killed["kills"])
+    # a kill landed mid-handler: the dead process held unacknowledged entries
+    assert any(k["held"] > 0 for k in killed["kills"]), killed["kills"]
     checks = "\n".join(line for line in proc.stdout.splitlines() if "backlog" in line)
     assert "PASS brownout-killed / backlog" in checks, checks

@@ -57,7 +57,7 @@ def _raw(run: _Run, lost: int = 0) -> dict[str, Any]:
         "parked": parked,
         "queued": queued,
         "depth": [(0.5, 2), (5.0, 300)],
-        "kills": [{"at": 9.5, "restarted_in": 0.3}] * len(run.kills),
+        "kills": [{"at": 9.5, "held": 4, "restarted_in": 0.3}] * len(run.kills),
     }
 
 

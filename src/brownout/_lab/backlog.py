@@ -220,8 +220,9 @@ async def _measure(client: Any, s: BacklogSettings, run: _Run) -> dict[str, Any]
     unknown: list[int] = []
     depth: list[tuple[float, int]] = []
     kills: list[dict[str, float]] = []
+    name = f"{run.name}-0"
     try:
-        worker.start(f"{run.name}-0")
+        worker.start(name)
         await worker.ready()
 
         async def produce() -> None:
@@ -248,14 +249,24 @@ async def _measure(client: Any, s: BacklogSettings, run: _Run) -> dict[str, Any]
                 await asyncio.sleep(0.5)
 
         async def supervise() -> None:
+            nonlocal name
             for i, after in enumerate(run.kills, start=1):
                 await asyncio.sleep(max(0.0, down_until + after - time.time()))
                 worker.kill()
                 killed = time.time()
-                worker.start(f"{run.name}-{i}")
+                # what the dead process held unacknowledged: the kill landed mid-handler
+                held = await client.xpending_range(
+                    keys.stream, group, min="-", max="+", count=10_000, consumername=name
+                )
+                name = f"{run.name}-{i}"
+                worker.start(name)
                 await worker.ready()
                 kills.append(
-                    {"at": round(killed - start, 3), "restarted_in": round(time.time() - killed, 3)}
+                    {
+                        "at": round(killed - start, 3),
+                        "held": len(held),
+                        "restarted_in": round(time.time() - killed, 3),
+                    }
                 )
 
         sampler = asyncio.create_task(sample())

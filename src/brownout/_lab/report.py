@@ -209,7 +209,7 @@ BACKLOG_COLUMNS = (
     "still queued",
     "lost",
     "duplicates",
-    "SIGKILLs (restarted in)",
+    "SIGKILLs after recovery (messages held; restarted in)",
 )
 """The backlog scenario's table: one row per consumer run (`brownout._lab.backlog`)."""
 
@@ -251,7 +251,8 @@ def backlog_rows(lab: dict[str, Any]) -> list[list[str]]:
         reasons = ", ".join(f"{n} {r}" for r, n in run["parked_by_reason"].items())
         fresh = run["fresh_recovery_s"]
         kills = ", ".join(
-            f"{k['at'] - run['recovered_at']:+.1f} s ({k['restarted_in']:.1f} s)"
+            f"{k['at'] - run['recovered_at']:+.1f} s ({k.get('held', '?')} held; "
+            f"{k['restarted_in']:.1f} s)"
             for k in run["kills"]
         )
         rows.append(

@@ -174,7 +174,6 @@ def lab_main(argv: list[str]) -> int:
     from ._lab.backlog import (
         BACKLOG,
         BacklogSettings,
-        BrokerUnavailable,
         quick_settings,
         run_backlog,
     )
@@ -287,8 +286,8 @@ def lab_main(argv: list[str]) -> int:
             base = BacklogSettings(redis_url=args.redis)
             try:
                 lab["backlog"] = run_backlog(quick_settings(base) if args.quick else base, on_stage)
-            except BrokerUnavailable as e:
-                console.print(f"[yellow]backlog scenario skipped:[/] {e}")
+            except RuntimeError as e:  # BrokerUnavailable, or a consumer that did not start
+                console.print(f"[yellow]backlog scenario not measured:[/] {e}")
                 lab["backlog"] = {"skipped": str(e)}
                 if not scenarios:
                     return EXIT_UNREACHABLE

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from brownout._lab.backlog import BacklogSettings, _Run, fresh_recovery, summarize
 from brownout._lab.report import backlog_rows, backlog_seconds, markdown, write_report
 from brownout._lab.verdict import evaluate, targets
@@ -115,3 +117,18 @@ def test_the_report_renders_without_an_http_run(tmp_path: Path) -> None:
     written = write_report(lab, tmp_path)
     assert (tmp_path / "timeline-backlog.png").exists()
     assert tmp_path / "index.html" in written
+
+
+def test_a_broker_that_does_not_answer_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from brownout._cli import EXIT_UNREACHABLE, lab_main
+
+    # nothing listens on port 1: the connection is refused at once
+    argv = ["--scenarios", "backlog", "--redis", "redis://127.0.0.1:1/0", "--out", str(tmp_path)]
+    assert lab_main(argv) == EXIT_UNREACHABLE
+    out = capsys.readouterr().out
+    assert "backlog scenario not measured" in out
+    assert "redis://127.0.0.1:1/0 did not answer" in out
+    assert lab_main(["--scenarios", "backlog", "--redis", "http://x", "--out", str(tmp_path)]) == 3
+    assert "is not a Redis URL" in capsys.readouterr().out

@@ -444,7 +444,10 @@ async def _check_broker(url: str) -> Any:
         raise BrokerUnavailable(
             "the backlog scenario needs redis-py: pip install 'brownout[redis]'"
         ) from e
-    client = redis_asyncio.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+    try:
+        client = redis_asyncio.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+    except ValueError as e:
+        raise BrokerUnavailable(f"--redis {url!r} is not a Redis URL: {e}") from e
     try:
         await asyncio.wait_for(client.ping(), 5)
         info = await client.info("server")
@@ -464,12 +467,21 @@ async def _check_broker(url: str) -> Any:
 
 async def _run_all(s: BacklogSettings, on_stage: Any) -> list[dict[str, Any]]:
     client = await _check_broker(s.redis_url)
+    from redis.exceptions import RedisError
+
     out = []
     try:
         for run in _runs(s):
             total = run.before + run.outage + run.after
             on_stage(f"backlog after an outage: {run.name} ({total:.0f} s)")
-            out.append(summarize(await _measure(client, s, run), s))
+            try:
+                raw = await _measure(client, s, run)
+            except (OSError, RedisError) as e:  # Redis went away mid-run: no figures to trust
+                raise BrokerUnavailable(
+                    f"Redis at {s.redis_url} failed during the {run.name} run: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+            out.append(summarize(raw, s))
     finally:
         await client.aclose()
     return out

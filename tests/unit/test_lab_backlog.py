@@ -104,6 +104,14 @@ def test_the_verdict_passes_then_fails_on_a_lost_message() -> None:
     assert [(c["configuration"], c["value"]) for c in failed] == [("brownout-killed", 3)]
 
 
+def test_a_killed_run_whose_kills_did_not_happen_fails() -> None:
+    lab = _lab()
+    lab["backlog"]["runs"][1]["kills"] = lab["backlog"]["runs"][1]["kills"][:1]
+    failed = [c for c in evaluate(lab) if not c["passed"]]
+    assert [c["configuration"] for c in failed] == ["brownout-killed"]
+    assert "1 of 2 SIGKILLs" in failed[0]["check"]
+
+
 def test_the_report_renders_without_an_http_run(tmp_path: Path) -> None:
     lab = _lab()
     rows = backlog_rows(lab)

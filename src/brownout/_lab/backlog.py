@@ -416,6 +416,7 @@ def summarize(raw: dict[str, Any], s: BacklogSettings) -> dict[str, Any]:
         "after": run.after,
         "recovered_at": round(run.before + run.outage, 3),
         "kills": raw["kills"],
+        "kills_planned": len(run.kills),
         "timeline": timeline,
         "fresh_recovery_s": recovery,
         "after_in_time_per_s": round(after_in_time / run.after, 1),

@@ -276,7 +276,7 @@ def backlog_rows(lab: dict[str, Any]) -> list[list[str]]:
 def backlog_seconds(lab: dict[str, Any], before: int = 2) -> tuple[list[str], list[list[str]]]:
     """Per-second figures around and after recovery, naive vs brownout: (columns, rows);
     each cell is in-time/late completions (parked) and the queue's depth."""
-    runs = [r for r in _backlog_runs(lab) if not r["kills"]]
+    runs = [r for r in _backlog_runs(lab) if not r.get("kills_planned")]
     if not runs:
         return [], []
     cols = ["s after recovery"] + [
@@ -540,7 +540,7 @@ def _plot(lab: dict[str, Any], out: Path) -> list[str]:
 
 def _plot_backlog(lab: dict[str, Any], out: Path, plt: Any) -> str:
     """Completions in time and late per second, and the queue's depth, per consumer."""
-    runs = [r for r in _backlog_runs(lab) if not r["kills"]]
+    runs = [r for r in _backlog_runs(lab) if not r.get("kills_planned")]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for run in runs:
         xs = [i - run["recovered_at"] for i in range(len(run["timeline"]))]

@@ -437,9 +437,9 @@ def backlog_checks(lab: dict[str, Any]) -> list[Check]:
         if run["kind"] != "brownout":
             continue
         acc = run["accounting"]
-        if not run["kills"] and run["configuration"] == "brownout":
+        wanted = int(run.get("kills_planned", 0))
+        if not wanted:
             out.append(_recovery_check(run))
-        wanted = len(backlog["settings"]["kills"]) if run["configuration"] != "brownout" else 0
         killed = f", {len(run['kills'])} of {wanted} SIGKILLs survived" if wanted else ""
         out.append(
             _backlog_check(
@@ -460,5 +460,5 @@ def backlog_targets(lab: dict[str, Any]) -> list[Check]:
     return [
         _recovery_check(run)
         for run in backlog.get("runs", [])
-        if run["kind"] == "brownout" and run["configuration"] != "brownout"
+        if run["kind"] == "brownout" and run.get("kills_planned")
     ]

@@ -127,7 +127,13 @@ def _lab_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentPa
     p.add_argument(
         "--scenarios",
         help=f"comma-separated scenarios (default: {','.join(DEFAULT_SCENARIOS)}; "
-        f"opt-in: {','.join(OPT_IN_SCENARIOS)}; known: {','.join(SCENARIOS)})",
+        f"opt-in: {','.join(OPT_IN_SCENARIOS)},backlog; known: {','.join(SCENARIOS)},backlog; "
+        "backlog runs on Redis Streams, see --redis)",
+    )
+    p.add_argument(
+        "--redis",
+        default="redis://127.0.0.1:6379/0",
+        help="the Redis the backlog scenario uses (it creates and deletes its own keys)",
     )
     p.add_argument(
         "--drill",
@@ -160,11 +166,17 @@ def _lab_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentPa
 
 def lab_main(argv: list[str]) -> int:
     """``brownout lab``: run, report, and return the exit status (1 when an invariant fails)."""
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
+    from ._lab.backlog import (
+        BACKLOG,
+        BacklogSettings,
+        quick_settings,
+        run_backlog,
+    )
     from ._lab.report import print_tables, write_markdown, write_report
     from ._lab.runner import CONFIGURATIONS, Configuration, LabSettings, Target, run_lab
     from ._lab.scenarios import DEFAULT_SCENARIOS, QUICK_SCENARIOS, SCENARIOS, quick_variant
@@ -212,6 +224,8 @@ def lab_main(argv: list[str]) -> int:
             ]
             default = QUICK_SCENARIOS if args.quick else DEFAULT_SCENARIOS
             names = args.scenarios.split(",") if args.scenarios else list(default)
+        backlog = BACKLOG in names
+        names = [n for n in names if n != BACKLOG]
         scenarios = [SCENARIOS[n] for n in names]
         if args.quick:
             scenarios = [quick_variant(s) for s in scenarios]
@@ -247,17 +261,36 @@ def lab_main(argv: list[str]) -> int:
             progress.console.print(f"[dim]{time.monotonic() - started:6.1f}s[/] {message}")
 
         try:
-            lab = run_lab(
-                settings,
-                configs,
-                scenarios,
-                target=target,
-                on_progress=on_progress,
-                on_stage=on_stage,
-            )
+            if scenarios:
+                lab = run_lab(
+                    settings,
+                    configs,
+                    scenarios,
+                    target=target,
+                    on_progress=on_progress,
+                    on_stage=on_stage,
+                )
+            else:  # the backlog alone needs no HTTP demo and no calibration
+                lab = {
+                    "settings": asdict(settings),
+                    "target": None,
+                    "calibration": None,
+                    "configurations": [],
+                    "scenarios": [],
+                    "runs": [],
+                }
         except RuntimeError as e:
             console.print(f"[red]error:[/] {e}")
             return EXIT_UNREACHABLE
+        if backlog:
+            base = BacklogSettings(redis_url=args.redis)
+            try:
+                lab["backlog"] = run_backlog(quick_settings(base) if args.quick else base, on_stage)
+            except RuntimeError as e:  # BrokerUnavailable, or a consumer that did not start
+                console.print(f"[yellow]backlog scenario not measured:[/] {e}")
+                lab["backlog"] = {"skipped": str(e)}
+                if not scenarios:
+                    return EXIT_UNREACHABLE
         for task in tasks.values():
             t = progress.tasks[task]
             if t.total:

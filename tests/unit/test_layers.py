@@ -107,6 +107,7 @@ DEFERRED: dict[tuple[str, str], str] = {
     ("_lab.demo", "testing"): "the demo process loads brownout after the fork",
     ("_lab.demo", "wire"): "the demo process loads brownout after the fork",
     ("_lab.protect", "integrations.aiohttp_client"): "aiohttp only for the outbound demo",
+    ("_lab.backlog", "integrations.redis_streams"): "redis-py only when the backlog scenario runs",
 }
 
 # Third-party imports in the core inside functions, by (importer, package).

@@ -17,8 +17,11 @@ from typing import Any
 from .verdict import Check, evaluate, step_host_bound, targets
 
 __all__ = [
+    "BACKLOG_COLUMNS",
     "COLUMNS",
     "OUTBOUND_COLUMNS",
+    "backlog_rows",
+    "backlog_seconds",
     "check_line",
     "cpu_cell",
     "host_cell",
@@ -195,16 +198,139 @@ def _scenarios(lab: dict[str, Any]) -> list[dict[str, Any]]:
     return [s for s in lab["scenarios"] if s["name"] in present]
 
 
+BACKLOG_COLUMNS = (
+    "consumer",
+    "published",
+    "in time/s after recovery",
+    "late/s after recovery",
+    "fresh in time again after",
+    "completed in time / late",
+    "parked (by reason)",
+    "still queued",
+    "lost",
+    "duplicates",
+    "SIGKILLs after recovery (messages held; restarted in)",
+)
+"""The backlog scenario's table: one row per consumer run (`brownout._lab.backlog`)."""
+
+BACKLOG_TITLE = "Backlog after an outage (Redis Streams)"
+
+
+def _backlog_runs(lab: dict[str, Any]) -> list[dict[str, Any]]:
+    runs: list[dict[str, Any]] = (lab.get("backlog") or {}).get("runs", [])
+    return runs
+
+
+def backlog_description(lab: dict[str, Any]) -> str:
+    """What the backlog scenario did, with its settings."""
+    st = (lab.get("backlog") or {}).get("settings")
+    if not st:
+        return ""
+    capacity = st["dependency_concurrency"] / st["dependency_latency"]
+    kills = ", ".join(f"+{k:g} s" for k in st["kills"])
+    return (
+        f"A producer publishes {st['rate']:g} messages/s (open loop) to a Redis stream, each "
+        f"valid for {st['ttl']:g} s; the consumer's dependency serves "
+        f"{st['dependency_concurrency']} calls at a time of "
+        f"{st['dependency_latency'] * 1000:g} ms ({capacity:.0f} messages/s) and is down for "
+        f"{st['outage']:g} s after {st['before']:g} s; then {st['after']:g} s after recovery. "
+        "naive: redis-py, FIFO, a failure requeued at once, no deadline check; brownout: "
+        "redis_streams.Consumer with the default MessagePolicy; brownout-killed: the same, "
+        f"outage {st['outage'] * st['killed_scale']:g} s, its process SIGKILLed at {kills} "
+        "after recovery and restarted. 'fresh in time again after': seconds from recovery "
+        f"until messages published after it are served within their deadline (>= 95% of "
+        "each second's) for good."
+    )
+
+
+def backlog_rows(lab: dict[str, Any]) -> list[list[str]]:
+    """One row per run of the backlog scenario."""
+    rows = []
+    for run in _backlog_runs(lab):
+        acc = run["accounting"]
+        reasons = ", ".join(f"{n} {r}" for r, n in run["parked_by_reason"].items())
+        fresh = run["fresh_recovery_s"]
+        kills = ", ".join(
+            f"{k['at'] - run['recovered_at']:+.1f} s ({k.get('held', '?')} held; "
+            f"{k['restarted_in']:.1f} s)"
+            for k in run["kills"]
+        )
+        rows.append(
+            [
+                run["configuration"],
+                str(acc["published"]),
+                _num(run["after_in_time_per_s"], 1),
+                _num(run["after_late_per_s"], 1),
+                f"{fresh:.1f} s" if fresh is not None else f"> {run['after']:g} s (not in the run)",
+                f"{acc['completed_in_time']} / {acc['completed_late']}",
+                f"{acc['parked']} ({reasons})" if reasons else str(acc["parked"]),
+                str(acc["queued"]),
+                str(acc["lost"]),
+                str(acc["duplicates"]),
+                kills or "-",
+            ]
+        )
+    return rows
+
+
+def backlog_seconds(lab: dict[str, Any], before: int = 2) -> tuple[list[str], list[list[str]]]:
+    """Per-second figures around and after recovery, naive vs brownout: (columns, rows);
+    each cell is in-time/late completions (parked) and the queue's depth."""
+    runs = [r for r in _backlog_runs(lab) if not r.get("kills_planned")]
+    if not runs:
+        return [], []
+    cols = ["s after recovery"] + [
+        f"{r['configuration']}: in time / late (parked), depth" for r in runs
+    ]
+    start = int(runs[0]["recovered_at"]) - before
+    rows = []
+    for second in range(start, max(len(r["timeline"]) for r in runs)):
+        row = [f"{second - runs[0]['recovered_at']:+g}"]
+        for r in runs:
+            if second < len(r["timeline"]):
+                b = r["timeline"][second]
+                row.append(f"{b['in_time']} / {b['late']} ({b['parked']}), {b['depth']}")
+            else:
+                row.append("-")
+        rows.append(row)
+    return cols, rows
+
+
+def _backlog_markdown(lab: dict[str, Any]) -> list[str]:
+    if not (lab.get("backlog") or {}).get("runs"):
+        return []
+    out = [f"## {BACKLOG_TITLE}", "", backlog_description(lab), ""]
+    out.append("| " + " | ".join(BACKLOG_COLUMNS) + " |")
+    out.append("|" + "---|" * len(BACKLOG_COLUMNS))
+    out += ["| " + " | ".join(row) + " |" for row in backlog_rows(lab)]
+    cols, rows = backlog_seconds(lab)
+    if rows:
+        out += ["", "Per second (completions by the second they completed in):", ""]
+        out.append("| " + " | ".join(cols) + " |")
+        out.append("|" + "---|" * len(cols))
+        out += ["| " + " | ".join(row) + " |" for row in rows]
+    out.append("")
+    return out
+
+
 def print_tables(lab: dict[str, Any], console: Any) -> None:
     """Print one rich table per scenario, then the verdict."""
     from rich.table import Table
 
     cal = lab["calibration"]
-    console.print(
-        f"[bold]capacity[/] {cal['capacity']:.0f} req/s (closed-loop calibration), "
-        f"service time {cal['service_time'] * 1000:.1f} ms, "
-        f"client deadline {lab['settings']['deadline'] * 1000:.0f} ms"
-    )
+    if cal:
+        console.print(
+            f"[bold]capacity[/] {cal['capacity']:.0f} req/s (closed-loop calibration), "
+            f"service time {cal['service_time'] * 1000:.1f} ms, "
+            f"client deadline {lab['settings']['deadline'] * 1000:.0f} ms"
+        )
+    if _backlog_runs(lab):
+        table = Table(title=f"{BACKLOG_TITLE}: {backlog_description(lab)}", title_justify="left")
+        for col in BACKLOG_COLUMNS:
+            table.add_column(col, overflow="fold")
+        for row in backlog_rows(lab):
+            table.add_row(*row)
+        console.print(table)
     for sc in _scenarios(lab):
         table = Table(title=f"{sc['title']}: {sc['description']}", title_justify="left")
         for col in COLUMNS:
@@ -288,8 +414,12 @@ def _plot(lab: dict[str, Any], out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     titles = _titles(lab)
-    capacity = float(lab["calibration"]["capacity"])
     written: list[str] = []
+    if _backlog_runs(lab):
+        written.append(_plot_backlog(lab, out, plt))
+    if not lab["calibration"]:
+        return written
+    capacity = float(lab["calibration"]["capacity"])
     ramp = [r for r in lab["runs"] if r["scenario"] == "ramp"]
     if ramp:
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -408,6 +538,50 @@ def _plot(lab: dict[str, Any], out: Path) -> list[str]:
     return written
 
 
+def _plot_backlog(lab: dict[str, Any], out: Path, plt: Any) -> str:
+    """Completions in time and late per second, and the queue's depth, per consumer."""
+    runs = [r for r in _backlog_runs(lab) if not r.get("kills_planned")]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for run in runs:
+        xs = [i - run["recovered_at"] for i in range(len(run["timeline"]))]
+        (line,) = top.step(
+            xs,
+            [b["in_time"] for b in run["timeline"]],
+            where="post",
+            label=f"{run['configuration']}: in time",
+        )
+        top.step(
+            xs,
+            [b["late"] for b in run["timeline"]],
+            where="post",
+            linestyle=":",
+            color=line.get_color(),
+            label=f"{run['configuration']}: late",
+        )
+        bottom.step(
+            xs,
+            [b["depth"] for b in run["timeline"]],
+            where="post",
+            color=line.get_color(),
+            label=run["configuration"],
+        )
+    if runs:
+        outage = runs[0]["outage"]
+        for ax in (top, bottom):
+            ax.axvspan(-outage, 0, color="0.92", label="dependency down" if ax is top else None)
+    top.set_ylabel("completions per second")
+    top.set_title("Backlog after an outage: queue goodput (solid) and late work (dotted)")
+    top.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    bottom.set_ylabel("messages queued")
+    bottom.set_xlabel("seconds after the dependency recovered")
+    bottom.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    name = "timeline-backlog.png"
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 # -- Markdown and HTML ---------------------------------------------------------------------------
 
 
@@ -512,6 +686,28 @@ degraded goodput.
   normal latency read as queueing once the mode left (the step after recovery shows the
   limit holding).
 
+**Backlog after an outage** (`backlog`, opt-in, about 85 s; needs Redis 7 at
+`--redis`, default `redis://127.0.0.1:6379/0`, and says so when it does not answer; figures
+from a run: [durable queues](queues.md#backlog-after-an-outage-the-lab)):
+
+```console
+$ brownout lab --scenarios backlog
+```
+
+A durable queue instead of HTTP (Q1, Q2). A producer publishes 100 messages/s, open loop, to
+a Redis stream, each valid for 3 s; the consumer's dependency (inside the consumer process:
+4 calls at a time of 20 ms, 200 messages/s) is down for 10 s, then 12 s after recovery. A
+naive consumer (plain redis-py, FIFO, a failure requeued at once, no deadline check) against
+brownout's `redis_streams.Consumer` with the default `MessagePolicy`, each on a fresh stream,
+then brownout again with an outage half as long while the scenario's supervisor SIGKILLs its
+consumer process 0.5 s and 2.5 s after recovery and restarts it. Every message is accounted
+for from Redis (a completion log the handler writes before the acknowledgement, the parked
+stream, the stream and its retry set): published = completed + parked + still queued, and
+lost must be 0. Pass/fail: brownout serves fresh messages (published after recovery) within
+their deadline again within 5 s of recovery (at least 95% of each second's, for good), and
+loses nothing, kills included. The table gives completions in time and late per second after
+recovery, parked by reason, and a per-second table and plot around recovery.
+
 The three-layer chain (front -> mid -> backend) is not a lab scenario: it is measured by
 counts in `tests/integration/test_retry_chain.py` (20 originals: 23 attempts at the bottom
 with brownout, 540 with naive 3-attempt retries at every layer).
@@ -530,6 +726,11 @@ def markdown(
     out = ["# The overload lab", "", *PREAMBLE.splitlines(), ""]
     if command:
         out += ["## This run", "", "Produced by:", "", "```console", f"$ {command}", "```", ""]
+    if _backlog_runs(lab):
+        out += _backlog_markdown(lab)
+        out += [f"![timeline-backlog.png]({image_prefix}timeline-backlog.png)", ""]
+    if not cal:
+        return "\n".join([*out, "## Verdict", "", *_verdict_lines(lab), ""])
     out += [
         f"Measured capacity: **{cal['capacity']:.0f} requests/s** (closed loop, concurrency "
         f"doubled until throughput stopped growing); dependency service time "
@@ -580,11 +781,21 @@ def _html(lab: dict[str, Any], images: list[str]) -> str:
         ".fail{color:#b00}</style></head><body><h1>brownout overload lab</h1>",
     ]
     cal = lab["calibration"]
-    parts.append(
-        f"<p>Capacity {cal['capacity']:.0f} req/s, service time "
-        f"{cal['service_time'] * 1000:.1f} ms, deadline "
-        f"{lab['settings']['deadline'] * 1000:.0f} ms.</p>"
-    )
+    if cal:
+        parts.append(
+            f"<p>Capacity {cal['capacity']:.0f} req/s, service time "
+            f"{cal['service_time'] * 1000:.1f} ms, deadline "
+            f"{lab['settings']['deadline'] * 1000:.0f} ms.</p>"
+        )
+    if _backlog_runs(lab):
+        parts.append(f"<h2>{BACKLOG_TITLE}</h2><p>{html.escape(backlog_description(lab))}</p>")
+        for cols, rows in ((list(BACKLOG_COLUMNS), backlog_rows(lab)), backlog_seconds(lab)):
+            parts.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in cols))
+            for row in rows:
+                cells = "".join(f"<td>{html.escape(c)}</td>" for c in row)
+                parts.append(f"<tr>{cells}</tr>")
+            parts.append("</table>")
+        parts.append("<p><img src='timeline-backlog.png'></p>")
     for sc in _scenarios(lab):
         parts.append(f"<h2>{html.escape(sc['title'])}</h2><p>{html.escape(sc['description'])}</p>")
         parts.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS))

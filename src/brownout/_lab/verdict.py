@@ -19,6 +19,12 @@ In the CPU-starved scenario (a hog shares the front's core) brownout-adaptive mu
 the same step of the same lab run (less `STARVED_SLACK` of capacity), and success p99 <= half
 the deadline; the same are reported as targets for brownout-fixed.
 
+In the backlog scenario (opt-in, on Redis Streams: `brownout._lab.backlog`), brownout's
+consumer must serve fresh messages within their deadline again within `FRESH_RECOVERY_S` of
+the dependency's recovery, and lose no message: none in its plain run, none in the run where
+its process is killed (SIGKILL) and restarted (every kill must have happened). The killed
+run's recovery time and the naive consumer's are reported beside them, not enforced.
+
 A check on a host-bound step (`brownout._lab.hostcpu`: the generator late, or a process
 saturated) does not pass even when its value would: its ``status`` is ``host-bound`` and
 ``passed`` is false, so the lab fails. A value that fails is a failure whether or not the
@@ -29,7 +35,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Check", "evaluate", "judged_runs", "step_host_bound", "targets"]
+__all__ = [
+    "Check",
+    "backlog_checks",
+    "backlog_targets",
+    "evaluate",
+    "judged_runs",
+    "step_host_bound",
+    "targets",
+]
 
 Check = dict[str, Any]
 
@@ -132,6 +146,11 @@ def judged_runs(lab: dict[str, Any]) -> list[dict[str, Any]]:
 
 def evaluate(lab: dict[str, Any]) -> list[Check]:
     """Every invariant check of a lab result; the lab fails if any has ``passed`` false."""
+    checks = _http_checks(lab) if lab.get("calibration") else []
+    return checks + backlog_checks(lab)
+
+
+def _http_checks(lab: dict[str, Any]) -> list[Check]:
     capacity = float(lab["calibration"]["capacity"])
     deadline_ms = float(lab["settings"]["deadline"]) * 1000
     judged = _judged(lab)
@@ -200,6 +219,11 @@ def evaluate(lab: dict[str, Any]) -> list[Check]:
 
 def targets(lab: dict[str, Any]) -> list[Check]:
     """The demo's stricter goals: adaptive at 10x, health under the flood (reported only)."""
+    out = _http_targets(lab) if lab.get("calibration") else []
+    return out + backlog_targets(lab)
+
+
+def _http_targets(lab: dict[str, Any]) -> list[Check]:
     capacity = float(lab["calibration"]["capacity"])
     service_ms = float(lab["calibration"]["service_time"]) * 1000
     out: list[Check] = []
@@ -369,3 +393,72 @@ def _outbound_targets(run: dict[str, Any], capacity: float) -> list[Check]:
                 )
             )
     return out
+
+
+FRESH_RECOVERY_S = 5.0
+"""Backlog scenario: seconds after recovery within which brownout serves fresh work in time."""
+
+
+def _backlog_check(
+    run: dict[str, Any], name: str, value: float | None, limit: float, passed: bool, unit: str
+) -> Check:
+    return {
+        "configuration": run["configuration"],
+        "scenario": run["scenario"],
+        "step": "after recovery",
+        "check": name,
+        "value": value,
+        "limit": limit,
+        "unit": unit,
+        "passed": passed,
+        "status": "passed" if passed else "failed",
+        "host_bound": [],
+        "generator_late": False,
+    }
+
+
+def _recovery_check(run: dict[str, Any]) -> Check:
+    value = run["fresh_recovery_s"]
+    return _backlog_check(
+        run,
+        f"fresh messages served within their deadline <= {FRESH_RECOVERY_S:g} s after recovery",
+        value,
+        FRESH_RECOVERY_S,
+        value is not None and value <= FRESH_RECOVERY_S,
+        "s",
+    )
+
+
+def backlog_checks(lab: dict[str, Any]) -> list[Check]:
+    """The backlog scenario's invariants (brownout's consumer; see the module docstring)."""
+    backlog = lab.get("backlog") or {}
+    out: list[Check] = []
+    for run in backlog.get("runs", []):
+        if run["kind"] != "brownout":
+            continue
+        acc = run["accounting"]
+        wanted = int(run.get("kills_planned", 0))
+        if not wanted:
+            out.append(_recovery_check(run))
+        killed = f", {len(run['kills'])} of {wanted} SIGKILLs survived" if wanted else ""
+        out.append(
+            _backlog_check(
+                run,
+                f"messages lost (published = completed + parked + queued){killed}",
+                acc["lost"],
+                0,
+                acc["lost"] == 0 and len(run["kills"]) == wanted,
+                "messages",
+            )
+        )
+    return out
+
+
+def backlog_targets(lab: dict[str, Any]) -> list[Check]:
+    """Reported beside the checks: the killed run's recovery time."""
+    backlog = lab.get("backlog") or {}
+    return [
+        _recovery_check(run)
+        for run in backlog.get("runs", [])
+        if run["kind"] == "brownout" and run.get("kills_planned")
+    ]

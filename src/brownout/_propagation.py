@@ -203,6 +203,7 @@ _MAX_ATTEMPT = 1000
 _PLAIN_KEY_RE = re.compile(rb"[\x21\x23-\x2b\x2d-\x5b\x5d-\x7e]+")
 """The plain token form: visible ASCII without quotes, backslash or comma (a comma is two
 values folded into one)."""
+_PLAIN_KEY_TEXT = re.compile(_PLAIN_KEY_RE.pattern.decode("ascii"))
 _SF_STRING_RE = re.compile(rb'"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"')
 _SF_ESCAPE_RE = re.compile(rb'\\(["\\])')
 _ATTEMPT_RE = re.compile(rb"[0-9]{1,4}")
@@ -545,17 +546,27 @@ class InboundDeadlinePolicy:
 def context_headers(ctx: RequestContext) -> dict[str, str]:
     """Priority, attempt and idempotency key of ``ctx`` as headers or gRPC metadata.
 
-    Defaults are left out (priority ``critical``, attempt 1, no key). gRPC clients send these
-    and carry the budget in ``grpc-timeout``; HTTP clients use `outbound_headers`.
+    Defaults are left out (priority ``critical``, attempt 1, no key). A key that is not a
+    plain token (a space, a quote, a comma) goes as a structured-field string, the form the
+    IETF draft specifies and every edge reads. gRPC clients send these and carry the budget
+    in ``grpc-timeout``; HTTP clients use `outbound_headers`.
     """
     headers: dict[str, str] = {}
     if ctx.priority is not Priority.CRITICAL:
         headers[PRIORITY_HEADER] = ctx.priority.label
     if ctx.attempt != 1:
         headers[ATTEMPT_HEADER] = str(ctx.attempt)
-    if ctx.idempotency_key is not None:
-        headers[IDEMPOTENCY_HEADER] = ctx.idempotency_key
+    key = ctx.idempotency_key
+    if key is not None:
+        headers[IDEMPOTENCY_HEADER] = key if _PLAIN_KEY_TEXT.fullmatch(key) else _sf_string(key)
     return headers
+
+
+def _sf_string(key: str) -> str:
+    """``key`` as a structured-field string, when it is printable ASCII (else as it is)."""
+    if not (key.isascii() and key.isprintable()):
+        return key
+    return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 OutboundHook = Callable[[RequestContext, "float | None"], None]

@@ -222,6 +222,20 @@ OPS = st.lists(
         ("expire",),
     ],
 )
+@example(  # I3: a retry waits behind a first attempt of its class that came after it
+    kind=FifoQueue,
+    max_size=2,
+    max_wait=1.0,
+    share=1.0,
+    ops=[
+        ("push", Priority.CRITICAL, False, "a", None, True),
+        ("push", Priority.CRITICAL, False, "b", None, False),
+        ("pop",),
+        ("push", Priority.CRITICAL, False, "a", None, True),
+        ("push", Priority.CRITICAL, False, "b", None, False),  # evicts the retry
+        ("pop",),
+    ],
+)
 @given(
     kind=QUEUES,
     max_size=st.integers(1, 6),

@@ -728,3 +728,13 @@ def test_a_bound_key_is_per_caller_and_stable() -> None:
     # no ambiguity where the caller ends and the key begins
     assert bind_idempotency_key("a", "bc") != bind_idempotency_key("ab", "c")
     assert len(alice) == 43 and decode_idempotency_key(alice) == alice  # forwardable as is
+
+
+@given(_PRINTABLE.filter(lambda k: len(k) <= 255))
+def test_a_key_sent_from_the_context_reads_back_as_itself(key: str) -> None:
+    from brownout.wire import IDEMPOTENCY_HEADER, context_headers, decode_idempotency_key
+
+    sent = context_headers(brownout.RequestContext(idempotency_key=key))[IDEMPOTENCY_HEADER]
+    assert decode_idempotency_key(sent) == key
+    if key.isalnum():
+        assert sent == key  # a plain token goes as it is

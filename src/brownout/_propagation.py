@@ -56,9 +56,12 @@ __all__ = [
     "Repeated",
     "Trust",
     "add_outbound_hook",
+    "bind_idempotency_key",
     "context_headers",
+    "decode_attempt",
     "decode_budget_ms",
     "decode_grpc_timeout",
+    "decode_idempotency_key",
     "encode_budget_ms",
     "encode_grpc_timeout",
     "header_values",
@@ -190,6 +193,68 @@ def _ascii(value: str | bytes, header: str) -> bytes:
     if isinstance(value, bytes | bytearray):
         return bytes(value)
     raise HeaderError(f"{header} must be str or bytes, not {type(value).__name__}")
+
+
+# -- idempotency key and attempt ---------------------------------------------------------------
+
+IDEMPOTENCY_KEY_MAX = 255
+"""Longest idempotency key read inbound, in characters (after unquoting)."""
+_MAX_ATTEMPT = 1000
+_PLAIN_KEY_RE = re.compile(rb"[\x21\x23-\x2b\x2d-\x5b\x5d-\x7e]+")
+"""The plain token form: visible ASCII without quotes, backslash or comma (a comma is two
+values folded into one)."""
+_PLAIN_KEY_TEXT = re.compile(_PLAIN_KEY_RE.pattern.decode("ascii"))
+_SF_STRING_RE = re.compile(rb'"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"')
+_SF_ESCAPE_RE = re.compile(rb'\\(["\\])')
+_ATTEMPT_RE = re.compile(rb"[0-9]{1,4}")
+
+
+def decode_idempotency_key(value: str | bytes) -> str:
+    """The key of an ``idempotency-key`` value: a structured-field string (``"..."`` of
+    printable ASCII, ``\\"`` and ``\\\\`` escaped), as the IETF HTTPAPI draft sends it, or
+    the plain token form (visible ASCII without ``"``, ``\\`` or ``,``). At most
+    `IDEMPOTENCY_KEY_MAX` characters, not empty; `HeaderError` otherwise."""
+    raw = _ascii(value, IDEMPOTENCY_HEADER).strip(b" \t")
+    if len(raw) > 2 * IDEMPOTENCY_KEY_MAX + 2:
+        raise HeaderError(f"{IDEMPOTENCY_HEADER} longer than {IDEMPOTENCY_KEY_MAX}", "too long")
+    if raw[:1] == b'"':
+        m = _SF_STRING_RE.fullmatch(raw)
+        if m is None:
+            raise HeaderError(f"malformed {IDEMPOTENCY_HEADER}: {raw[:40]!r}", "malformed")
+        key = _SF_ESCAPE_RE.sub(rb"\1", m.group(1))
+    elif _PLAIN_KEY_RE.fullmatch(raw) is not None:
+        key = raw
+    else:
+        raise HeaderError(f"malformed {IDEMPOTENCY_HEADER}: {raw[:40]!r}", "malformed")
+    if not key:
+        raise HeaderError(f"empty {IDEMPOTENCY_HEADER}", "malformed")
+    if len(key) > IDEMPOTENCY_KEY_MAX:
+        raise HeaderError(f"{IDEMPOTENCY_HEADER} longer than {IDEMPOTENCY_KEY_MAX}", "too long")
+    return key.decode("ascii")
+
+
+def decode_attempt(value: str | bytes) -> int:
+    """A ``brownout-attempt`` value: 1 to 4 ASCII digits, from 1 to 1000; `HeaderError`
+    otherwise."""
+    raw = _ascii(value, ATTEMPT_HEADER).strip(b" \t")
+    if _ATTEMPT_RE.fullmatch(raw) is None or not 1 <= int(raw) <= _MAX_ATTEMPT:
+        raise HeaderError(f"malformed {ATTEMPT_HEADER}: {raw[:40]!r}", "malformed")
+    return int(raw)
+
+
+def bind_idempotency_key(caller: str, key: str) -> str:
+    """The key ``caller`` sent, bound to that caller (I1): what the edge puts in the request
+    context, forwards downstream, and what servers store under. The same caller and key give
+    the same bound key on every attempt and every instance; another caller's same key gives
+    another, so one caller can neither collide with nor replay another's. 43 characters
+    ``[A-Za-z0-9_-]`` (SHA-256, base64url), a valid plain-form key in turn: each hop binds
+    what it got to its own caller."""
+    who = caller.encode("utf-8", "surrogatepass")
+    digest = hashlib.sha256(
+        b"brownout-idempotency-v1\x00%d\x00%s\x00%s"
+        % (len(who), who, key.encode("utf-8", "surrogatepass"))
+    ).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
 
 
 # -- signed budgets ----------------------------------------------------------------------------
@@ -481,17 +546,27 @@ class InboundDeadlinePolicy:
 def context_headers(ctx: RequestContext) -> dict[str, str]:
     """Priority, attempt and idempotency key of ``ctx`` as headers or gRPC metadata.
 
-    Defaults are left out (priority ``critical``, attempt 1, no key). gRPC clients send these
-    and carry the budget in ``grpc-timeout``; HTTP clients use `outbound_headers`.
+    Defaults are left out (priority ``critical``, attempt 1, no key). A key that is not a
+    plain token (a space, a quote, a comma) goes as a structured-field string, the form the
+    IETF draft specifies and every edge reads. gRPC clients send these and carry the budget
+    in ``grpc-timeout``; HTTP clients use `outbound_headers`.
     """
     headers: dict[str, str] = {}
     if ctx.priority is not Priority.CRITICAL:
         headers[PRIORITY_HEADER] = ctx.priority.label
     if ctx.attempt != 1:
         headers[ATTEMPT_HEADER] = str(ctx.attempt)
-    if ctx.idempotency_key is not None:
-        headers[IDEMPOTENCY_HEADER] = ctx.idempotency_key
+    key = ctx.idempotency_key
+    if key is not None:
+        headers[IDEMPOTENCY_HEADER] = key if _PLAIN_KEY_TEXT.fullmatch(key) else _sf_string(key)
     return headers
+
+
+def _sf_string(key: str) -> str:
+    """``key`` as a structured-field string, when it is printable ASCII (else as it is)."""
+    if not (key.isascii() and key.isprintable()):
+        return key
+    return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 OutboundHook = Callable[[RequestContext, "float | None"], None]

@@ -123,13 +123,15 @@ class RequestShed(RequestEvent):
     """Work refused, with the reason.
 
     ``false_positive`` is true when the refusal happened while capacity existed (in-flight
-    below the limit and nothing queued); S8 says this must stay at zero.
+    below the limit and nothing queued); S8 says this must stay at zero. ``retry`` is true
+    when the refused work was a retry (attempt > 1), which yields to first attempts (I3).
     """
 
     reason: Reason
     remaining: float | None
     queue_wait: float
     false_positive: bool = False
+    retry: bool = False
 
 
 @_event

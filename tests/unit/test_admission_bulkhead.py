@@ -329,6 +329,42 @@ async def test_higher_priority_evicts_newest_lowest_when_full() -> None:
     assert results["vip"] == "ran" and results["old"] == "ran"
 
 
+async def test_retries_yield_to_first_attempts_and_are_counted_apart() -> None:
+    """I3: at the limit with a full queue, a first attempt evicts a retry of its priority;
+    a retry is served after first attempts; its refusal says it was a retry."""
+    b, rec = make(1, FifoQueue(max_size=2, max_wait=5))
+    hold = asyncio.Event()
+    order: list[str] = []
+    results: dict[str, str] = {}
+
+    async def work(tag: str, attempt: int) -> None:
+        try:
+            with brownout.request(attempt=attempt):
+                async with b.admit():
+                    order.append(tag)
+                    await hold.wait()
+        except Rejected as e:
+            results[tag] = e.reason.value
+
+    running = asyncio.create_task(work("running", 1))
+    await asyncio.sleep(0)
+    retry_a = asyncio.create_task(work("retry_a", 2))
+    await asyncio.sleep(0.01)
+    retry_b = asyncio.create_task(work("retry_b", 3))
+    await asyncio.sleep(0.01)
+    first = asyncio.create_task(work("first", 1))  # the queue is full of retries
+    await asyncio.sleep(0.01)
+    assert results == {"retry_b": "queue_full"}
+    shed = rec.of(RequestShed)
+    assert [(e.reason, e.retry) for e in shed] == [(Reason.QUEUE_FULL, True)]
+    hold.set()
+    await asyncio.gather(running, retry_a, retry_b, first)
+    assert order == ["running", "first", "retry_a"]  # the retry waited longer, served later
+    stats = brownout.Stats()
+    stats.emit(shed[0])
+    assert stats.count("shed_retry", reason="queue_full") == 1 == stats.count("shed")
+
+
 async def test_in_progress_beats_new_work_of_same_priority() -> None:
     b, _ = make(1)
     order: list[str] = []

@@ -9,6 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from brownout import Priority, Reason
+from brownout._admission.queues import RANKS
 from brownout.queues import (
     AdaptiveLifoQueue,
     CoDelQueue,
@@ -26,8 +27,13 @@ def item(
     caller: str = "c",
     deadline_at: float = math.inf,
     in_progress: bool = False,
+    retry: bool = False,
 ) -> QueueItem:
-    return QueueItem(priority, caller, "op", deadline_at, in_progress)
+    return QueueItem(priority, caller, "op", deadline_at, in_progress, retry)
+
+
+def rank(x: QueueItem) -> int:
+    return rank_of(x.priority, x.in_progress, x.retry)
 
 
 def test_fifo_and_lifo_order_within_a_class() -> None:
@@ -50,6 +56,29 @@ def test_priority_then_in_progress_then_policy() -> None:
         q.push(it, float(i))
     assert q.peek_rank() == rank_of(Priority.CRITICAL_PLUS, False)
     assert [q.pop(5.0)[0] for _ in range(4)] == [top, cont, new, low]
+
+
+def test_a_retry_ranks_below_a_first_attempt_of_its_priority_only() -> None:
+    """I3: at equal priority (and progress) a first attempt is served before a retry, which
+    is the first victim of a full queue; a retry of a higher priority still comes first."""
+    retry = item(Priority.CRITICAL, retry=True)
+    first = item(Priority.CRITICAL)
+    low = item(Priority.SHEDDABLE)
+    cont_retry = item(Priority.CRITICAL, in_progress=True, retry=True)
+    assert rank(low) < rank(retry) < rank(first) < rank(cont_retry)
+    q = LifoQueue(8, 10)  # newest first inside a class: order across classes still holds
+    for i, it in enumerate((first, retry, low)):
+        q.push(it, float(i))
+    assert [q.pop(5.0)[0] for _ in range(3)] == [first, retry, low]
+
+    full = FifoQueue(2, 10)
+    older, newer = item(retry=True), item(retry=True)
+    full.push(older, 0.0)
+    full.push(newer, 1.0)
+    assert full.push(item(retry=True), 2.0) == (Reason.QUEUE_FULL, None)  # no rank below
+    newcomer = item()
+    assert full.push(newcomer, 3.0) == (None, newer)  # the newest retry goes first
+    assert full.push(item(Priority.SHEDDABLE), 4.0) == (Reason.QUEUE_FULL, None)
 
 
 def test_expired_items_are_dropped_at_the_head_and_counted() -> None:
@@ -169,6 +198,7 @@ OPS = st.lists(
             st.booleans(),
             st.sampled_from(["a", "b", "c"]),
             st.one_of(st.none(), st.floats(0.0, 2.0)),
+            st.booleans(),  # a retry (I3)
         ),
         st.tuples(st.just("pop")),
         st.tuples(st.just("expire")),
@@ -187,9 +217,23 @@ OPS = st.lists(
     share=1.0,
     ops=[
         ("wait", 3e-257),
-        ("push", Priority.CRITICAL, False, "a", None),
+        ("push", Priority.CRITICAL, False, "a", None, False),
         ("wait", 0.25),
         ("expire",),
+    ],
+)
+@example(  # I3: a retry waits behind a first attempt of its class that came after it
+    kind=FifoQueue,
+    max_size=2,
+    max_wait=1.0,
+    share=1.0,
+    ops=[
+        ("push", Priority.CRITICAL, False, "a", None, True),
+        ("push", Priority.CRITICAL, False, "b", None, False),
+        ("pop",),
+        ("push", Priority.CRITICAL, False, "a", None, True),
+        ("push", Priority.CRITICAL, False, "b", None, False),  # evicts the retry
+        ("pop",),
     ],
 )
 @given(
@@ -210,8 +254,9 @@ def test_queue_invariants(
     pushed = 0
     for op in ops:
         if op[0] == "push":
-            _, prio, cont, caller, ttl = op
-            it = item(prio, caller, math.inf if ttl is None else now + ttl, cont)
+            _, prio, cont, caller, ttl, retry = op
+            it = item(prio, caller, math.inf if ttl is None else now + ttl, cont, retry)
+            new = rank(it)
             refusal, victim = q.push(it, now)
             if refusal is None:
                 pushed += 1
@@ -220,35 +265,32 @@ def test_queue_invariants(
                 assert not it.queued
                 if refusal is Reason.QUEUE_FULL:
                     # refused only if nothing queued ranks below the newcomer
-                    assert all(
-                        rank_of(x.priority, x.in_progress) >= rank_of(prio, cont) for x in live
-                    )
+                    assert all(rank(x) >= new for x in live)
             if victim is not None:
-                assert rank_of(victim.priority, victim.in_progress) < rank_of(prio, cont)
+                # a retry is the first victim of a first attempt of its priority (I3)
+                assert rank(victim) < new
+                assert rank(victim) == min(rank(x) for x in live)
                 live.remove(victim)
         elif op[0] == "pop":
-            best = max((rank_of(x.priority, x.in_progress) for x in live), default=-1)
-            bounds = [q.wait_bound(now, r) for r in range(8)]  # in force before it leaves
+            best = max((rank(x) for x in live), default=-1)
+            bounds = [q.wait_bound(now, r) for r in range(RANKS)]  # in force before it leaves
             got, reason = q.pop(now)
             if got is None:
                 assert not live
                 continue
             live.remove(got)
-            assert rank_of(got.priority, got.in_progress) == best
+            assert rank(got) == best  # a retry only when no first attempt of its class waits
             if reason is None:
                 assert got.deadline_at > now  # nothing expired is served
                 assert now - got.enqueued_at <= bounds[best] + 1e-12
                 assert bounds[best] <= q.wait_bound(now) + 1e-12  # None: the loosest
         elif op[0] == "expire":
-            bounds = [q.wait_bound(now, r) for r in range(8)]
+            bounds = [q.wait_bound(now, r) for r in range(RANKS)]
             for x in q.expire_old(now):
                 live.remove(x)
-                assert x.enqueued_at + bounds[rank_of(x.priority, x.in_progress)] <= now
+                assert x.enqueued_at + bounds[rank(x)] <= now
             # nothing left is over its bound (the queue's own sum: enqueue time + bound)
-            assert all(
-                x.enqueued_at + q.wait_bound(now, rank_of(x.priority, x.in_progress)) > now
-                for x in live
-            )
+            assert all(x.enqueued_at + q.wait_bound(now, rank(x)) > now for x in live)
         elif op[0] == "remove":
             if live:
                 victim = live[op[1] % len(live)]
@@ -384,7 +426,8 @@ def test_resize_applies_to_arrivals_and_evicts_nobody() -> None:
         PriorityCoDelQueue(1, target=0.2, interval=0.1)
     assert "PriorityCoDelQueue" in repr(q)
     assert q.class_depth(rank_of(Priority.CRITICAL, False)) == 2
-    assert q.class_busy_since(0) is None and q.class_busy_since(4) == 0.0
+    assert q.class_busy_since(0) is None
+    assert q.class_busy_since(rank_of(Priority.CRITICAL, False)) == 0.0
 
 
 def test_priority_codel_a_momentary_gap_does_not_end_a_standing_period() -> None:

@@ -90,6 +90,7 @@ class Job:
     outcome: str  # ok | error | downstream | timeout | enforce | ignore (try_admit only)
     cancel_after: float | None
     nowait: bool  # try_admit + manual settling
+    retry: bool = False  # attempt > 1: ranks below a first attempt of its priority (I3)
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -107,6 +108,7 @@ JOB = st.builds(
     caller=st.sampled_from(["a", "b", "c"]),
     operation=st.sampled_from(["read", "write"]),
     in_progress=st.booleans(),
+    retry=st.booleans(),
     ttl=st.one_of(st.none(), grains(0, 60)),
     service=grains(0, 40),
     outcome=st.sampled_from(["ok", "ok", "ok", "error", "downstream", "timeout", "enforce"]),
@@ -368,16 +370,18 @@ class Checker:
             self.bad(f"granted {p.priority.label} while shedding below {self.manager.shed_below}")
         if not cp and self.share_blocked(p.priority, extra=1):  # A1/S5 shares
             self.bad(f"{p.priority.label} granted past its share while higher work is active")
-        rank = rank_of(p.priority, p.in_progress)
+        rank = rank_of(p.priority, p.in_progress, p.retry)
         for w in self.waiting():  # S3
-            wr = rank_of(w.priority, w.in_progress)
+            wr = rank_of(w.priority, w.in_progress, w.retry)
             if wr > rank and not self.share_blocked(w.priority):
                 self.bad(f"granted rank {rank} over waiting rank {wr}")
         if id(p) in self.was_queued:
             if e.queue_wait > b.queue.max_wait + EPS:  # A3
                 self.bad(f"waited {e.queue_wait} over max_wait {b.queue.max_wait}")
             kind = type(b.queue).__name__
-            same = [w for w in self.waiting() if rank_of(w.priority, w.in_progress) == rank]
+            same = [
+                w for w in self.waiting() if rank_of(w.priority, w.in_progress, w.retry) == rank
+            ]
             if kind == "FifoQueue" and any(w.enqueued_at < p.enqueued_at for w in same):
                 self.bad("FIFO served a newer waiter first")
             if kind == "LifoQueue" and any(w.enqueued_at > p.enqueued_at for w in same):
@@ -411,8 +415,8 @@ class Checker:
             if now > p.deadline_at + EPS:
                 self.bad(f"waiter still queued {now - p.deadline_at} past its deadline")
         if waiting:  # S8: work conservation
-            best = max(waiting, key=lambda w: rank_of(w.priority, w.in_progress))
-            cp = rank_of(best.priority, best.in_progress) >= CRITICAL_PLUS_RANK
+            best = max(waiting, key=lambda w: rank_of(w.priority, w.in_progress, w.retry))
+            cp = rank_of(best.priority, best.in_progress, best.retry) >= CRITICAL_PLUS_RANK
             room = b.limit + (b._reserve if cp else 0)
             if b.in_flight < room and not self.share_blocked(best.priority):
                 self.bad(f"{best.priority.label} waits with {b.in_flight} in flight of {room}")
@@ -498,6 +502,7 @@ def run_script(config: Config, jobs: list[Job]) -> Run:
                 operation=j.operation,
                 deadline=deadline,
                 in_progress=j.in_progress,
+                retry=j.retry,
             )
             seen.permit = p
             checker.permits.append((j, p))
@@ -548,6 +553,7 @@ def run_script(config: Config, jobs: list[Job]) -> Run:
                     operation=j.operation,
                     deadline=deadline,
                     in_progress=j.in_progress,
+                    retry=j.retry,
                 )
             except Rejected as e:
                 seen.refused = e.reason

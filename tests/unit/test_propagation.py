@@ -659,3 +659,82 @@ def test_a_repeated_priority_claim_with_differing_values_is_ignored() -> None:
     same = [(b"brownout-priority", b"sheddable")] * 2
     cls = policy.classify(None, route, "/x", Trust.TRUSTED, header_getter(same))
     assert cls.priority is Priority.SHEDDABLE
+
+
+# -- idempotency key and attempt (I1) ---------------------------------------------------------
+
+_PRINTABLE = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1)
+
+
+def _sf_string(key: str) -> str:
+    return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@given(_PRINTABLE.filter(lambda k: len(k) <= 255))
+def test_an_sf_string_key_decodes_to_itself(key: str) -> None:
+    from brownout.wire import decode_idempotency_key
+
+    assert decode_idempotency_key(_sf_string(key)) == key
+    assert decode_idempotency_key(_sf_string(key).encode()) == key
+
+
+@given(_PRINTABLE)
+def test_a_key_decodes_or_raises_only_header_error(value: str) -> None:
+    from brownout.wire import decode_idempotency_key
+
+    try:
+        key = decode_idempotency_key(value)
+    except brownout.HeaderError:
+        return
+    assert 1 <= len(key) <= 255 and key.isprintable()
+
+
+def test_idempotency_key_forms_and_bounds() -> None:
+    from brownout.wire import decode_attempt, decode_idempotency_key
+
+    assert decode_idempotency_key("3f2a-99_x=") == "3f2a-99_x="  # the plain token form
+    assert decode_idempotency_key(' "a b" ') == "a b"
+    assert decode_idempotency_key("k" * 255) == "k" * 255
+    for bad, problem in [
+        ("", "malformed"),
+        ('""', "malformed"),
+        ("a b", "malformed"),
+        ("a,b", "malformed"),  # two values folded into one
+        ('"open', "malformed"),
+        ('"bad \\x escape"', "malformed"),
+        ("k" * 256, "too long"),
+        ('"' + "k" * 256 + '"', "too long"),
+        ("x" * 10_000, "too long"),
+        ("clé", "not ascii"),
+        ("a\x00b", "malformed"),
+    ]:
+        with pytest.raises(brownout.HeaderError) as info:
+            decode_idempotency_key(bad)
+        assert info.value.problem == problem, bad
+    assert decode_attempt("1") == 1 and decode_attempt(b" 42 ") == 42
+    assert decode_attempt("1000") == 1000
+    for bad in ("0", "1001", "-1", "2.0", "", "99999", "٣"):
+        with pytest.raises(brownout.HeaderError):
+            decode_attempt(bad)
+
+
+def test_a_bound_key_is_per_caller_and_stable() -> None:
+    from brownout.wire import bind_idempotency_key, decode_idempotency_key
+
+    alice = bind_idempotency_key("alice", "order-7")
+    assert alice == bind_idempotency_key("alice", "order-7")
+    assert alice != bind_idempotency_key("bob", "order-7")
+    assert alice != bind_idempotency_key("alice", "order-8")
+    # no ambiguity where the caller ends and the key begins
+    assert bind_idempotency_key("a", "bc") != bind_idempotency_key("ab", "c")
+    assert len(alice) == 43 and decode_idempotency_key(alice) == alice  # forwardable as is
+
+
+@given(_PRINTABLE.filter(lambda k: len(k) <= 255))
+def test_a_key_sent_from_the_context_reads_back_as_itself(key: str) -> None:
+    from brownout.wire import IDEMPOTENCY_HEADER, context_headers, decode_idempotency_key
+
+    sent = context_headers(brownout.RequestContext(idempotency_key=key))[IDEMPOTENCY_HEADER]
+    assert decode_idempotency_key(sent) == key
+    if key.isalnum():
+        assert sent == key  # a plain token goes as it is

@@ -74,7 +74,14 @@ from .permit import QUEUED as _QUEUED
 from .permit import SUCCESS as _SUCCESS
 from .permit import UNTIMED as _UNTIMED
 from .permit import Permit, Untracked
-from .queues import CRITICAL_PLUS_RANK, PriorityCoDelQueue, WaitQueue, rank_of
+from .queues import (
+    CRITICAL_PLUS_RANK,
+    RANKS,
+    PriorityCoDelQueue,
+    WaitQueue,
+    priority_of_rank,
+    rank_of,
+)
 
 __all__ = ["Bulkhead", "OverloadState", "Permit", "Untracked"]
 
@@ -307,11 +314,14 @@ class Bulkhead:
         operation: str | None = None,
         deadline: Deadline | None = None,
         in_progress: bool | None = None,
+        retry: bool | None = None,
     ) -> Permit:
         """``async with bulkhead.admit(): ...`` runs the block under a permit.
 
-        Fields not given come from the request context (`brownout.current()`). Waits in the
-        queue when the bulkhead is full; raises `brownout.Rejected` when refused.
+        Fields not given come from the request context (`brownout.current()`; ``retry``: its
+        attempt number is above 1). Waits in the queue when the bulkhead is full; raises
+        `brownout.Rejected` when refused. A retry ranks below a first attempt of the same
+        priority: it waits behind it, and is the first evicted when the queue is full (I3).
         """
         ctx = get_current()
         # Built field by field rather than through Permit.__init__: one frame less on the
@@ -347,6 +357,7 @@ class Bulkhead:
         else:
             p.deadline_at = self._deadline_at(deadline)
         p.in_progress = ctx.in_progress if in_progress is None else in_progress
+        p.retry = ctx.attempt > 1 if retry is None else retry
         p._state = _NEW
         return p
 
@@ -358,6 +369,7 @@ class Bulkhead:
         operation: str | None = None,
         deadline: Deadline | None = None,
         in_progress: bool | None = None,
+        retry: bool | None = None,
     ) -> Permit:
         """A permit now, or `brownout.Rejected` (never waits). Settle the permit yourself."""
         permit = self.admit(
@@ -366,6 +378,7 @@ class Bulkhead:
             operation=operation,
             deadline=deadline,
             in_progress=in_progress,
+            retry=retry,
         )
         if self._admit_now(permit):
             return permit
@@ -486,6 +499,7 @@ class Bulkhead:
         p.operation = operation
         p.deadline_at = deadline_at
         p.in_progress = False
+        p.retry = False
         p._row = row
         n += 1
         self._in_flight = n
@@ -580,7 +594,7 @@ class Bulkhead:
         if n < self._limit_value and (
             self._queue.size == 0
             # waiters held back by their share keep slots free for work that outranks them
-            or self._queue.peek_rank() < rank_of(p.priority, p.in_progress)
+            or self._queue.peek_rank() < rank_of(p.priority, p.in_progress, p.retry)
         ):
             self._grant(p, n, 0.0, now, False)
             return True
@@ -601,7 +615,7 @@ class Bulkhead:
         for higher in range(priority + 1, len(held)):
             if held[higher]:
                 return True
-        return self._queue.peek_rank() // 2 > priority
+        return priority_of_rank(self._queue.peek_rank()) > priority
 
     def _grant(self, p: Permit, n: int, queue_wait: float, now: float | None, queued: bool) -> None:
         """Give ``p`` a slot. ``now``: a clock reading already taken, if any."""
@@ -713,14 +727,14 @@ class Bulkhead:
         now = self._clock.now()
         est = self._estimator
         d_at = p.deadline_at
-        rank = rank_of(p.priority, p.in_progress)
+        rank = rank_of(p.priority, p.in_progress, p.retry)
         if d_at != _INF and est is not None:
             service = est.estimates.get(p.operation)
             if service is not None:
                 # only work served before it delays it (S3): lower classes wait behind it
                 ahead = q.size
                 if ahead:
-                    ahead = sum(q.class_depth(r) for r in range(rank, CRITICAL_PLUS_RANK + 2))
+                    ahead = sum(q.class_depth(r) for r in range(rank, RANKS))
                 wait = (ahead + 1) * service / self._limit_value
                 if d_at - now < wait + service:
                     raise self._refuse(
@@ -891,7 +905,7 @@ class Bulkhead:
                 n < self._limit_value + self._reserve and q.peek_rank() >= CRITICAL_PLUS_RANK
             ):
                 return
-            if self._held is not None and self._share_blocks(q.peek_rank() // 2):
+            if self._held is not None and self._share_blocks(priority_of_rank(q.peek_rank())):
                 return  # the best waiter holds its share and may not borrow: keep the slot
             item, reason = q.pop(now)
             p: Permit = item  # type: ignore[assignment]
@@ -1073,6 +1087,7 @@ class Bulkhead:
                     and not justified
                     and self._in_flight < self._limit_value
                     and self._queue.size == 0,
+                    p.retry,
                 )
             )
         return Rejected(reason, detail, retry_after=retry_after)

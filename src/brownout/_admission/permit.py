@@ -87,6 +87,7 @@ class Permit(QueueItem):
         operation: str,
         deadline_at: float,
         in_progress: bool,
+        retry: bool = False,
     ) -> None:
         self._bulkhead = bulkhead
         self.priority = priority
@@ -94,6 +95,7 @@ class Permit(QueueItem):
         self.operation = operation
         self.deadline_at = deadline_at
         self.in_progress = in_progress
+        self.retry = retry
         self._state = NEW
         self._row = None
         # queued, queue_wait, admitted_at are set when they become meaningful (hot path).

@@ -6,7 +6,8 @@ whose deadline has passed is dropped when it reaches the head and counted as exp
 late; every item's time in queue is recorded (`WaitQueue.wait_times`).
 
 Order: items are served by priority (higher first), then work in progress before new work of
-the same priority (S3), then by the queue's policy inside that class:
+the same priority (S3), then first attempts before retries (I3), then by the queue's policy
+inside that class:
 
 - `FifoQueue`: oldest first, the fair default when the queue rarely builds.
 - `LifoQueue`: newest first, so under overload the requests still likely to be useful (their
@@ -45,21 +46,32 @@ __all__ = [
     "PriorityCoDelQueue",
     "QueueItem",
     "WaitQueue",
+    "priority_of_rank",
     "rank_of",
 ]
 
-_RANKS = 8
+RANKS_PER_PRIORITY = 4
+"""Service classes per priority: (retry, first attempt) x (new work, work in progress)."""
+RANKS = (int(Priority.CRITICAL_PLUS) + 1) * RANKS_PER_PRIORITY
+"""How many service classes there are (`rank_of` is below this)."""
+_RANKS = RANKS
 _STANDING_ROUND_TRIPS = 4.0
 """Round trips of the work (`PriorityCoDelQueue.short_bound`) a class must stay behind for
 to count as standing, when that is longer than ``interval``."""
 _IDLE = math.inf  # busy-since of an empty class: ``now - _IDLE`` is never >= an interval
-CRITICAL_PLUS_RANK = int(Priority.CRITICAL_PLUS) * 2
-"""The lowest rank of CRITICAL_PLUS work (new CRITICAL_PLUS)."""
+CRITICAL_PLUS_RANK = int(Priority.CRITICAL_PLUS) * RANKS_PER_PRIORITY
+"""The lowest rank of CRITICAL_PLUS work (a new CRITICAL_PLUS retry)."""
 
 
-def rank_of(priority: Priority, in_progress: bool) -> int:
-    """Service order class: priority first, then work in progress before new work (S3)."""
-    return int(priority) * 2 + (1 if in_progress else 0)
+def rank_of(priority: Priority, in_progress: bool, retry: bool = False) -> int:
+    """Service order class: priority first, then work in progress before new work (S3),
+    then a first attempt before a retry (I3), so retries cannot crowd out new work."""
+    return int(priority) * RANKS_PER_PRIORITY + (2 if in_progress else 0) + (0 if retry else 1)
+
+
+def priority_of_rank(rank: int) -> int:
+    """The priority (as an int) of service class ``rank``."""
+    return rank // RANKS_PER_PRIORITY
 
 
 class QueueItem:
@@ -73,6 +85,7 @@ class QueueItem:
         "operation",
         "priority",
         "queued",
+        "retry",
     )
 
     def __init__(
@@ -82,6 +95,7 @@ class QueueItem:
         operation: str = "unknown",
         deadline_at: float = math.inf,
         in_progress: bool = False,
+        retry: bool = False,
     ) -> None:
         self.priority = priority
         self.caller = caller
@@ -89,6 +103,8 @@ class QueueItem:
         self.deadline_at = deadline_at
         """Absolute deadline on the queue's time base (``math.inf``: none)."""
         self.in_progress = in_progress
+        self.retry = retry
+        """A retry (attempt > 1): it ranks below a first attempt of its class (I3)."""
         self.enqueued_at = 0.0
         self.queued = False
         """True while the item is live in a queue; removal only flips it (lazy deletion)."""
@@ -196,14 +212,15 @@ class WaitQueue:
         ``refusal`` is `Reason.FAIR_SHARE` or `Reason.QUEUE_FULL` when the item was not
         added. When the queue is full and the newcomer ranks above the lowest-ranked waiter,
         the newest of those lowest-ranked waiters is evicted (returned) so that a higher
-        priority is never refused while a lower one waits in its place.
+        priority is never refused while a lower one waits in its place (and a retry is the
+        first victim for a first attempt of its priority, I3).
         """
         fair = self._fair
         if fair and self._per_caller.get(item.caller, 0) >= self.max_per_caller:
             self.refused_fair += 1
             return Reason.FAIR_SHARE, None
         victim: QueueItem | None = None
-        rank = item.priority * 2 + (1 if item.in_progress else 0)
+        rank = item.priority * 4 + (2 if item.in_progress else 0) + (0 if item.retry else 1)
         if self.size >= self.max_size:
             victim = self._evict_below(rank, now)
             if victim is None:
@@ -267,7 +284,7 @@ class WaitQueue:
         self.size -= 1
         if self.size == 0:
             self.busy_since = None
-        rank = item.priority * 2 + (1 if item.in_progress else 0)
+        rank = item.priority * 4 + (2 if item.in_progress else 0) + (0 if item.retry else 1)
         n = self._counts[rank] - 1
         self._counts[rank] = n
         if not n:

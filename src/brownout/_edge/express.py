@@ -14,7 +14,13 @@ from .._admission.permit import Permit, Untracked
 from .._clock import current_task_of
 from .._context import inbound_context, reset_current, set_current
 from .._degrade.markers import served_by_fallback
-from .._propagation import BUDGET_HEADER, PRIORITY_HEADER, SIGNED_BUDGET_HEADER
+from .._propagation import (
+    ATTEMPT_HEADER,
+    BUDGET_HEADER,
+    IDEMPOTENCY_HEADER,
+    PRIORITY_HEADER,
+    SIGNED_BUDGET_HEADER,
+)
 from .flight import Flight, Sweeper
 from .protocols import ActiveModes, Classification, RequestClassifier
 
@@ -25,11 +31,19 @@ __all__ = ["BUDGET_BYTES", "EXPRESS_HEADERS", "Express", "ExpressScope"]
 
 BUDGET_BYTES = BUDGET_HEADER.encode("latin-1")
 EXPRESS_HEADERS = frozenset(
-    name.encode("latin-1") for name in (BUDGET_HEADER, SIGNED_BUDGET_HEADER, PRIORITY_HEADER)
+    name.encode("latin-1")
+    for name in (
+        BUDGET_HEADER,
+        SIGNED_BUDGET_HEADER,
+        PRIORITY_HEADER,
+        IDEMPOTENCY_HEADER,
+        ATTEMPT_HEADER,
+    )
 )
 """Request headers (lower case, bytes) the edge has a decision to make about (honour, clamp, or
 ignore and report): a request carrying any of them takes the express path only through
-`EdgePolicy.express_budget`."""
+`EdgePolicy.express_budget`, which leaves all but a plain budget to `EdgePolicy.serve` (an
+idempotency key or attempt number goes into the request context there, I1)."""
 
 
 class Express:

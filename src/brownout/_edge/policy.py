@@ -37,13 +37,18 @@ from .._degrade.markers import served_by_fallback
 from .._errors import DeadlineExceeded, HeaderError, Reason, Rejected, UnknownOutcome
 from .._priority import Priority, parse_priority
 from .._propagation import (
+    ATTEMPT_HEADER,
     BUDGET_HEADER,
+    IDEMPOTENCY_HEADER,
     PRIORITY_HEADER,
     HeaderGetter,
     InboundDeadlinePolicy,
     Repeated,
     Trust,
+    bind_idempotency_key,
+    decode_attempt,
     decode_budget_ms,
+    decode_idempotency_key,
 )
 from ..events import (
     DeadlineHeaderIgnored,
@@ -386,6 +391,41 @@ class EdgePolicy:
             cls = self.classifier(request, cls)
         return cls
 
+    def idempotency(
+        self, get: HeaderGetter, trust: Trust, caller: str, attempt: int, key: str | None
+    ) -> tuple[int, str | None]:
+        """The attempt number and idempotency key a request carries (I1), else ``attempt``
+        and ``key`` (the enclosing context's). The key, from any caller, is bound to
+        ``caller`` (`bind_idempotency_key`: the classifier's, who authenticated it); the
+        attempt is read only from a trusted source, as a priority claim is (S4). A
+        malformed, repeated-with-differing-values or untrusted value is ignored and reported
+        as `DeadlineHeaderIgnored`."""
+        raw = get(IDEMPOTENCY_HEADER)
+        if raw is not None:
+            if isinstance(raw, Repeated):
+                self._header_ignored(IDEMPOTENCY_HEADER, "repeated")
+            else:
+                try:
+                    key = bind_idempotency_key(caller, decode_idempotency_key(raw))
+                except HeaderError as e:
+                    self._header_ignored(IDEMPOTENCY_HEADER, e.problem)
+        raw = get(ATTEMPT_HEADER)
+        if raw is not None:
+            if trust is not _TRUSTED:
+                self._header_ignored(ATTEMPT_HEADER, "untrusted source")
+            elif isinstance(raw, Repeated):
+                self._header_ignored(ATTEMPT_HEADER, "repeated")
+            else:
+                try:
+                    attempt = decode_attempt(raw)
+                except HeaderError as e:
+                    self._header_ignored(ATTEMPT_HEADER, e.problem)
+        return attempt, key
+
+    def _header_ignored(self, header: str, problem: str) -> None:
+        if self.events.enabled:
+            self.events.emit(DeadlineHeaderIgnored(_now(), self.name, header, problem))
+
     async def serve(
         self,
         request: Any,
@@ -451,6 +491,9 @@ class EdgePolicy:
         demote = False
         result: Any = None
         parent = get_current()
+        attempt, key = self.idempotency(
+            get, trust, cls.caller, parent.attempt, parent.idempotency_key
+        )
         seconds += flight.started  # now the deadline's instant
         deadline = parent.deadline
         if (
@@ -471,8 +514,8 @@ class EdgePolicy:
                     cls.priority,
                     cls.caller,
                     cls.operation,
-                    parent.attempt,
-                    parent.idempotency_key,
+                    attempt,
+                    key,
                     cls.in_progress,
                     flight.started,
                 )
@@ -498,8 +541,8 @@ class EdgePolicy:
                 cls.priority,
                 cls.caller,
                 cls.operation,
-                parent.attempt,
-                parent.idempotency_key,
+                attempt,
+                key,
                 cls.in_progress,
                 flight.started,
             )

@@ -71,6 +71,9 @@ def enter_attempt(attempt: int, key: str | None) -> contextvars.Token[RequestCon
     ``None`` when the context already says so.
     """
     parent = current()
+    if parent.attempt > 1:
+        # The request is itself a retry (I1): its calls are attempts n, n + 1, ... downstream.
+        attempt += parent.attempt - 1
     if parent.attempt == attempt and parent.idempotency_key == key:
         return None
     return attach(parent.replace(attempt=attempt, idempotency_key=key))
@@ -257,8 +260,12 @@ class RetryPolicy:
         the attempt-time estimate, ``slots`` overrides the policy's concurrent-retry cap.
         """
         key = idempotency_key
-        if key is None and not idempotent and self.idempotency_keys:
-            key = new_idempotency_key()
+        if key is None and not idempotent:
+            # The request's key (the edge's, I1), so a retried request repeats its effects'
+            # keys downstream; a fresh one per logical call otherwise.
+            key = current().idempotency_key
+            if key is None and self.idempotency_keys:
+                key = new_idempotency_key()
         budget = self.budget
         clock = self._clock
         started = clock.now()

@@ -74,6 +74,7 @@ COUNTER_KINDS = (
     "admitted",
     "shed",
     "shed_false_positive",
+    "shed_retry",
     "expired",
     "completed",
     "completed_late",
@@ -420,6 +421,8 @@ class Stats:
         # manager that itself reports being at its lowest level.
         if e.false_positive or self.overload_levels.get(e.source) == 0:
             self._bump("shed_false_positive", labels, reason)
+        if e.retry:
+            self._bump("shed_retry", labels, reason)
 
     def _expired(self, e: RequestExpired) -> None:
         self._count("expired", e, e.stage)

@@ -87,6 +87,13 @@ COUNTERS: tuple[CounterSpec, ...] = (
         "reason",
     ),
     CounterSpec(
+        "shed_retry",
+        "brownout_requests_shed_retry",
+        "brownout.requests.shed.retry",
+        "Retries (attempt > 1) among the refused requests, by reason; they yield first (I3).",
+        "reason",
+    ),
+    CounterSpec(
         "expired",
         "brownout_requests_expired",
         "brownout.requests.expired",

@@ -1,7 +1,8 @@
 """Queue disciplines for the requests a `brownout.Bulkhead` makes wait.
 
 FIFO, LIFO, CoDel, adaptive LIFO and priority CoDel; `WaitQueue` is the protocol for writing
-your own, `QueueItem` what it holds and `rank_of` the order priorities are served in.
+your own, `QueueItem` what it holds, `rank_of` the order work is served in and
+`priority_of_rank` the priority of a rank.
 """
 
 from ._admission.queues import (
@@ -12,6 +13,7 @@ from ._admission.queues import (
     PriorityCoDelQueue,
     QueueItem,
     WaitQueue,
+    priority_of_rank,
     rank_of,
 )
 
@@ -23,5 +25,6 @@ __all__ = [
     "PriorityCoDelQueue",
     "QueueItem",
     "WaitQueue",
+    "priority_of_rank",
     "rank_of",
 ]

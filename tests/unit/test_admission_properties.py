@@ -26,6 +26,7 @@ from brownout.queues import (
     LifoQueue,
     PriorityCoDelQueue,
     QueueItem,
+    priority_of_rank,
     rank_of,
 )
 from brownout.testing import ManualClock
@@ -58,19 +59,21 @@ class Watcher:
     def queued_ranks(self) -> list[int]:
         q = self.ref[0].queue
         # private: the queue's per-class order has no public read (only its head's rank)
-        return [rank_of(i.priority, i.in_progress) for d in q._classes for i in d if i.queued]
+        return [
+            rank_of(i.priority, i.in_progress, i.retry) for d in q._classes for i in d if i.queued
+        ]
 
     def emit(self, event: Event) -> None:
         if isinstance(event, RequestAdmitted):
             # nothing of higher priority may still be waiting when anything is granted
             best = max(self.queued_ranks(), default=-1)
-            if best // 2 > event.priority:
+            if best >= 0 and priority_of_rank(best) > event.priority:
                 self.violations.append(f"admitted {event.priority} over waiting rank {best}")
         if isinstance(event, RequestShed) and event.false_positive:
             self.violations.append(f"false positive shed: {event.reason}")  # S8
         if isinstance(event, RequestShed) and event.reason is Reason.QUEUE_FULL:
             lowest = min(self.queued_ranks(), default=99)
-            if lowest // 2 < event.priority:
+            if lowest != 99 and priority_of_rank(lowest) < event.priority:
                 self.violations.append(f"refused {event.priority} while {lowest} waits")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -525,3 +526,67 @@ async def test_a_key_resolved_back_to_pending_is_reconciled(
     await ledger.resolve("k", OutcomeState.APPLIED)
     await ledger.resolve("k", OutcomeState.PENDING)
     assert [r.key for r in await ledger.pending()] == ["k"]
+
+
+# -- issue 27: a failed ledger write is counted, and the caller is told -----------------------
+async def test_a_failed_ledger_write_is_an_event_a_counter_and_the_callers_to_keep(
+    black_hole: int, client: Any, ledger_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stalled Redis, a closed port, a script error: each failed write was one log line,
+    and nothing told the caller its unknown outcome went unrecorded. Each is now a
+    `LedgerWriteFailed` counted by `Stats`, and `UnknownOutcome.recorded` is False."""
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    from brownout import Stats
+    from brownout.events import EventHub
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = int(s.getsockname()[1])  # refused once the block ends
+    no_retry = Retry(NoBackoff(), 0)  # (redis-py retries would turn refusals into timeouts)
+    stalled = redis_asyncio.Redis(host="127.0.0.1", port=black_hole, retry=no_retry)
+    refused = redis_asyncio.Redis(host="127.0.0.1", port=closed, retry=no_retry)
+    # A key of the wrong type under the ledger's index: its script fails (WRONGTYPE).
+    await client.set(f"{ledger_prefix}:outcomes:pending", "not a sorted set")
+    hub = EventHub()
+    stats = hub.subscribe(Stats())
+
+    async def charge() -> str:
+        await asyncio.sleep(10)  # sent, never answered
+        return "never"
+
+    ledgers = [
+        RedisOutcomeLedger(stalled, prefix="x", timeout=0.2, name="stalled"),
+        RedisOutcomeLedger(refused, prefix="x", timeout=2.0, name="refused"),
+        RedisOutcomeLedger(client, prefix=ledger_prefix, ttl=60),
+    ]
+    try:
+        with caplog.at_level(logging.ERROR, logger="brownout"):
+            for ledger in ledgers:
+                shop = Dependency(
+                    "shop", timeout=0.05, retry=RetryPolicy(1), ledger=ledger, events=hub
+                )
+                with pytest.raises(UnknownOutcome) as lost:
+                    async with asyncio.timeout(5):  # the test's guard: nothing hangs
+                        await shop.call(charge)
+                key = lost.value.idempotency_key
+                assert key is not None and lost.value.recorded is False
+                assert any(key in note for note in lost.value.__notes__)
+                assert key in caplog.text
+        assert stats.ledger_write_failures == {
+            ("shop", "stalled", "TimeoutError"): 1,
+            ("shop", "refused", "ConnectionError"): 1,
+            ("shop", ledger_prefix, "ResponseError"): 1,
+        }
+
+        await client.delete(f"{ledger_prefix}:outcomes:pending")  # the store answers again
+        shop = Dependency("shop", timeout=0.05, retry=RetryPolicy(1), ledger=ledgers[2], events=hub)
+        with pytest.raises(UnknownOutcome) as kept:
+            await shop.call(charge)
+        assert kept.value.recorded is True
+        assert await ledgers[2].get(str(kept.value.idempotency_key)) is not None
+        assert sum(stats.ledger_write_failures.values()) == 3
+    finally:
+        await stalled.aclose()
+        await refused.aclose()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,11 @@ def redis_server() -> services.Service:
 def rabbitmq_server() -> services.Service:
     """The RabbitMQ the tests use (``BROWNOUT_TEST_RABBITMQ``); fails the test when down."""
     return services.require(services.RABBITMQ)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str, int]]]:
+    """A three-node Redis Cluster (no replicas) started for this session on loopback ports:
+    its nodes' ``(host, port)``. Fails, never skips, when ``redis-server`` is missing."""
+    with services.redis_cluster(tmp_path_factory.mktemp("redis-cluster")) as nodes:
+        yield nodes

@@ -9,11 +9,26 @@ skip. Each address can be moved with an environment variable (``BROWNOUT_TEST_RE
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import socket
+import subprocess
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["RABBITMQ", "REDIS", "SERVICES", "Service", "probe", "require", "unavailable"]
+__all__ = [
+    "RABBITMQ",
+    "REDIS",
+    "SERVICES",
+    "Service",
+    "probe",
+    "redis_cluster",
+    "require",
+    "unavailable",
+]
 
 TIMEOUT = 1.0
 """Seconds to connect and read the greeting: a live local server answers in milliseconds."""
@@ -103,3 +118,134 @@ def require(service: Service) -> Service:
     if why is not None:
         pytest.fail(unavailable(service, why), pytrace=False)
     return service
+
+
+# -- a Redis Cluster of our own ------------------------------------------------------------------
+CLUSTER_TOOLS = ("redis-server", "redis-cli")
+CLUSTER_BUS_OFFSET = 10_000
+"""A cluster node also listens on its port + 10000 (the cluster bus)."""
+
+
+def _free_node_port() -> int:
+    """A loopback port that is free, and whose cluster bus port is free too."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port + CLUSTER_BUS_OFFSET >= 65536:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free loopback port pair for a Redis Cluster node")
+
+
+def _cli(port: int, *args: str, timeout: float = 5.0) -> str:
+    done = subprocess.run(
+        ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    return done.stdout + done.stderr
+
+
+@contextlib.contextmanager
+def redis_cluster(directory: Path, nodes: int = 3) -> Iterator[list[tuple[str, int]]]:
+    """Start a Redis Cluster of ``nodes`` primaries on free loopback ports under
+    ``directory``, yield their ``(host, port)`` once ``cluster_state:ok``, stop them after.
+
+    Fails the calling test (no quiet skip) when ``redis-server`` or ``redis-cli`` is missing
+    or the cluster does not form.
+    """
+    import pytest
+
+    missing = [tool for tool in CLUSTER_TOOLS if shutil.which(tool) is None]
+    if missing:
+        pytest.fail(
+            f"{' and '.join(missing)} not found on PATH; the Redis Cluster tests start a "
+            f"{nodes}-node cluster on loopback with them.\n"
+            "Install Redis 7 (apt-get install redis-server, or brew install redis).",
+            pytrace=False,
+        )
+    procs: list[subprocess.Popen[bytes]] = []
+    ports: list[int] = []
+    try:
+        for _ in range(nodes):
+            port = _free_node_port()
+            home = directory / str(port)
+            home.mkdir(parents=True)
+            log = (home / "redis.log").open("wb")
+            procs.append(
+                subprocess.Popen(
+                    [
+                        "redis-server",
+                        "--bind",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        str(home / "nodes.conf"),
+                        "--dir",
+                        str(home),
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            log.close()
+            ports.append(port)
+
+        def fail(why: str) -> None:
+            logs = "\n".join(
+                f"--- node {p} ---\n{(directory / str(p) / 'redis.log').read_text()[-2000:]}"
+                for p in ports
+            )
+            pytest.fail(f"the test Redis Cluster did not start: {why}\n{logs}", pytrace=False)
+
+        deadline = time.monotonic() + 20
+        for port, proc in zip(ports, procs, strict=True):
+            while "PONG" not in _cli(port, "ping"):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    fail(f"node {port} does not answer PING")
+                time.sleep(0.05)
+        created = subprocess.run(
+            [
+                *("redis-cli", "--cluster", "create"),
+                *(f"127.0.0.1:{p}" for p in ports),
+                *("--cluster-replicas", "0", "--cluster-yes"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if created.returncode != 0:
+            fail(f"redis-cli --cluster create: {created.stdout}{created.stderr}")
+        deadline = time.monotonic() + 30
+        for port in ports:
+            while "cluster_state:ok" not in _cli(port, "cluster", "info"):
+                if time.monotonic() > deadline:
+                    fail(f"node {port} never reached cluster_state:ok")
+                time.sleep(0.1)
+        yield [("127.0.0.1", port) for port in ports]
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        shutil.rmtree(directory, ignore_errors=True)

@@ -20,7 +20,7 @@ A mutation whose outcome is unknown raises `UnknownOutcome` and is written to th
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -39,7 +39,7 @@ from ._retry.policy import RetryPolicy, RetrySlots, enter_attempt, exit_attempt
 from ._retry.settings import breaker_from, retry_from, throttle_from
 from ._retry.throttle import ClientThrottle
 from ._settings import Section, build_in, from_config
-from .events import EventHub, RequestShed, hub
+from .events import EventHub, LedgerWriteFailed, RequestShed, hub
 
 __all__ = ["Dependency"]
 
@@ -260,24 +260,48 @@ class Dependency:
 
         The write is shielded: the request's deadline (or its caller) may cancel the call while
         the write is on the wire, and a cut-off write loses the only record of the mutation. A
-        failing ledger is logged, and the caller still gets `UnknownOutcome`, not the store's
-        error (which an upper layer could mistake for a transient failure and retry).
+        failing write is logged and emitted as `LedgerWriteFailed`; the caller still gets
+        `UnknownOutcome`, not the store's error (which an upper layer could mistake for a
+        transient failure and retry), with ``recorded=False`` and a note saying why.
         """
         write = asyncio.ensure_future(
             ledger.record_unknown(key, dependency=self.name, detail=repr(unknown.__cause__))
         )
         _LEDGER_WRITES.add(write)
-        write.add_done_callback(self._ledger_written)
-        with contextlib.suppress(Exception):  # logged by _ledger_written
+        write.add_done_callback(functools.partial(self._ledger_written, ledger, key))
+        try:
             await asyncio.shield(write)
+        except Exception as error:  # logged and emitted by _ledger_written
+            unknown.recorded = False
+            unknown.add_note(
+                f"not recorded in the outcome ledger ({type(error).__name__}): no reconciler "
+                f"will find idempotency key {key!r}; keep it and reconcile it yourself"
+            )
+        else:
+            unknown.recorded = True
 
-    def _ledger_written(self, write: asyncio.Future[None]) -> None:
+    def _ledger_written(self, ledger: OutcomeLedger, key: str, write: asyncio.Future[None]) -> None:
         _LEDGER_WRITES.discard(write)
-        if not write.cancelled() and write.exception() is not None:
-            _log.error(
-                "%s: could not record an unknown outcome in the ledger",
-                self.name,
-                exc_info=write.exception(),
+        if write.cancelled() or (error := write.exception()) is None:
+            return
+        name = getattr(ledger, "name", None)
+        name = name if isinstance(name, str) else type(ledger).__name__
+        _log.error(
+            "%s: could not record the unknown outcome of idempotency key %r in ledger %s",
+            self.name,
+            key,
+            name,
+            exc_info=error,
+        )
+        if self._events.enabled:  # also when the caller is gone: the count must not miss it
+            self._events.emit(
+                LedgerWriteFailed(
+                    at=self._clock.now(),
+                    source=self.name,
+                    ledger=name,
+                    key=key,
+                    error=type(error).__name__,
+                )
             )
 
     async def _attempt(

@@ -106,6 +106,10 @@ class UnknownOutcome(BrownoutError):
     def __init__(self, idempotency_key: str | None, detail: str = "") -> None:
         super().__init__(detail or f"outcome unknown for idempotency key {idempotency_key!r}")
         self.idempotency_key = idempotency_key
+        self.recorded: bool | None = None
+        """Whether a `Dependency` recorded it in its outcome ledger: ``True`` (a `Reconciler`
+        will find it), ``False`` (the ledger write failed, see `LedgerWriteFailed`: only the
+        caller holds the key now) or ``None`` (no ledger)."""
 
 
 class HeaderError(BrownoutError, ValueError):

@@ -35,6 +35,7 @@ __all__ = [
     "EventHub",
     "GuardFailedClosed",
     "HandlerOverran",
+    "LedgerWriteFailed",
     "LimitChanged",
     "MessageCompleted",
     "MessageParked",
@@ -196,6 +197,19 @@ class OutcomeUnknown(RequestEvent):
     """A mutation was sent but its result is unknown; reconcile by ``idempotency_key`` (D6)."""
 
     idempotency_key: str | None
+
+
+@_event
+class LedgerWriteFailed(Event):
+    """A `Dependency` (``source``) could not record an unknown outcome in its ledger (D6):
+    ``ledger`` names the ledger, ``key`` is the idempotency key (never a metric label: one per
+    call), ``error`` the failure's type name (``TimeoutError``, ``ConnectionError``,
+    ``ResponseError``, ``OutcomeLedgerFull``). The caller's `UnknownOutcome` has
+    ``recorded=False``: the ledger does not hold the key, the caller must keep it."""
+
+    ledger: str
+    key: str
+    error: str
 
 
 @_event

@@ -26,6 +26,7 @@ from brownout.durable import BacklogBound, Message, MessagePolicy
 from brownout.limits import FixedLimit
 
 redis_asyncio = pytest.importorskip("redis.asyncio")
+ClusterNode = pytest.importorskip("redis.asyncio.cluster").ClusterNode
 
 from brownout.integrations.redis_streams import (  # noqa: E402
     BODY_FIELD,
@@ -44,10 +45,24 @@ FAST = ExponentialBackoff(0.02, cap=0.05)
 
 
 @pytest.fixture
-async def redis(redis_server: services.Service) -> AsyncIterator[Any]:
-    client = redis_asyncio.Redis(host=redis_server.host, port=redis_server.port, socket_timeout=5)
+async def redis(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """A client of the shared Redis, or (``on_both`` tests) of the session's Redis Cluster."""
+    client: Any
+    if getattr(request, "param", "single") == "single":
+        server: services.Service = request.getfixturevalue("redis_server")
+        client = redis_asyncio.Redis(host=server.host, port=server.port, socket_timeout=5)
+    else:
+        nodes: list[tuple[str, int]] = request.getfixturevalue("redis_cluster")
+        client = redis_asyncio.RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in nodes], socket_timeout=5
+        )
     yield client
     await client.aclose()
+
+
+on_both = pytest.mark.parametrize("redis", ["single", "cluster"], indirect=True)
+"""Run a test on one Redis and on a three-node Redis Cluster: each script's keys (stream,
+retry set, parked stream) share the queue's hash tag, so each touches one slot."""
 
 
 @pytest.fixture
@@ -89,6 +104,7 @@ async def running(consumer: Consumer) -> AsyncIterator[Consumer]:
 # -- nothing lost --------------------------------------------------------------------------------
 
 
+@on_both
 async def test_every_message_is_completed_parked_or_still_queued(redis: Any, name: str) -> None:
     n = 200
     producer = Producer(redis, name)
@@ -246,6 +262,7 @@ async def test_a_consumer_never_reads_more_than_its_bulkhead_can_start(
 # -- the producer's bound ------------------------------------------------------------------------
 
 
+@on_both
 async def test_a_producer_over_its_depth_bound_is_refused_but_exempt_work_passes(
     redis: Any, name: str
 ) -> None:
@@ -280,6 +297,7 @@ async def test_a_producer_over_its_age_bound_is_refused(redis: Any, name: str) -
 # -- bad input -----------------------------------------------------------------------------------
 
 
+@on_both
 async def test_malformed_entries_are_parked_and_the_consumer_keeps_going(
     redis: Any, name: str
 ) -> None:
@@ -311,6 +329,7 @@ async def _count_parked(redis: Any, name: str, count: int) -> bool:
 # -- parking you can work with -------------------------------------------------------------------
 
 
+@on_both
 async def test_parked_messages_are_listed_shown_replayed_and_purged(redis: Any, name: str) -> None:
     producer = Producer(redis, name)
     for i in range(4):
@@ -333,6 +352,8 @@ async def test_parked_messages_are_listed_shown_replayed_and_purged(redis: Any, 
     parked_stream = ParkedStream(redis, name)
     parked = await parked_stream.list()
     assert [p.reason for p in parked] == ["failed"] * 4
+    # Parked in the order their concurrent handlers failed (on a cluster, not publish order).
+    parked = sorted(parked, key=lambda p: p.headers["n"])
     first = parked[0]
     assert first.body == b"body-0" and first.headers["n"] == "0"
     assert first.envelope is not None and first.envelope.idempotency_key == "k0"
@@ -341,7 +362,8 @@ async def test_parked_messages_are_listed_shown_replayed_and_purged(redis: Any, 
     assert await parked_stream.get("1-0") is None
     with pytest.raises(ValueError):
         await parked_stream.get("not-an-id")
-    assert await parked_stream.list(limit=2, reason="failed") == parked[:2]
+    listed = await parked_stream.list()
+    assert await parked_stream.list(limit=2, reason="failed") == listed[:2]
     assert await parked_stream.list(reason="expired") == []
 
     assert await parked_stream.replay([first.id, parked[1].id], ttl=30) == 2
@@ -359,6 +381,7 @@ async def test_parked_messages_are_listed_shown_replayed_and_purged(redis: Any, 
     assert await parked_stream.list() == []
 
 
+@on_both
 async def test_a_retry_waits_in_the_retry_set_then_runs_again(redis: Any, name: str) -> None:
     producer = Producer(redis, name)
     await producer.publish(b"m", headers={"n": "0"}, ttl=60)

@@ -1,13 +1,15 @@
 """Unknown outcomes on a real Redis and a real HTTP server over loopback (D6, T3).
 
-Uses the shared Redis (127.0.0.1:6379, or ``BROWNOUT_TEST_REDIS``) with a unique key prefix
-per test (cleaned up).
+Every test that takes ``redis_client`` runs twice: on the shared Redis (127.0.0.1:6379, or
+``BROWNOUT_TEST_REDIS``) and on a three-node Redis Cluster the session starts on loopback
+ports (``redis_cluster`` in tests/conftest.py), with a unique key prefix per test (cleaned up).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -31,16 +33,27 @@ from brownout._retry.idempotency import OutcomeLedgerFull
 from brownout._retry.ledger_redis import RedisOutcomeLedger
 
 redis_asyncio = pytest.importorskip("redis.asyncio")
+ClusterNode = pytest.importorskip("redis.asyncio.cluster").ClusterNode
 httpx = pytest.importorskip("httpx")
 web = pytest.importorskip("aiohttp.web")
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-async def redis_client(redis_server: services.Service) -> AsyncIterator[tuple[object, str]]:
-    client = redis_asyncio.Redis(host=redis_server.host, port=redis_server.port)
-    prefix = f"test-ledger-{uuid.uuid4().hex}"
+@pytest.fixture(params=["single", "cluster"])
+async def redis_client(request: pytest.FixtureRequest) -> AsyncIterator[tuple[object, str]]:
+    """(client, prefix): a client of one Redis or of the test cluster, and a unique prefix
+    with its hash tag (the ledger's key names start with it)."""
+    client: Any
+    if request.param == "single":
+        server: services.Service = request.getfixturevalue("redis_server")
+        client = redis_asyncio.Redis(host=server.host, port=server.port)
+    else:
+        nodes: list[tuple[str, int]] = request.getfixturevalue("redis_cluster")
+        client = redis_asyncio.RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in nodes]
+        )
+    prefix = f"{{test-ledger-{uuid.uuid4().hex}}}"
     yield client, prefix
     keys = [k async for k in client.scan_iter(match=f"{prefix}:*")]
     if keys:
@@ -465,29 +478,36 @@ class _SlotCheckingClient:
         return getattr(self.inner, name)
 
 
-async def test_a_hash_tagged_prefix_keeps_every_key_in_one_slot(
-    client: Any, ledger_prefix: str
-) -> None:
-    """On Redis Cluster a script's keys (and the records it evicts) must share a slot: with a
-    hash tag in the prefix they do, including the resolved index and evicted records."""
-    prefix = "{" + ledger_prefix + "}"  # (not under the fixture's prefix: cleaned up here)
-    checking = _SlotCheckingClient(client)
-    ledger = RedisOutcomeLedger(checking, prefix=prefix, ttl=60, max_entries=2)
-    try:
-        for k in ("a", "b", "ключ:{slot}"):
-            await ledger.record_unknown(k, dependency="d")
-            await ledger.note_check(k)
-            await ledger.resolve(k, OutcomeState.APPLIED)
-        await ledger.record_unknown("a", dependency="d")
-        await ledger.pending()
-        assert checking.scripts == 10 and ledger.evicted == 2  # a, then b
-        stored = [k async for k in client.scan_iter(match=f"{prefix}:*")]
-        assert len(stored) == 4  # two records, two indexes
-        assert len({_slot(k) for k in stored}) == 1
-    finally:
-        stored = [k async for k in client.scan_iter(match=f"{prefix}:*")]
-        if stored:
-            await client.delete(*stored)
+async def test_every_key_of_a_ledger_shares_one_slot(client: Any, ledger_prefix: str) -> None:
+    """On Redis Cluster a script's keys (and the records it evicts) must share a slot. The
+    default prefix had no hash tag: each script failed there with "all keys must map to the
+    same key slot". A prefix without one now gets one; one with a tag is kept as given."""
+    plain = ledger_prefix.strip("{}")
+    for given, stored_as in ((plain, "{" + plain + "}"), (f"app:{{{plain}}}", f"app:{{{plain}}}")):
+        checking = _SlotCheckingClient(client)
+        ledger = RedisOutcomeLedger(checking, prefix=given, ttl=60, max_entries=2)
+        try:
+            for k in ("a", "b", "ключ:{slot}"):
+                await ledger.record_unknown(k, dependency="d")
+                await ledger.note_check(k)
+                await ledger.resolve(k, OutcomeState.APPLIED)
+            await ledger.record_unknown("a", dependency="d")
+            await ledger.pending()
+            assert checking.scripts == 10 and ledger.evicted == 2  # a, then b
+            stored = [k async for k in client.scan_iter(match=f"{stored_as}:*")]
+            assert len(stored) == 4  # two records, two indexes
+            assert len({_slot(k) for k in stored}) == 1
+            assert ledger.name == stored_as
+        finally:
+            stored = [k async for k in client.scan_iter(match=f"{stored_as}:*")]
+            if stored:
+                await client.delete(*stored)
+
+
+@pytest.mark.parametrize("bad", ["", "}x"])
+def test_a_prefix_that_cannot_carry_a_hash_tag_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="prefix"):
+        RedisOutcomeLedger(object(), prefix=bad)
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf")])
@@ -506,3 +526,67 @@ async def test_a_key_resolved_back_to_pending_is_reconciled(
     await ledger.resolve("k", OutcomeState.APPLIED)
     await ledger.resolve("k", OutcomeState.PENDING)
     assert [r.key for r in await ledger.pending()] == ["k"]
+
+
+# -- issue 27: a failed ledger write is counted, and the caller is told -----------------------
+async def test_a_failed_ledger_write_is_an_event_a_counter_and_the_callers_to_keep(
+    black_hole: int, client: Any, ledger_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stalled Redis, a closed port, a script error: each failed write was one log line,
+    and nothing told the caller its unknown outcome went unrecorded. Each is now a
+    `LedgerWriteFailed` counted by `Stats`, and `UnknownOutcome.recorded` is False."""
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    from brownout import Stats
+    from brownout.events import EventHub
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = int(s.getsockname()[1])  # refused once the block ends
+    no_retry = Retry(NoBackoff(), 0)  # (redis-py retries would turn refusals into timeouts)
+    stalled = redis_asyncio.Redis(host="127.0.0.1", port=black_hole, retry=no_retry)
+    refused = redis_asyncio.Redis(host="127.0.0.1", port=closed, retry=no_retry)
+    # A key of the wrong type under the ledger's index: its script fails (WRONGTYPE).
+    await client.set(f"{ledger_prefix}:outcomes:pending", "not a sorted set")
+    hub = EventHub()
+    stats = hub.subscribe(Stats())
+
+    async def charge() -> str:
+        await asyncio.sleep(10)  # sent, never answered
+        return "never"
+
+    ledgers = [
+        RedisOutcomeLedger(stalled, prefix="x", timeout=0.2, name="stalled"),
+        RedisOutcomeLedger(refused, prefix="x", timeout=2.0, name="refused"),
+        RedisOutcomeLedger(client, prefix=ledger_prefix, ttl=60),
+    ]
+    try:
+        with caplog.at_level(logging.ERROR, logger="brownout"):
+            for ledger in ledgers:
+                shop = Dependency(
+                    "shop", timeout=0.05, retry=RetryPolicy(1), ledger=ledger, events=hub
+                )
+                with pytest.raises(UnknownOutcome) as lost:
+                    async with asyncio.timeout(5):  # the test's guard: nothing hangs
+                        await shop.call(charge)
+                key = lost.value.idempotency_key
+                assert key is not None and lost.value.recorded is False
+                assert any(key in note for note in lost.value.__notes__)
+                assert key in caplog.text
+        assert stats.ledger_write_failures == {
+            ("shop", "stalled", "TimeoutError"): 1,
+            ("shop", "refused", "ConnectionError"): 1,
+            ("shop", ledger_prefix, "ResponseError"): 1,
+        }
+
+        await client.delete(f"{ledger_prefix}:outcomes:pending")  # the store answers again
+        shop = Dependency("shop", timeout=0.05, retry=RetryPolicy(1), ledger=ledgers[2], events=hub)
+        with pytest.raises(UnknownOutcome) as kept:
+            await shop.call(charge)
+        assert kept.value.recorded is True
+        assert await ledgers[2].get(str(kept.value.idempotency_key)) is not None
+        assert sum(stats.ledger_write_failures.values()) == 3
+    finally:
+        await stalled.aclose()
+        await refused.aclose()

@@ -572,3 +572,34 @@ async def test_nested_prefixes_do_not_share_buckets(client: object) -> None:
     finally:
         async for n in client.scan_iter(match=run + "*"):  # type: ignore[attr-defined]
             await client.delete(n)  # type: ignore[attr-defined]
+
+
+async def test_the_store_decides_on_a_redis_cluster(
+    redis_cluster: list[tuple[str, int]], prefix: str
+) -> None:
+    """Each decision is one script on one key, so it needs no hash tag: callers' keys spread
+    over every node of the session's three-node cluster, and each node loads the script
+    once (NOSCRIPT, then EVAL) before answering EVALSHA."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    c = RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in redis_cluster])
+    store = RedisQuotaStore(c, prefix=prefix, timeout=1.0)
+    names = [store.key_name(f"caller-{i}") for i in range(12)]
+    try:
+        await c.initialize()  # (learns the slot map)
+        assert len({c.get_node_from_key(name).name for name in names}) == 3
+        policy = GcraPolicy(rate=7.0, burst=4)
+        now = 1_700_000_000.0
+        tats: dict[str, float] = {}
+        for step in range(120):
+            key = f"caller-{step % 12}"
+            now += 0.02
+            expected = decide(policy, tats.get(key), now, 1)
+            got = await store.decide_at(key, policy, 1, now)
+            assert (got.allowed, got.remaining) == (expected.allowed, expected.remaining)
+            if expected.allowed:
+                tats[key] = expected.tat
+        assert 1 <= store.script_loads <= 3
+    finally:
+        await c.delete(*names)
+        await c.aclose()

@@ -103,7 +103,7 @@ async def ledger(request: pytest.FixtureRequest) -> AsyncIterator[OutcomeLedger]
 
     server = services.require(services.REDIS)
     client = redis_asyncio.Redis(host=server.host, port=server.port)
-    prefix = f"test-unknown-{uuid.uuid4().hex}"
+    prefix = f"{{test-unknown-{uuid.uuid4().hex}}}"  # tagged as the ledger stores it
     try:
         yield RedisOutcomeLedger(client, prefix=prefix, ttl=60)
     finally:

@@ -528,11 +528,52 @@ async def _hang() -> None:
 async def test_a_failing_ledger_write_still_raises_unknown_outcome(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    shop = Dependency("shop", timeout=0.1, retry=RetryPolicy(1), ledger=_BrokenLedger())
+    """D6, O1: the failed write was only a log line; it is now a counted event, and the
+    caller's `UnknownOutcome` says the key was not recorded (the documented fallback)."""
+    hub = brownout.events.EventHub()
+    stats = hub.subscribe(brownout.Stats())
+    seen = brownout.testing.EventRecorder(hub).start()
+    ledger = _BrokenLedger()
+    shop = Dependency("shop", timeout=0.1, retry=RetryPolicy(1), ledger=ledger, events=hub)
     with caplog.at_level(logging.ERROR, logger="brownout"):
-        with pytest.raises(UnknownOutcome):
+        with pytest.raises(UnknownOutcome) as lost:
             await shop.call(_hang)
+    key = lost.value.idempotency_key
+    assert key is not None and lost.value.recorded is False
+    assert any(key in note and "ConnectionError" in note for note in lost.value.__notes__)
     assert any("ledger" in r.getMessage() for r in caplog.records)  # not swallowed silently
+    failed = seen.of(brownout.events.LedgerWriteFailed)
+    assert [(e.source, e.ledger, e.key, e.error) for e in failed] == [
+        ("shop", "_BrokenLedger", key, "ConnectionError")
+    ]
+    assert stats.ledger_write_failures == {("shop", "_BrokenLedger", "ConnectionError"): 1}
+
+    fine = Dependency("shop", timeout=0.1, retry=RetryPolicy(1), ledger=InMemoryOutcomeLedger())
+    with pytest.raises(UnknownOutcome) as kept:
+        await fine.call(_hang)
+    assert kept.value.recorded is True and not getattr(kept.value, "__notes__", [])
+
+
+async def test_a_ledger_write_that_fails_after_the_caller_left_is_still_counted() -> None:
+    """The caller is cancelled while the (shielded) write is on the wire; the write then
+    fails: nobody gets `UnknownOutcome`, so the event is the only trace besides the log."""
+
+    class SlowBroken(InMemoryOutcomeLedger):
+        name = "slow"
+
+        async def record_unknown(self, key: str, *, dependency: str, detail: str = "") -> None:
+            await asyncio.sleep(0.05)
+            raise TimeoutError
+
+    hub = brownout.events.EventHub()
+    stats = hub.subscribe(brownout.Stats())
+    shop = Dependency("shop", retry=RetryPolicy(1), ledger=SlowBroken(), events=hub)
+    with pytest.raises((UnknownOutcome, brownout.DeadlineExceeded)):
+        async with brownout.deadline(0.5):
+            await shop.call(_hang)
+    assert stats.ledger_write_failures == {}  # still on the wire
+    await asyncio.sleep(0.1)
+    assert stats.ledger_write_failures == {("shop", "slow", "TimeoutError"): 1}
 
 
 class _SlowLedger(InMemoryOutcomeLedger):

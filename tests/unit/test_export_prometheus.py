@@ -276,3 +276,20 @@ async def test_stale_answers_and_fail_closed_refusals_are_counted_and_exported()
         )
         == 3
     )
+
+
+def test_ledger_write_failures_are_counted_and_exported(stats_registry):
+    """D6, O1: a failed ledger write was a log line only; now a counter by dependency,
+    ledger and failure (the idempotency key is never a label)."""
+    from brownout.events import LedgerWriteFailed
+
+    stats, registry = stats_registry
+    for key, error in (("k1", "TimeoutError"), ("k2", "TimeoutError"), ("k3", "ResponseError")):
+        stats.emit(
+            LedgerWriteFailed(at=0.0, source="payments", ledger="{brownout}", key=key, error=error)
+        )
+    samples = scrape(registry)
+    name = "brownout_ledger_write_failures_total"
+    assert value(samples, name, source="payments", error="TimeoutError") == 2
+    assert value(samples, name, ledger="{brownout}", error="ResponseError") == 1
+    assert all("key" not in dict(labels) for (n, labels) in samples if n == name)

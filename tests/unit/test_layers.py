@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
             "events",
             "_tally_buffer",
             "_deadline",
+            "_redis_keys",
         ),
         "vocabulary with no request in it: time, errors, priorities, events, deadlines, settings",
     ),

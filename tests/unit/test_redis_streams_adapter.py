@@ -27,6 +27,11 @@ def test_a_queues_keys_share_one_hash_tag() -> None:
     assert stream_keys("orders") == StreamKeys("{orders}", "{orders}:retry", "{orders}:parked")
     assert stream_keys("app:{orders}").stream == "app:{orders}"  # already tagged: as given
     assert stream_keys("a{}b").stream == "{a{}b}"  # an empty tag is no tag for Redis Cluster
+    # "{}" then a "}" later: Redis reads no tag (the first "}" closes it empty), so the
+    # retry and parked keys would hash elsewhere; this was taken as tagged.
+    assert stream_keys("a{}b}").stream == "{a{}b}}"
+    with pytest.raises(ValueError):
+        stream_keys("}x")  # cannot carry a tag
     with pytest.raises(ValueError):
         stream_keys("")
 

@@ -95,3 +95,15 @@ def test_a_test_that_needs_a_missing_service_errors_with_the_message(tmp_path: P
     assert "1 error" in out and "skipped" not in out, out
     assert f"Redis does not answer at 127.0.0.1:{port}" in out, out
     assert "redis-server --daemonize yes" in out, out
+
+
+def test_the_cluster_fixture_fails_naming_the_missing_redis_binaries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No quiet skip: without redis-server and redis-cli the cluster tests fail, saying so."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: nothing found
+    with pytest.raises(pytest.fail.Exception) as failed:
+        with services.redis_cluster(tmp_path / "cluster"):
+            raise AssertionError("started without redis-server")
+    message = str(failed.value)
+    assert "redis-server and redis-cli not found on PATH" in message

@@ -1,7 +1,10 @@
 """`RedisOutcomeLedger`: the unknown-outcome ledger (D6) shared across processes on Redis.
 
-Pass a ``redis.asyncio.Redis`` client; this module never imports redis itself, so the core
-import path stays standard-library only. Layout (``prefix`` defaults to ``brownout``):
+Pass a ``redis.asyncio.Redis`` or ``redis.asyncio.RedisCluster`` client; this module never
+imports redis itself, so the core import path stays standard-library only. Every key starts
+with the prefix as a Redis Cluster hash tag (``{brownout}`` by default; a prefix that already
+has a hash tag, such as ``app:{ledger}``, is used as given), so every key of one ledger lives
+in one slot and each script may touch all of them. Layout (``{prefix}`` below is that tag):
 
 * ``{prefix}:outcome:{key}``: a hash (dependency, state, recorded_at, detail, checks and,
   once recorded again after a resolution, previous) that expires ``ttl`` seconds after it
@@ -13,8 +16,8 @@ import path stays standard-library only. Layout (``prefix`` defaults to ``browno
 
 At most ``max_entries`` records: a new key at the bound evicts the oldest resolved record;
 pending records are never evicted, and a new key they leave no room for is refused with
-`OutcomeLedgerFull`. Scripts touch the record, both indexes and evicted records, so on Redis
-Cluster give a prefix with a hash tag (``prefix="{brownout}"``): every key starts with it.
+`OutcomeLedgerFull`. Scripts touch the record, both indexes and evicted records: the hash
+tag is what lets them run on Redis Cluster.
 
 Keys are stored as UTF-8 with ``surrogatepass``: any idempotency key (even one decoded from
 invalid UTF-8 with ``surrogateescape``) round-trips exactly. Every call is bounded by
@@ -32,6 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._redis_keys import tagged
 from .idempotency import OutcomeLedgerFull, OutcomeRecord, OutcomeState
 
 __all__ = ["RedisOutcomeLedger"]
@@ -138,6 +142,7 @@ class RedisOutcomeLedger:
         "_wall",
         "evicted",
         "max_entries",
+        "name",
         "refused",
         "timeout",
         "ttl",
@@ -152,6 +157,7 @@ class RedisOutcomeLedger:
         max_entries: int = 100_000,
         wall: Callable[[], float] = time.time,
         timeout: float = 1.0,
+        name: str | None = None,
     ) -> None:
         if ttl < 1:
             raise ValueError("ttl must be >= 1 second")
@@ -160,7 +166,9 @@ class RedisOutcomeLedger:
         if not 1 <= max_entries < math.inf:  # (NaN too: Redis stays bounded)
             raise ValueError("max_entries must be >= 1")
         self._client = client
-        self._prefix = prefix
+        self._prefix = prefix = tagged(prefix)  # one slot for every key (Redis Cluster)
+        self.name = name if name is not None else prefix
+        """What events and metrics call this ledger (default: its tagged prefix)."""
         self._pending = _bytes(f"{prefix}:outcomes:pending")
         self._resolved = _bytes(f"{prefix}:outcomes:resolved")
         self.ttl = int(ttl)

@@ -39,6 +39,7 @@ from ..events import (
     EventHub,
     GuardFailedClosed,
     HandlerOverran,
+    LedgerWriteFailed,
     LimitChanged,
     MessageCompleted,
     MessageParked,
@@ -196,6 +197,9 @@ class Stats:
         """Answers a `StaleCache` served older than their freshness bound, by cache (G1)."""
         self.guard_failed_closed: dict[tuple[str, str], int] = {}
         """Refusals of a `FailClosedGuard`, by (guarded data, failure type name) (G4)."""
+        self.ledger_write_failures: dict[tuple[str, str, str], int] = {}
+        """Unknown outcomes a `Dependency` could not record in its ledger, by (dependency,
+        ledger, failure type name) (D6): each is a mutation nobody will reconcile."""
         self._clock = clock if clock is not None else default_clock()
         self._watched: list[Callable[[], Observable | None]] = []
         self._complained: set[int] = set()
@@ -226,6 +230,7 @@ class Stats:
             DeadlineHeaderIgnored: self._header_ignored,
             StaleServed: self._stale_served,
             GuardFailedClosed: self._guard_failed_closed,
+            LedgerWriteFailed: self._ledger_write_failed,
             MessagePublished: self._msg_published,
             MessageRefused: self._msg_refused,
             MessageStarted: self._msg_started,
@@ -494,6 +499,10 @@ class Stats:
         key = (self.sources(e.what), self.reasons(e.cause))
         self.guard_failed_closed[key] = self.guard_failed_closed.get(key, 0) + 1
 
+    def _ledger_write_failed(self, e: LedgerWriteFailed) -> None:
+        key = (self.sources(e.source), self.sources(e.ledger), self.reasons(e.error))
+        self.ledger_write_failures[key] = self.ledger_write_failures.get(key, 0) + 1
+
     def _msg_published(self, e: MessagePublished) -> None:
         self._count("msg_published", e)
 
@@ -730,3 +739,4 @@ class Stats:
         self.headers_ignored.clear()
         self.stale_served.clear()
         self.guard_failed_closed.clear()
+        self.ledger_write_failures.clear()

@@ -353,6 +353,13 @@ STATE_COUNTERS: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
         ("what", "cause"),
         "Refusals of a FailClosedGuard whose authoritative source failed, by failure (G4).",
     ),
+    (
+        "ledger_write_failures",
+        "brownout_ledger_write_failures",
+        "brownout.ledger.write_failures",
+        ("source", "ledger", "error"),
+        "Unknown outcomes a Dependency could not record in its ledger, by failure (D6).",
+    ),
 )
 """(Stats attribute, Prometheus name, OpenTelemetry name, label names, help) for counters of
 state changes kept outside the request rows."""

@@ -86,6 +86,7 @@ from .._durable import (
 from .._durable.envelope import KEY_FIELD
 from .._errors import BrownoutError, UnknownOutcome
 from .._priority import Priority
+from .._redis_keys import tagged
 from ..events import EventHub, hub
 
 __all__ = [
@@ -139,9 +140,7 @@ def stream_keys(name: str) -> StreamKeys:
     ``name`` itself as the stream when it already carries a hash tag."""
     if not isinstance(name, str) or not name:
         raise ValueError("a stream name must be a non-empty string")
-    start = name.find("{")
-    tagged = start >= 0 and name.find("}", start + 2) > start
-    stream = name if tagged else "{" + name + "}"
+    stream = tagged(name)
     return StreamKeys(stream, stream + ":retry", stream + ":parked")
 
 
@@ -206,6 +205,11 @@ if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return 0 end
 redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
 redis.call('XDEL', KEYS[1], ARGV[1])
 return 1
+"""
+
+
+_DELAYED_AND_TIME = """
+return {redis.call('ZCARD', KEYS[1]), redis.call('TIME')}
 """
 
 
@@ -400,9 +404,10 @@ class Producer:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xinfo_groups(self.keys.stream)
             pipe.xpending(self.keys.stream, group)
-            pipe.zcard(self.keys.retry)
-            pipe.time()
-            groups, pending, delayed, now = await pipe.execute()
+            # The server's clock in a script on the queue's slot: a cluster pipeline refuses a
+            # keyless TIME, and another node's clock is not the one that stamped the entries.
+            pipe.eval(_DELAYED_AND_TIME, 1, self.keys.retry)
+            groups, pending, (delayed, now) = await pipe.execute()
         mine = next((g for g in groups if _text(g.get("name")) == group), None)
         if mine is None:
             self._group_ready = False

@@ -25,6 +25,7 @@ CORE_MODULES = (
     "brownout.testing",
     "brownout.wire",
     "brownout.durable",
+    "brownout.idempotency",
 )
 ADAPTER_MODULES = (
     "brownout.integrations.pytest_plugin",

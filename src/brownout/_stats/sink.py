@@ -38,6 +38,7 @@ from ..events import (
     Event,
     EventHub,
     GuardFailedClosed,
+    IdempotencyDecided,
     HandlerOverran,
     LimitChanged,
     MessageCompleted,
@@ -195,6 +196,8 @@ class Stats:
         """Answers a `StaleCache` served older than their freshness bound, by cache (G1)."""
         self.guard_failed_closed: dict[tuple[str, str], int] = {}
         """Refusals of a `FailClosedGuard`, by (guarded data, failure type name) (G4)."""
+        self.idempotency: dict[tuple[str, str], int] = {}
+        """Decisions of an idempotency layer, by (layer name, outcome) (I2)."""
         self._clock = clock if clock is not None else default_clock()
         self._watched: list[Callable[[], Observable | None]] = []
         self._complained: set[int] = set()
@@ -225,6 +228,7 @@ class Stats:
             DeadlineHeaderIgnored: self._header_ignored,
             StaleServed: self._stale_served,
             GuardFailedClosed: self._guard_failed_closed,
+            IdempotencyDecided: self._idempotency,
             MessagePublished: self._msg_published,
             MessageRefused: self._msg_refused,
             MessageStarted: self._msg_started,
@@ -491,6 +495,10 @@ class Stats:
         key = (self.sources(e.what), self.reasons(e.cause))
         self.guard_failed_closed[key] = self.guard_failed_closed.get(key, 0) + 1
 
+    def _idempotency(self, e: IdempotencyDecided) -> None:
+        key = (self.sources(e.source), self.reasons(e.outcome))
+        self.idempotency[key] = self.idempotency.get(key, 0) + 1
+
     def _msg_published(self, e: MessagePublished) -> None:
         self._count("msg_published", e)
 
@@ -727,3 +735,4 @@ class Stats:
         self.headers_ignored.clear()
         self.stale_served.clear()
         self.guard_failed_closed.clear()
+        self.idempotency.clear()

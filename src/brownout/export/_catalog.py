@@ -346,6 +346,13 @@ STATE_COUNTERS: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
         ("what", "cause"),
         "Refusals of a FailClosedGuard whose authoritative source failed, by failure (G4).",
     ),
+    (
+        "idempotency",
+        "brownout_idempotency_decisions",
+        "brownout.idempotency.decisions",
+        ("source", "outcome"),
+        "Idempotency-layer decisions by outcome: executed, replayed, in_progress, ... (I2).",
+    ),
 )
 """(Stats attribute, Prometheus name, OpenTelemetry name, label names, help) for counters of
 state changes kept outside the request rows."""

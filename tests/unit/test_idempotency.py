@@ -236,7 +236,7 @@ async def test_cancelled_run_stays_locked_until_the_lease_ends_then_runs_again()
 
 
 async def test_completion_after_the_lease_is_lost_not_stored() -> None:
-    idem, store, clock, outcomes = layer(lease_margin=0.0)
+    idem, _store, clock, outcomes = layer(lease_margin=0.0)
     ticket = await begin(idem, remaining=1.0)
     assert isinstance(ticket, Ticket)
     clock.advance(1.5)
@@ -246,7 +246,7 @@ async def test_completion_after_the_lease_is_lost_not_stored() -> None:
 
 
 async def test_lease_follows_the_request_deadline() -> None:
-    idem, _, clock, _ = layer(lease_margin=0.5, default_lease=30.0)
+    idem, _, _clock, _ = layer(lease_margin=0.5, default_lease=30.0)
     with deadline(2.0):
         ticket = await begin(idem)  # remaining from the context
     assert isinstance(ticket, Ticket)
@@ -302,7 +302,7 @@ def problem_503(answer: object) -> IdempotentAnswer:
 
 
 async def test_fail_open_runs_without_deduplication() -> None:
-    idem, store, _, outcomes = layer(max_entries=1, on_outage="open")
+    idem, _store, _, outcomes = layer(max_entries=1, on_outage="open")
     assert isinstance(await begin(idem, key="a"), Ticket)
     assert await begin(idem, key="b") is None
     assert outcomes.seen == ["executed", "unavailable_open"]

@@ -201,6 +201,10 @@ class Ticket:
         self._end("stored" if stored else "lease_lost")
         return None
 
+    async def unstorable(self) -> None:
+        """The answer is over ``max_response``: release the key (counted ``unstorable``)."""
+        await self._release("unstorable")
+
     async def release(self) -> None:
         """The handler raised (or answered 5xx): free the key for the next attempt."""
         await self._release("released")

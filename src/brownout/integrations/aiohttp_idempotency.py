@@ -65,7 +65,7 @@ def idempotency_middleware(
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         ctx = get_current()
         operation = ctx.operation
-        if operation == "unknown":
+        if operation in ("unknown", "unmatched"):
             info = request.match_info.route.resource
             operation = info.canonical if info is not None else request.path
         rule = idempotency.rule_for(operation, request.method)

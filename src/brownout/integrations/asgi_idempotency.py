@@ -3,7 +3,8 @@ any ASGI application.
 
 ::
 
-    app = BrownoutMiddleware(IdempotencyMiddleware(app, idempotency), policy)
+    app.add_middleware(IdempotencyMiddleware, idempotency=idempotency)
+    app.add_middleware(BrownoutMiddleware, policy=policy)  # the last added runs outermost
 
 Place it *inside* `BrownoutMiddleware`: it reads the caller (keys are bound to it), the
 operation (the route template) and the deadline (the lease) from ``brownout.current()``.
@@ -28,6 +29,8 @@ from ._asgi_exchange import ASGIApp, Message, Receive, Scope, Send
 __all__ = ["IdempotencyMiddleware"]
 
 _KEY = IDEMPOTENCY_KEY_HEADER.encode()
+_NO_TEMPLATE = frozenset(("unknown", "unmatched"))
+"""Operations that name no route (outside the edge, or no template): the path stands in."""
 
 
 async def _write(answer: IdempotentAnswer, send: Send) -> None:
@@ -51,7 +54,9 @@ class IdempotencyMiddleware:
             return
         idem = self.idempotency
         ctx = get_current()
-        operation = ctx.operation if ctx.operation != "unknown" else scope["path"]
+        operation = ctx.operation
+        if operation in _NO_TEMPLATE:
+            operation = scope["path"]
         method: str = scope["method"]
         rule = idem.rule_for(operation, method)
         if rule is None:

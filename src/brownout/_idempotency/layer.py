@@ -154,6 +154,14 @@ class Ticket:
         self._reset = _TRANSACTION.set(claim.connection) if claim.connection is not None else None
 
     @property
+    def commits_first(self) -> bool:
+        """The answer must be stored before it is sent: the store commits the handler's
+        effect with it (PostgreSQL), so an answer sent before a failed commit would be a lie.
+        Elsewhere an adapter may send first and store right after, saving the client one
+        round trip (a repeat in between gets 409, never a second run)."""
+        return bool(getattr(self._layer.store, "transactional", False))
+
+    @property
     def connection(self) -> Any:
         """The PostgreSQL store's connection in the open transaction (else ``None``)."""
         return self._claim.connection

@@ -12,8 +12,9 @@ It translates only; `Idempotency.begin` decides. Per covered request it reads th
 (bounded by ``max_body``), asks, and then either writes the answer it got (a replay, marked
 ``idempotent-replayed: true``, or a problem+json refusal) without calling the application, or
 calls it holding the key. Such a response is buffered (bounded by ``max_response``: past it,
-it streams on and the key is released) so the answer is stored, or committed on PostgreSQL,
-*before* the client sees it. A cancelled application abandons the key, one that raises
+it streams on and the key is released); on PostgreSQL it is committed *before* the client
+sees it, elsewhere it is sent first and stored right after (`Ticket.commits_first`), which
+saves the client a round trip. A cancelled application abandons the key, one that raises
 releases it (see docs/idempotency.md).
 """
 
@@ -138,6 +139,11 @@ class IdempotencyMiddleware:
             raw: list[tuple[bytes, bytes]] = list(start.get("headers", ()))
             headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]
             full = b"".join(parts)
+            if not ticket.commits_first:
+                await send(start)
+                await send({"type": "http.response.body", "body": full})
+                await ticket.complete(start["status"], headers, full)
+                return
             instead = await ticket.complete(start["status"], headers, full)
             if instead is not None:
                 await _write(instead, send)

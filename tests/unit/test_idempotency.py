@@ -336,3 +336,25 @@ async def test_transaction_outside_a_transactional_run_is_an_error() -> None:
     assert isinstance(ticket, Ticket) and ticket.connection is None
     with pytest.raises(NoTransaction):
         transaction()
+
+
+async def test_stats_count_decisions_by_layer_and_outcome() -> None:
+    from brownout import Stats
+
+    clock = ManualClock()
+    events = EventHub()
+    stats = Stats()
+    events.subscribe(stats)
+    idem = Idempotency(
+        InMemoryIdempotencyStore(clock=clock), events=events, clock=clock, name="payments"
+    )
+    ticket = await begin(idem)
+    assert isinstance(ticket, Ticket)
+    await ticket.complete(200, [], b"ok")
+    await begin(idem)
+    await begin(idem)
+    assert stats.idempotency == {
+        ("payments", "executed"): 1,
+        ("payments", "stored"): 1,
+        ("payments", "replayed"): 2,
+    }

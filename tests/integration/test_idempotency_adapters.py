@@ -278,12 +278,18 @@ async def test_aiohttp_replay_conflict_mismatch_missing_crash() -> None:
             raise RuntimeError("crashed")
         return web.Response(status=201, text="done")
 
-    idem = Idempotency(InMemoryIdempotencyStore(), operations=RULES)
+    async def slow(request: web.Request) -> web.Response:
+        runs["slow"] = runs.get("slow", 0) + 1
+        await asyncio.sleep(3.0 if runs["slow"] == 1 else 0.0)
+        return web.Response(status=201, text="slow done")
+
+    idem = Idempotency(InMemoryIdempotencyStore(), operations=RULES, lease_margin=0.5)
     app = web.Application(
         middlewares=[brownout_middleware(policy(aiohttp_caller)), idempotency_middleware(idem)]
     )
     app.router.add_post("/pay", pay)
     app.router.add_post("/crash", crash)
+    app.router.add_post("/slow", slow)
     async with serve_aiohttp(app) as url, ClientSession(url) as client:
         headers = key()
 
@@ -306,7 +312,13 @@ async def test_aiohttp_replay_conflict_mismatch_missing_crash() -> None:
         assert (await post("/crash", headers=crash_key))[0] == 500
         assert (await post("/crash", headers=crash_key))[0] == 201
         assert (await post("/crash", headers=crash_key))[1]["idempotent-replayed"] == "true"
-    assert runs == {"pay": 1, "crash": 2}
+        # cut off at its deadline: locked until the lease ends, then it runs again
+        slow_key = key()
+        assert (await post("/slow", headers=slow_key))[0] == 504
+        assert (await post("/slow", headers=slow_key))[0] == 409
+        await asyncio.sleep(0.8)
+        assert (await post("/slow", headers=slow_key))[0] == 201
+    assert runs == {"pay": 1, "crash": 2, "slow": 2}
 
 
 # -- grpc.aio ---------------------------------------------------------------------------------
@@ -320,11 +332,20 @@ def grpc_caller(call: GrpcCall, default: Classification) -> Classification:
 
 async def test_grpc_replay_conflict_mismatch_missing() -> None:
     runs: list[bytes] = []
+    crashes: list[bytes] = []
 
     async def pay(request: bytes, context: Any) -> bytes:
         runs.append(request)
         await asyncio.sleep(0.4)
         return b"paid:" + request + b":" + uuid.uuid4().hex.encode()
+
+    async def crash(request: bytes, context: Any) -> bytes:
+        crashes.append(request)
+        if len(crashes) == 1:
+            raise RuntimeError("crashed")
+        if len(crashes) == 2:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
+        return b"done"
 
     idem = Idempotency(InMemoryIdempotencyStore(), operations=RULES)
     server = grpc.aio.server(
@@ -340,7 +361,10 @@ async def test_grpc_replay_conflict_mismatch_missing() -> None:
                 {
                     "Pay": grpc.unary_unary_rpc_method_handler(
                         pay, request_deserializer=_ident, response_serializer=_ident
-                    )
+                    ),
+                    "Crash": grpc.unary_unary_rpc_method_handler(
+                        crash, request_deserializer=_ident, response_serializer=_ident
+                    ),
                 },
             ),
         )
@@ -366,4 +390,18 @@ async def test_grpc_replay_conflict_mismatch_missing() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as missing:
             await call(b"5", metadata=(("x-user", "alice"),))
         assert missing.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # a handler that raises, or ends the call with an error status, releases its key
+        crash_call = channel.unary_unary(
+            "/test.Pay/Crash", request_serializer=_ident, response_deserializer=_ident
+        )
+        md = (("idempotency-key", "c-1"), ("x-user", "alice"))
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await crash_call(b"x", metadata=md)
+        assert raised.value.code() == grpc.StatusCode.UNKNOWN
+        with pytest.raises(grpc.aio.AioRpcError) as aborted:
+            await crash_call(b"x", metadata=md)
+        assert aborted.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert await crash_call(b"x", metadata=md) == b"done"
+        assert await crash_call(b"x", metadata=md) == b"done"  # replayed
     assert runs == [b"5"]
+    assert len(crashes) == 3

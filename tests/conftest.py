@@ -34,6 +34,13 @@ def redis_server() -> services.Service:
 
 
 @pytest.fixture(scope="session")
+def postgres_server() -> services.Service:
+    """The PostgreSQL the tests use (``BROWNOUT_TEST_POSTGRES``; trust auth, database
+    ``test``); fails the test when it is down."""
+    return services.require(services.POSTGRES)
+
+
+@pytest.fixture(scope="session")
 def rabbitmq_server() -> services.Service:
     """The RabbitMQ the tests use (``BROWNOUT_TEST_RABBITMQ``); fails the test when down."""
     return services.require(services.RABBITMQ)

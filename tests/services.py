@@ -1,10 +1,11 @@
 """The real servers the integration tests talk to, checked once per session.
 
-A test that needs a service asks for its fixture (``redis_server``, ``rabbitmq_server`` in
-``tests/conftest.py``); when the service does not answer, the test errors at setup with a
-message naming the service, its address and the command that starts it, never a quiet
-skip. Each address can be moved with an environment variable (``BROWNOUT_TEST_REDIS=
-127.0.0.1:6380``), which is also how the message is shown on purpose (a closed port).
+A test that needs a service asks for its fixture (``redis_server``, ``rabbitmq_server``,
+``postgres_server`` in ``tests/conftest.py``); when the service does not answer, the test
+errors at setup with a message naming the service, its address and the command that starts
+it, never a quiet skip. Each address can be moved with an environment variable
+(``BROWNOUT_TEST_REDIS=127.0.0.1:6380``), which is also how the message is shown on purpose
+(a closed port).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "POSTGRES",
     "RABBITMQ",
     "REDIS",
     "SERVICES",
@@ -44,7 +46,8 @@ class Service:
     """How to start it on a development machine."""
     hello: bytes
     """Sent after connecting; ``expect`` must begin the answer (a real server, not any port)."""
-    expect: bytes
+    expect: bytes | tuple[bytes, ...]
+    """What the answer must begin with (one of them, for a tuple)."""
 
     @property
     def address(self) -> str:
@@ -78,7 +81,15 @@ RABBITMQ = Service(
     hello=b"AMQP\x00\x00\x09\x01",
     expect=b"\x01\x00\x00",  # a method frame on channel 0: connection.start
 )
-SERVICES = {"redis": REDIS, "rabbitmq": RABBITMQ}
+POSTGRES = Service(
+    name="PostgreSQL",
+    env="BROWNOUT_TEST_POSTGRES",
+    default="127.0.0.1:5432",
+    start="service postgresql start  (trust auth on loopback, a database named test)",
+    hello=b"\x00\x00\x00\x08\x04\xd2\x16\x2f",  # SSLRequest: the server answers N or S
+    expect=(b"N", b"S"),
+)
+SERVICES = {"redis": REDIS, "rabbitmq": RABBITMQ, "postgres": POSTGRES}
 
 _checked: dict[str, str | None] = {}  # address -> why it does not answer (None: it does)
 

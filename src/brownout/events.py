@@ -35,6 +35,7 @@ __all__ = [
     "EventHub",
     "GuardFailedClosed",
     "HandlerOverran",
+    "IdempotencyDecided",
     "LedgerWriteFailed",
     "LimitChanged",
     "MessageCompleted",
@@ -310,6 +311,22 @@ class QuotaBackendChanged(Event):
 
     fallback: bool
     detail: str
+
+
+@_event
+class IdempotencyDecided(Event):
+    """The idempotency layer decided a request with a key (or one that needed a key).
+
+    ``outcome``: ``executed`` (the handler ran holding the key), ``replayed``,
+    ``in_progress`` (409), ``mismatch`` (422), ``missing`` or ``invalid`` (400),
+    ``too_large`` (413), ``unavailable_closed`` (503) or ``unavailable_open`` (run without
+    deduplication) when the store failed; and how a run ended: ``stored``, ``released``
+    (an error: the key is free), ``abandoned`` (cancelled: locked until the lease ends),
+    ``unstorable`` (answer over the bound: released), ``lease_lost``, ``store_failed``.
+    """
+
+    operation: str
+    outcome: str
 
 
 @_event

@@ -25,12 +25,16 @@ CORE_MODULES = (
     "brownout.testing",
     "brownout.wire",
     "brownout.durable",
+    "brownout.idempotency",
 )
 ADAPTER_MODULES = (
     "brownout.integrations.pytest_plugin",
     "brownout.integrations.asgi",
     "brownout.integrations.aiohttp_server",
     "brownout.integrations.grpc_server",
+    "brownout.integrations.asgi_idempotency",
+    "brownout.integrations.aiohttp_idempotency",
+    "brownout.integrations.grpc_idempotency",
     "brownout.integrations.httpx",
     "brownout.integrations.aiohttp_client",
     "brownout.integrations.grpc_client",

@@ -59,13 +59,14 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "composition",
-        ("_dependency", "_edge", "_durable", "_testkit"),
+        ("_dependency", "_edge", "_durable", "_idempotency", "_testkit"),
         "one outbound (Dependency), one inbound (EdgePolicy) and one queued (durable) path"
-        " built from primitives; the testing kit that drives them",
+        " built from primitives; the idempotency layer on the edge's problem bodies; the"
+        " testing kit that drives them",
     ),
     (
         "facades",
-        ("__init__", "durable", "limits", "queues", "signals", "testing", "wire"),
+        ("__init__", "durable", "idempotency", "limits", "queues", "signals", "testing", "wire"),
         "the public names; re-exports only, so nothing inside imports them",
     ),
     (
@@ -87,7 +88,7 @@ INDEPENDENT = ("_admission", "_retry", "_degrade", "_quota", "_overload", "_stat
 """The primitives import none of each other: admission does not depend on observability, nor
 retries on quotas; composing them is the composition layer's job."""
 
-FACADES = ("__init__", "durable", "limits", "queues", "signals", "testing", "wire")
+FACADES = ("__init__", "durable", "idempotency", "limits", "queues", "signals", "testing", "wire")
 
 # Imports under `if TYPE_CHECKING:` or inside a function, by (importer prefix, target prefix):
 # allowed only here, each with its reason. They may point anywhere the layers allow, and
@@ -114,6 +115,7 @@ DEFERRED: dict[tuple[str, str], str] = {
 # Third-party imports in the core inside functions, by (importer, package).
 CORE_DEFERRED_THIRD_PARTY: dict[tuple[str, str], str] = {
     ("_quota.redis", "redis"): "exception types of the client the user passed in",
+    ("_idempotency.redis", "redis"): "exception types of the client the user passed in",
 }
 
 # Underscore-prefixed names imported across modules, by (importer prefix, name): none.

@@ -39,6 +39,7 @@ from ..events import (
     EventHub,
     GuardFailedClosed,
     HandlerOverran,
+    IdempotencyDecided,
     LedgerWriteFailed,
     LimitChanged,
     MessageCompleted,
@@ -200,6 +201,8 @@ class Stats:
         self.ledger_write_failures: dict[tuple[str, str, str], int] = {}
         """Unknown outcomes a `Dependency` could not record in its ledger, by (dependency,
         ledger, failure type name) (D6): each is a mutation nobody will reconcile."""
+        self.idempotency: dict[tuple[str, str], int] = {}
+        """Decisions of an idempotency layer, by (layer name, outcome) (I2)."""
         self._clock = clock if clock is not None else default_clock()
         self._watched: list[Callable[[], Observable | None]] = []
         self._complained: set[int] = set()
@@ -231,6 +234,7 @@ class Stats:
             StaleServed: self._stale_served,
             GuardFailedClosed: self._guard_failed_closed,
             LedgerWriteFailed: self._ledger_write_failed,
+            IdempotencyDecided: self._idempotency,
             MessagePublished: self._msg_published,
             MessageRefused: self._msg_refused,
             MessageStarted: self._msg_started,
@@ -503,6 +507,10 @@ class Stats:
         key = (self.sources(e.source), self.sources(e.ledger), self.reasons(e.error))
         self.ledger_write_failures[key] = self.ledger_write_failures.get(key, 0) + 1
 
+    def _idempotency(self, e: IdempotencyDecided) -> None:
+        key = (self.sources(e.source), self.reasons(e.outcome))
+        self.idempotency[key] = self.idempotency.get(key, 0) + 1
+
     def _msg_published(self, e: MessagePublished) -> None:
         self._count("msg_published", e)
 
@@ -740,3 +748,4 @@ class Stats:
         self.stale_served.clear()
         self.guard_failed_closed.clear()
         self.ledger_write_failures.clear()
+        self.idempotency.clear()

@@ -360,6 +360,13 @@ STATE_COUNTERS: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
         ("source", "ledger", "error"),
         "Unknown outcomes a Dependency could not record in its ledger, by failure (D6).",
     ),
+    (
+        "idempotency",
+        "brownout_idempotency_decisions",
+        "brownout.idempotency.decisions",
+        ("source", "outcome"),
+        "Idempotency-layer decisions by outcome: executed, replayed, in_progress, ... (I2).",
+    ),
 )
 """(Stats attribute, Prometheus name, OpenTelemetry name, label names, help) for counters of
 state changes kept outside the request rows."""

@@ -1,0 +1,57 @@
+"""Idempotency keys, server side: replay a completed request's answer instead of redoing it.
+
+See docs/idempotency.md. The adapters are ``brownout.integrations.asgi_idempotency``,
+``brownout.integrations.aiohttp_idempotency`` and ``brownout.integrations.grpc_idempotency``.
+"""
+
+from ._idempotency import (
+    IDEMPOTENCY_KEY_HEADER,
+    MAX_KEY_LENGTH,
+    OFF,
+    REPLAYED_HEADER,
+    Claim,
+    ClaimState,
+    Idempotency,
+    IdempotencyKeyInvalid,
+    IdempotencyRule,
+    IdempotencyStore,
+    IdempotencyStoreUnavailable,
+    IdempotentAnswer,
+    InMemoryIdempotencyStore,
+    NoTransaction,
+    OutagePolicy,
+    PostgresIdempotencyStore,
+    RedisIdempotencyStore,
+    StoredResponse,
+    Ticket,
+    fingerprint,
+    parse_key,
+    store_key,
+    transaction,
+)
+
+__all__ = [
+    "IDEMPOTENCY_KEY_HEADER",
+    "MAX_KEY_LENGTH",
+    "OFF",
+    "REPLAYED_HEADER",
+    "Claim",
+    "ClaimState",
+    "Idempotency",
+    "IdempotencyKeyInvalid",
+    "IdempotencyRule",
+    "IdempotencyStore",
+    "IdempotencyStoreUnavailable",
+    "IdempotentAnswer",
+    "InMemoryIdempotencyStore",
+    "NoTransaction",
+    "OutagePolicy",
+    "PostgresIdempotencyStore",
+    "RedisIdempotencyStore",
+    "StoredResponse",
+    "Ticket",
+    "fingerprint",
+    "parse_key",
+    "store_key",
+    "transaction",
+]

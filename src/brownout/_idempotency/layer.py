@@ -37,6 +37,7 @@ from .._clock import Clock, default_clock
 from .._context import get_current
 from .._edge.refusals import PROBLEM_CONTENT_TYPE, problem_body
 from .._errors import Reason
+from .._propagation import IDEMPOTENCY_HEADER
 from ..events import EventHub, IdempotencyDecided, hub
 from .model import (
     Claim,
@@ -63,7 +64,7 @@ __all__ = [
 
 _log = logging.getLogger("brownout.idempotency")
 
-IDEMPOTENCY_KEY_HEADER = "idempotency-key"
+IDEMPOTENCY_KEY_HEADER = IDEMPOTENCY_HEADER
 REPLAYED_HEADER = "idempotent-replayed"
 """Added (``true``) to every replayed answer, so clients and logs can tell."""
 

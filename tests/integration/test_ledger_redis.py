@@ -88,15 +88,17 @@ async def test_record_resolve_pending_and_expiry(redis_client: tuple[object, str
 
 
 class PaymentServer:
-    """Applies a charge 0.5 s after receiving it, deduplicating by Idempotency-Key."""
+    """Applies a charge once the test releases it (after the client gave up), deduplicating by
+    Idempotency-Key."""
 
     def __init__(self) -> None:
         self.received: list[str] = []
         self.applied: dict[str, int] = {}
         self.work: set[asyncio.Task[None]] = set()
+        self.release = asyncio.Event()
 
     async def apply(self, key: str) -> None:
-        await asyncio.sleep(0.5)
+        await self.release.wait()
         self.applied[key] = self.applied.get(key, 0) + (0 if key in self.applied else 1)
 
     async def charge(self, request: web.Request) -> web.Response:
@@ -168,6 +170,7 @@ async def test_mutation_applied_after_client_timeout_is_reconciled_by_key(
 
             reconciler = Reconciler(ledger, check)
             assert await reconciler.run_once() == []  # not applied yet: still unknown
+            server.release.set()  # the charge lands after the client's deadline
             await asyncio.gather(*server.work)
             resolved = await reconciler.run_once()
             assert [(r.key, r.state) for r in resolved] == [(key, OutcomeState.APPLIED)]

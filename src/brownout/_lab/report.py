@@ -14,6 +14,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from .payments import (
+    PAYMENTS_COLUMNS,
+    PAYMENTS_TITLE,
+    payments_description,
+    payments_rows,
+)
+from .payments import payments_runs as _payments_runs
 from .verdict import Check, evaluate, step_host_bound, targets
 
 __all__ = [
@@ -329,6 +336,13 @@ def print_tables(lab: dict[str, Any], console: Any) -> None:
         for col in BACKLOG_COLUMNS:
             table.add_column(col, overflow="fold")
         for row in backlog_rows(lab):
+            table.add_row(*row)
+        console.print(table)
+    if _payments_runs(lab):
+        table = Table(title=f"{PAYMENTS_TITLE}: {payments_description(lab)}", title_justify="left")
+        for col in PAYMENTS_COLUMNS:
+            table.add_column(col, overflow="fold")
+        for row in payments_rows(lab):
             table.add_row(*row)
         console.print(table)
     for sc in _scenarios(lab):
@@ -729,6 +743,12 @@ def markdown(
     if _backlog_runs(lab):
         out += _backlog_markdown(lab)
         out += [f"![timeline-backlog.png]({image_prefix}timeline-backlog.png)", ""]
+    if _payments_runs(lab):
+        out += [f"## {PAYMENTS_TITLE}", "", payments_description(lab), ""]
+        out += ["| " + " | ".join(PAYMENTS_COLUMNS) + " |"]
+        out += ["|" + "---|" * len(PAYMENTS_COLUMNS)]
+        out += ["| " + " | ".join(row) + " |" for row in payments_rows(lab)]
+        out += [""]
     if not cal:
         return "\n".join([*out, "## Verdict", "", *_verdict_lines(lab), ""])
     out += [
@@ -796,6 +816,14 @@ def _html(lab: dict[str, Any], images: list[str]) -> str:
                 parts.append(f"<tr>{cells}</tr>")
             parts.append("</table>")
         parts.append("<p><img src='timeline-backlog.png'></p>")
+    if _payments_runs(lab):
+        parts.append(f"<h2>{PAYMENTS_TITLE}</h2><p>{html.escape(payments_description(lab))}</p>")
+        parts.append(
+            "<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in PAYMENTS_COLUMNS)
+        )
+        for row in payments_rows(lab):
+            parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
+        parts.append("</table>")
     for sc in _scenarios(lab):
         parts.append(f"<h2>{html.escape(sc['title'])}</h2><p>{html.escape(sc['description'])}</p>")
         parts.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS))

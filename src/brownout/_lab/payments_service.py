@@ -53,8 +53,8 @@ def _edge_policy() -> Any:
 
 
 class _SlowAfterCommit:
-    """Outermost ASGI wrapper: holds back the start of an answer the handler marked, after
-    everything inside (the commit included) is done; a replayed answer is never held."""
+    """Outermost ASGI wrapper: holds back an answer the handler marked until the app inside
+    (edge, idempotency layer, commit) has finished, then sends it; a replay is never held."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -63,20 +63,31 @@ class _SlowAfterCommit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        delay: float | None = None
+        held: list[Any] = []
 
-        async def held(message: Any) -> None:
+        async def hold(message: Any) -> None:
+            nonlocal delay
             if message["type"] == "http.response.start":
                 headers = message.get("headers", [])
                 names = {k.lower(): v for k, v in headers}
-                delay = names.get(_DELAY_HEADER)
-                if delay is not None and b"idempotent-replayed" not in names:
-                    await asyncio.sleep(float(delay))
+                marked = names.get(_DELAY_HEADER)
+                if marked is not None and b"idempotent-replayed" not in names:
+                    delay = float(marked)
                 message = dict(
                     message, headers=[(k, v) for k, v in headers if k.lower() != _DELAY_HEADER]
                 )
-            await send(message)
+            if delay is None:
+                await send(message)
+            else:
+                held.append(message)
 
-        await self.app(scope, receive, held)
+        await self.app(scope, receive, hold)
+        if delay is not None:
+            # Outside the edge's deadline: the answer comes late, it is not cut off.
+            await asyncio.sleep(delay)
+            for message in held:
+                await send(message)
 
 
 async def _payment_app(args: argparse.Namespace) -> tuple[Any, Any]:

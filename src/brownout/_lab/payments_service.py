@@ -167,6 +167,7 @@ async def _front_app(args: argparse.Namespace) -> tuple[Any, Any]:
     from starlette.responses import Response
     from starlette.routing import Route
 
+    from brownout import UnknownOutcome
     from brownout.integrations.asgi import BrownoutMiddleware
     from brownout.integrations.httpx import BrownoutTransport
 
@@ -189,6 +190,8 @@ async def _front_app(args: argparse.Namespace) -> tuple[Any, Any]:
             r = await outbound.post("/payments", content=await request.body(), headers=headers)
         except httpx.HTTPError as e:
             return Response(f"payment service: {type(e).__name__}", status_code=502)
+        except UnknownOutcome:  # cut off at the caller's deadline: the caller has gone
+            return Response("payment outcome unknown", status_code=504)
         return Response(
             r.content,
             status_code=r.status_code,

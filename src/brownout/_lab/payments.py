@@ -365,6 +365,13 @@ async def _run_all(s: PaymentsSettings, on_stage: Any) -> list[dict[str, Any]]:
                     "reconciled_not_applied": client.get("reconciled_not_applied", 0),
                     "pending_after": client.get("pending_after", 0),
                     "replays": client.get("replays", 0),
+                    "client_errors": sum(
+                        n
+                        for k, n in client.items()
+                        if (k.startswith("status_") and k != "status_201")
+                        or k.startswith("error_")
+                        or k == "gave_up"
+                    ),
                     "client": client,
                     "seconds": round(took, 1),
                 }
@@ -454,6 +461,7 @@ PAYMENTS_COLUMNS = [
     "unknown outcomes",
     "reconciled as applied",
     "replays served",
+    "errors seen by the client",
 ]
 
 
@@ -470,6 +478,7 @@ def payments_rows(lab: dict[str, Any]) -> list[list[str]]:
             str(run["unknown_recorded"]),
             str(run["reconciled_applied"]),
             str(run["replays"]),
+            str(run.get("client_errors", 0)),
         ]
         for run in payments_runs(lab)
     ]

@@ -722,6 +722,29 @@ their deadline again within 5 s of recovery (at least 95% of each second's, for 
 loses nothing, kills included. The table gives completions in time and late per second after
 recovery, parked by reason, and a per-second table and plot around recovery.
 
+**Payments slow after commit** (`payments`, opt-in, about 60 s; needs PostgreSQL at
+`--postgres`, default `postgresql://postgres@127.0.0.1:5432/test`, and Redis at `--redis`,
+and says so, exit 3, when they do not answer; figures from a run:
+[idempotency](idempotency.md#the-whole-chain-client-front-payment)):
+
+```console
+$ brownout lab --scenarios payments
+```
+
+A client -> front -> payment chain, each service its own uvicorn process
+(`brownout._lab.payments_service`). Orders arrive open loop at 20/s for 20 s; every fifth
+one the payment service commits and then answers 1.5 s later, past the client's 0.5 s
+per-attempt timeout. Naive: plain httpx retrying a timeout up to 3 attempts without a key,
+a front that forwards nothing, a payment service that inserts on every request. Brownout:
+`BrownoutTransport` with a `Dependency` (3 attempts under a `RetryBudget` of 0.1, a
+`RedisOutcomeLedger`), a front behind `BrownoutMiddleware` calling through
+`BrownoutTransport`, the idempotency layer on `PostgresIdempotencyStore`; after the run a
+`Reconciler` asks the payment service by key about each unknown outcome and each one
+applied is resent with its key for the stored answer. Rows per order are counted in
+PostgreSQL. The table gives requested, applied once, applied twice or more, unknown
+outcomes recorded, reconciled as applied, replays served. Pass/fail: brownout applies no
+order twice and leaves no unknown outcome unreconciled.
+
 The three-layer chain (front -> mid -> backend) is not a lab scenario: it is measured by
 counts in `tests/integration/test_retry_chain.py` (20 originals: 23 attempts at the bottom
 with brownout, 540 with naive 3-attempt retries at every layer).

@@ -127,13 +127,20 @@ def _lab_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentPa
     p.add_argument(
         "--scenarios",
         help=f"comma-separated scenarios (default: {','.join(DEFAULT_SCENARIOS)}; "
-        f"opt-in: {','.join(OPT_IN_SCENARIOS)},backlog; known: {','.join(SCENARIOS)},backlog; "
-        "backlog runs on Redis Streams, see --redis)",
+        f"opt-in: {','.join(OPT_IN_SCENARIOS)},backlog,payments; known: "
+        f"{','.join(SCENARIOS)},backlog,payments; backlog runs on Redis Streams, see --redis; "
+        "payments on PostgreSQL and Redis, see --postgres)",
     )
     p.add_argument(
         "--redis",
         default="redis://127.0.0.1:6379/0",
-        help="the Redis the backlog scenario uses (it creates and deletes its own keys)",
+        help="the Redis the backlog and payments scenarios use (they create and delete their "
+        "own keys)",
+    )
+    p.add_argument(
+        "--postgres",
+        default="postgresql://postgres@127.0.0.1:5432/test",
+        help="the PostgreSQL the payments scenario uses (it creates and drops its own tables)",
     )
     p.add_argument(
         "--drill",
@@ -177,6 +184,8 @@ def lab_main(argv: list[str]) -> int:
         quick_settings,
         run_backlog,
     )
+    from ._lab.payments import PAYMENTS, PaymentsSettings, run_payments
+    from ._lab.payments import quick_settings as quick_payments
     from ._lab.report import print_tables, write_markdown, write_report
     from ._lab.runner import CONFIGURATIONS, Configuration, LabSettings, Target, run_lab
     from ._lab.scenarios import DEFAULT_SCENARIOS, QUICK_SCENARIOS, SCENARIOS, quick_variant
@@ -225,7 +234,8 @@ def lab_main(argv: list[str]) -> int:
             default = QUICK_SCENARIOS if args.quick else DEFAULT_SCENARIOS
             names = args.scenarios.split(",") if args.scenarios else list(default)
         backlog = BACKLOG in names
-        names = [n for n in names if n != BACKLOG]
+        payments = PAYMENTS in names
+        names = [n for n in names if n not in (BACKLOG, PAYMENTS)]
         scenarios = [SCENARIOS[n] for n in names]
         if args.quick:
             scenarios = [quick_variant(s) for s in scenarios]
@@ -270,7 +280,7 @@ def lab_main(argv: list[str]) -> int:
                     on_progress=on_progress,
                     on_stage=on_stage,
                 )
-            else:  # the backlog alone needs no HTTP demo and no calibration
+            else:  # the backlog or payments alone need no HTTP demo and no calibration
                 lab = {
                     "settings": asdict(settings),
                     "target": None,
@@ -290,6 +300,15 @@ def lab_main(argv: list[str]) -> int:
                 console.print(f"[yellow]backlog scenario not measured:[/] {e}")
                 lab["backlog"] = {"skipped": str(e)}
                 if not scenarios:
+                    return EXIT_UNREACHABLE
+        if payments:
+            pay = PaymentsSettings(dsn=args.postgres, redis_url=args.redis)
+            try:
+                lab["payments"] = run_payments(quick_payments(pay) if args.quick else pay, on_stage)
+            except RuntimeError as e:  # ServicesUnavailable, or a process that did not start
+                console.print(f"[yellow]payments scenario not measured:[/] {e}")
+                lab["payments"] = {"skipped": str(e)}
+                if not scenarios and not backlog:
                     return EXIT_UNREACHABLE
         for task in tasks.values():
             t = progress.tasks[task]

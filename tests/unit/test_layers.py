@@ -110,6 +110,13 @@ DEFERRED: dict[tuple[str, str], str] = {
     ("_lab.demo", "wire"): "the demo process loads brownout after the fork",
     ("_lab.protect", "integrations.aiohttp_client"): "aiohttp only for the outbound demo",
     ("_lab.backlog", "integrations.redis_streams"): "redis-py only when the backlog scenario runs",
+    ("_lab.payments", "__init__"): "the payments scenario's client loads only when it runs",
+    ("_lab.payments", "wire"): "the payments scenario's client loads only when it runs",
+    ("_lab.payments", "integrations.httpx"): "httpx only when the payments scenario runs",
+    ("_lab.payments", "_lab.payments_service"): "a constant of the service, when it runs",
+    ("_lab.payments_service", "__init__"): "the service process loads brownout after the fork",
+    ("_lab.payments_service", "idempotency"): "the service process loads brownout after the fork",
+    ("_lab.payments_service", "integrations"): "starlette, httpx, asyncpg only in the process",
 }
 
 # Third-party imports in the core inside functions, by (importer, package).

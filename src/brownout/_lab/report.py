@@ -14,6 +14,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from .payments import (
+    PAYMENTS_COLUMNS,
+    PAYMENTS_TITLE,
+    payments_description,
+    payments_rows,
+)
+from .payments import payments_runs as _payments_runs
 from .verdict import Check, evaluate, step_host_bound, targets
 
 __all__ = [
@@ -329,6 +336,13 @@ def print_tables(lab: dict[str, Any], console: Any) -> None:
         for col in BACKLOG_COLUMNS:
             table.add_column(col, overflow="fold")
         for row in backlog_rows(lab):
+            table.add_row(*row)
+        console.print(table)
+    if _payments_runs(lab):
+        table = Table(title=f"{PAYMENTS_TITLE}: {payments_description(lab)}", title_justify="left")
+        for col in PAYMENTS_COLUMNS:
+            table.add_column(col, overflow="fold")
+        for row in payments_rows(lab):
             table.add_row(*row)
         console.print(table)
     for sc in _scenarios(lab):
@@ -708,6 +722,29 @@ their deadline again within 5 s of recovery (at least 95% of each second's, for 
 loses nothing, kills included. The table gives completions in time and late per second after
 recovery, parked by reason, and a per-second table and plot around recovery.
 
+**Payments slow after commit** (`payments`, opt-in, about 60 s; needs PostgreSQL at
+`--postgres`, default `postgresql://postgres@127.0.0.1:5432/test`, and Redis at `--redis`,
+and says so, exit 3, when they do not answer; figures from a run:
+[idempotency](idempotency.md#the-whole-chain-client-front-payment)):
+
+```console
+$ brownout lab --scenarios payments
+```
+
+A client -> front -> payment chain, each service its own uvicorn process
+(`brownout._lab.payments_service`). Orders arrive open loop at 20/s for 20 s; every fifth
+one the payment service commits and then answers 1.5 s later, past the client's 0.5 s
+per-attempt timeout. Naive: plain httpx retrying a timeout up to 3 attempts without a key,
+a front that forwards nothing, a payment service that inserts on every request. Brownout:
+`BrownoutTransport` with a `Dependency` (3 attempts under a `RetryBudget` of 0.1, a
+`RedisOutcomeLedger`), a front behind `BrownoutMiddleware` calling through
+`BrownoutTransport`, the idempotency layer on `PostgresIdempotencyStore`; after the run a
+`Reconciler` asks the payment service by key about each unknown outcome and each one
+applied is resent with its key for the stored answer. Rows per order are counted in
+PostgreSQL. The table gives requested, applied once, applied twice or more, unknown
+outcomes recorded, reconciled as applied, replays served. Pass/fail: brownout applies no
+order twice and leaves no unknown outcome unreconciled.
+
 The three-layer chain (front -> mid -> backend) is not a lab scenario: it is measured by
 counts in `tests/integration/test_retry_chain.py` (20 originals: 23 attempts at the bottom
 with brownout, 540 with naive 3-attempt retries at every layer).
@@ -729,6 +766,12 @@ def markdown(
     if _backlog_runs(lab):
         out += _backlog_markdown(lab)
         out += [f"![timeline-backlog.png]({image_prefix}timeline-backlog.png)", ""]
+    if _payments_runs(lab):
+        out += [f"## {PAYMENTS_TITLE}", "", payments_description(lab), ""]
+        out += ["| " + " | ".join(PAYMENTS_COLUMNS) + " |"]
+        out += ["|" + "---|" * len(PAYMENTS_COLUMNS)]
+        out += ["| " + " | ".join(row) + " |" for row in payments_rows(lab)]
+        out += [""]
     if not cal:
         return "\n".join([*out, "## Verdict", "", *_verdict_lines(lab), ""])
     out += [
@@ -796,6 +839,14 @@ def _html(lab: dict[str, Any], images: list[str]) -> str:
                 parts.append(f"<tr>{cells}</tr>")
             parts.append("</table>")
         parts.append("<p><img src='timeline-backlog.png'></p>")
+    if _payments_runs(lab):
+        parts.append(f"<h2>{PAYMENTS_TITLE}</h2><p>{html.escape(payments_description(lab))}</p>")
+        parts.append(
+            "<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in PAYMENTS_COLUMNS)
+        )
+        for row in payments_rows(lab):
+            parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
+        parts.append("</table>")
     for sc in _scenarios(lab):
         parts.append(f"<h2>{html.escape(sc['title'])}</h2><p>{html.escape(sc['description'])}</p>")
         parts.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS))

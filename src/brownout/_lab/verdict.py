@@ -29,11 +29,16 @@ A check on a host-bound step (`brownout._lab.hostcpu`: the generator late, or a 
 saturated) does not pass even when its value would: its ``status`` is ``host-bound`` and
 ``passed`` is false, so the lab fails. A value that fails is a failure whether or not the
 step was host-bound (``host_bound`` lists why it was, for the reader to weigh).
+
+In the payments scenario (opt-in, on PostgreSQL and Redis: `brownout._lab.payments`),
+brownout applies no payment twice and leaves no unknown outcome unreconciled.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from .payments import payments_checks
 
 __all__ = [
     "Check",
@@ -147,7 +152,7 @@ def judged_runs(lab: dict[str, Any]) -> list[dict[str, Any]]:
 def evaluate(lab: dict[str, Any]) -> list[Check]:
     """Every invariant check of a lab result; the lab fails if any has ``passed`` false."""
     checks = _http_checks(lab) if lab.get("calibration") else []
-    return checks + backlog_checks(lab)
+    return checks + backlog_checks(lab) + payments_checks(lab)
 
 
 def _http_checks(lab: dict[str, Any]) -> list[Check]:

@@ -175,6 +175,23 @@ async def test_keyed_mutation_that_stays_unanswered_ends_as_unknown_outcome() ->
 
 
 @pytest.mark.looptime
+async def test_a_gateway_timeout_leaves_a_mutation_unknown_not_answered() -> None:
+    """A 504 is a gateway's: its upstream may have applied the change (D6). A keyed mutation
+    is retried with its key and, still 504, ends as an unknown outcome to reconcile; an
+    unkeyed one is not resent."""
+    fn, seen = script(ResponseError(504), ResponseError(504), ResponseError(504))
+    with pytest.raises(UnknownOutcome) as info:
+        await fast_policy().call(fn, idempotency_key="k-504")
+    assert info.value.idempotency_key == "k-504" and len(seen) == 3
+    fn, seen = script(ResponseError(504), "ok")
+    with pytest.raises(UnknownOutcome):
+        await fast_policy(idempotency_keys=False).call(fn)
+    assert len(seen) == 1
+    assert brownout.wire.classify(ResponseError(504)).outcome_unknown
+    assert not brownout.wire.classify(ResponseError(503)).outcome_unknown  # refused: not applied
+
+
+@pytest.mark.looptime
 async def test_exhausted_attempts_raise_retries_exhausted_carrying_the_original_error() -> None:
     last = ResponseError(503, response="the-response")
     fn, seen = script(ResponseError(503), last)

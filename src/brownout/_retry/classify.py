@@ -47,6 +47,7 @@ RETRYABLE_GRPC_CODES: frozenset[str] = frozenset({"UNAVAILABLE"})
 """gRPC codes retried by default (R2): UNAVAILABLE only; never FAILED_PRECONDITION,
 INVALID_ARGUMENT and the like."""
 _REFUSED_HTTP = frozenset({429, 503})  # the server refused the work: it was not applied
+_GATEWAY_TIMEOUT = 504
 
 
 class TransientError(BrownoutError):
@@ -149,17 +150,20 @@ def classify(error: BaseException) -> Failure:
     """The default classification (R2).
 
     Transient: `TransientError`; `ResponseError` with HTTP 429/502/503/504 or gRPC
-    UNAVAILABLE; connection refused (not sent); connection reset/aborted and timeouts
-    (sent, unanswered). Not transient: every other answer (4xx validation, 500,
-    FAILED_PRECONDITION, INVALID_ARGUMENT), local refusals (`Rejected`), and any other
-    exception. ``asyncio.CancelledError`` is never retried (the policy does not even catch it).
-    A `Rejected` with ``DO_NOT_RETRY`` (a lower retry layer already gave up) stops retries.
+    UNAVAILABLE (a 504 is a gateway's: sent and unanswered, its outcome unknown); connection
+    refused (not sent); connection reset/aborted and timeouts (sent, unanswered). Not
+    transient: every other answer (4xx validation, 500, FAILED_PRECONDITION,
+    INVALID_ARGUMENT), local refusals (`Rejected`), and any other exception.
+    ``asyncio.CancelledError`` is never retried (the policy does not even catch it). A
+    `Rejected` with ``DO_NOT_RETRY`` (a lower retry layer already gave up) stops retries.
     """
     if isinstance(error, ResponseError):
         transient = (error.status is not None and error.status in RETRYABLE_HTTP_STATUSES) or (
             error.grpc_code is not None and error.grpc_code in RETRYABLE_GRPC_CODES
         )
-        answered = error.answered
+        # A gateway's 504 says only that its upstream did not answer in time: the mutation
+        # behind it may have been applied, so its outcome is unknown (D6), not known.
+        answered = error.answered and error.status != _GATEWAY_TIMEOUT
         return Failure(
             transient=transient,
             sent=not answered

@@ -247,6 +247,7 @@ async def _brownout(s: PaymentsSettings, front: str, payment: str, redis: Any) -
         UnknownOutcome,
     )
     from brownout.integrations.httpx import BrownoutTransport
+    from brownout.wire import IDEMPOTENCY_HEADER
 
     prefix = f"brownout-lab-payments-{secrets.token_hex(4)}"
     ledger = RedisOutcomeLedger(redis, prefix=prefix, ttl=600)
@@ -310,7 +311,7 @@ async def _brownout(s: PaymentsSettings, front: str, payment: str, redis: Any) -
                 r = await http.post(
                     "/checkout",
                     json={"order": lost[record.key], "amount": 10},
-                    headers={"idempotency-key": record.key},
+                    headers={IDEMPOTENCY_HEADER: record.key},
                 )
                 if r.headers.get("idempotent-replayed") == "true":
                     counts["replays"] += 1

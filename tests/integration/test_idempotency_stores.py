@@ -197,3 +197,24 @@ async def test_postgres_cancelled_handler_rolls_back_and_frees_the_key(
     assert isinstance(retry, Ticket)
     await retry.release()
     assert await pg_pool.fetchval(f"SELECT count(*) FROM {pg_store.table}_effects") == 0
+
+
+async def test_redis_store_decides_like_memory_on_a_redis_cluster(
+    redis_cluster: list[tuple[str, int]],
+) -> None:
+    """Each decision's keys share one hash slot: the scripts run on a real three-node cluster
+    (a cross-slot script fails there with "keys in request don't hash to the same slot")."""
+    host, port = redis_cluster[0]
+    client = redis_asyncio.RedisCluster(host=host, port=port)
+    try:
+        store = RedisIdempotencyStore(client, prefix=f"test:idem:{uuid.uuid4().hex[:8]}:")
+        for i in range(12):  # keys land on every node of the cluster
+            idem = Idempotency(store)
+            first = await begin(idem, key=f"cluster-{i}")
+            assert isinstance(first, Ticket)
+            await first.complete(201, [], b"paid")
+            replay = await begin(idem, key=f"cluster-{i}")
+            assert isinstance(replay, IdempotentAnswer) and replay.body == b"paid"
+        await states(Idempotency(store))
+    finally:
+        await client.aclose()

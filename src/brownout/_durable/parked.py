@@ -10,10 +10,12 @@ envelope is ``None``, not an error.
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._priority import Priority
 from .envelope import ENVELOPE_FIELDS, Envelope, EnvelopeError
 
 __all__ = [
@@ -79,6 +81,23 @@ class ParkedMessage:
             headers={k: v for k, v in fields.items() if k not in skip},
             parked_at=parked_at,
         )
+
+    def replay_envelope(self, now: float, ttl: float | None) -> Envelope:
+        """The envelope a replay enqueues at wall-clock ``now``: attempt 1, valid for ``ttl``
+        seconds (``None``: no deadline of its own), the same idempotency key (a fresh one for
+        a message parked without a readable envelope), its history plus ``replayed``."""
+        old = self.envelope
+        fresh = Envelope(
+            enqueued_at=now,
+            valid_until=None if ttl is None else now + ttl,
+            attempt=1,
+            idempotency_key=old.idempotency_key if old is not None else secrets.token_hex(16),
+            priority=old.priority if old is not None else Priority.CRITICAL,
+            caller=old.caller if old is not None else "unknown",
+            operation=old.operation if old is not None else "unknown",
+            history=old.history if old is not None else (),
+        )
+        return fresh.with_history(now, "replayed", f"was parked: {self.reason}")
 
     def __repr__(self) -> str:
         return f"ParkedMessage(id={self.id!r}, reason={self.reason!r}, parked_at={self.parked_at})"

@@ -48,7 +48,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -624,18 +623,7 @@ class ParkedQueue:
     async def _replay_one(
         self, parked: ParkedMessage, message: AbstractIncomingMessage, ttl: float | None
     ) -> None:
-        now = self.wall()
-        old = parked.envelope
-        fresh = Envelope(
-            enqueued_at=now,
-            valid_until=None if ttl is None else now + ttl,
-            attempt=1,
-            idempotency_key=old.idempotency_key if old is not None else secrets.token_hex(16),
-            priority=old.priority if old is not None else Priority.CRITICAL,
-            caller=old.caller if old is not None else "unknown",
-            operation=old.operation if old is not None else "unknown",
-            history=old.history if old is not None else (),
-        ).with_history(now, "replayed", f"was parked: {parked.reason}")
+        fresh = parked.replay_envelope(self.wall(), ttl)
         headers = {**_user_headers(message.headers), **fresh.encode()}  # values as they were
         await _publish(self.channel, self.queue, _copy(parked.body, headers, message), self.timeout)
 

@@ -974,19 +974,7 @@ class ParkedStream:
     async def _replay_one(
         self, entry_id: str, fields: dict[bytes, bytes], ttl: float | None
     ) -> int:
-        parked = _parked(entry_id, fields)
-        now = float(self.wall())
-        old = parked.envelope
-        fresh = Envelope(
-            enqueued_at=now,
-            valid_until=None if ttl is None else now + ttl,
-            attempt=1,
-            idempotency_key=old.idempotency_key if old is not None else None,
-            priority=old.priority if old is not None else Priority.CRITICAL,
-            caller=old.caller if old is not None else "unknown",
-            operation=old.operation if old is not None else "unknown",
-            history=old.history if old is not None else (),
-        ).with_history(now, "replayed", f"{parked.reason}: {parked.detail}")
+        fresh = _parked(entry_id, fields).replay_envelope(float(self.wall()), ttl)
         copy = _with_envelope(fields, fresh)
         done = await _bounded(
             _REPLAY_SCRIPT(self.redis, (self.keys.parked, self.keys.stream), [entry_id, *copy]),

@@ -22,15 +22,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
+from ._cli import EXIT_MISSING_EXTRA, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
 from ._durable import ParkedMessage
 from ._help import HelpFormatter
 
 __all__ = ["add_arguments", "main"]
 
-EXIT_OK = 0
-EXIT_USAGE = 2
-EXIT_UNREACHABLE = 3
-EXIT_MISSING_EXTRA = 4
 
 _DETAIL_WIDTH = 48
 _BODY_PREVIEW = 2_000

@@ -32,12 +32,17 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
-from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured
-from django.http import HttpRequest, HttpResponse, HttpResponseBase
-from django.urls import Resolver404, resolve
-from django.utils.module_loading import import_string
+try:
+    from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+    from django.conf import settings
+    from django.core.exceptions import ImproperlyConfigured
+    from django.http import HttpRequest, HttpResponse, HttpResponseBase
+    from django.urls import Resolver404, resolve
+    from django.utils.module_loading import import_string
+except ModuleNotFoundError as e:  # the extra is not installed
+    from .._extras import missing_extra
+
+    raise missing_extra(__name__, "django", e) from e
 
 from .._clock import now
 from .._degrade.markers import fallback_marks

@@ -15,8 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from werkzeug.exceptions import HTTPException
-from werkzeug.routing import RequestRedirect
+try:
+    from werkzeug.exceptions import HTTPException
+    from werkzeug.routing import RequestRedirect
+except ModuleNotFoundError as e:  # the extra is not installed
+    from .._extras import missing_extra
+
+    raise missing_extra(__name__, "flask", e) from e
 
 from .._edge import EdgePolicy
 from .wsgi import BrownoutMiddleware, Environ

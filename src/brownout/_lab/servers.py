@@ -154,7 +154,15 @@ def start_demo(
         if drill is not None and mode != "unprotected":
             extra += ["--drill", drill]
         front = spawn_server(
-            ["sync-front" if sync else "front", "--backend-url", backend.url, "--mode", mode, *extra, *cpus(front_cpus)]
+            [
+                "sync-front" if sync else "front",
+                "--backend-url",
+                backend.url,
+                "--mode",
+                mode,
+                *extra,
+                *cpus(front_cpus),
+            ]
         )
         wait_ready(backend, "/admin/stats")
         wait_ready(front, "/healthz")

@@ -19,12 +19,13 @@ from typing import Any
 
 import requests
 from flask import Flask, Response, jsonify
-from gunicorn.app.base import BaseApplication
+from gunicorn.app.base import BaseApplication  # type: ignore[import-untyped]
 
 from brownout import Rejected, call_budget
 from brownout.wire import outbound_headers
 
 from .demo import NORMAL_TIMEOUT
+from .protect import protect_wsgi
 
 __all__ = ["SYNC_MODES", "THREADS", "create_sync_front", "serve"]
 
@@ -78,8 +79,6 @@ def create_sync_front(backend_url: str, mode: str = "unprotected") -> Flask:
     app.add_url_rule("/api/batch", "batch", work)
     app.add_url_rule("/healthz", "health", lambda: Response("ok", mimetype="text/plain"))
     if protected:
-        from .protect import protect_wsgi
-
         bulkhead = protect_wsgi(app, mode)
 
         def bulkhead_state() -> Response:

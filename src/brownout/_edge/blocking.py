@@ -22,9 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, TypeVar
 
 from .._admission.bulkhead import Bulkhead
+from .._admission.protocols import AdmitsWorkBlocking
+from .._admission.thread_bulkhead import ThreadBulkhead
 from .._clock import now as _now
 from .._context import get_current, make_context, reset_current, set_current
 from .._deadline import Deadline, new_deadline
@@ -37,7 +39,6 @@ from .refusals import Refusal
 from .routes import ResolvedRoute
 
 __all__ = [
-    "AdmitsWorkBlocking",
     "Held",
     "begin",
     "check_async",
@@ -47,14 +48,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-@runtime_checkable
-class AdmitsWorkBlocking(Protocol):
-    """What the blocking path needs of a route's bulkhead (`brownout.ThreadBulkhead`):
-    ``with admission.admit() as permit:`` blocks for a permit or raises `Rejected`."""
-
-    def admit(self) -> AbstractContextManager[Any]: ...
 
 
 def _no_header(name: str) -> None:
@@ -78,16 +71,19 @@ def check_blocking(policy: EdgePolicy) -> None:
 def is_blocking(bulkhead: Any) -> bool:
     """True for an admission that blocks the calling thread (``with admit()``), false for an
     asyncio one (``async with admit()``, `brownout.Bulkhead`)."""
+    if isinstance(bulkhead, ThreadBulkhead):
+        return True
     return not isinstance(bulkhead, Bulkhead) and isinstance(bulkhead, AdmitsWorkBlocking)
 
 
 def check_async(route: ResolvedRoute) -> None:
-    """Raise `TypeError` when ``route``'s bulkhead is a blocking one: it would block the
-    event loop."""
-    if route.bulkhead is not None and is_blocking(route.bulkhead):
+    """Raise `TypeError` when ``route``'s bulkhead can only block (a `ThreadBulkhead` also
+    admits with ``async with``, and may be shared by threads and a loop)."""
+    bulkhead = route.bulkhead
+    if bulkhead is not None and not isinstance(bulkhead, Bulkhead) and is_blocking(bulkhead):
         raise TypeError(
             f"route {route.template!r}: under ASGI the edge needs an asyncio bulkhead "
-            f"(brownout.Bulkhead), not {type(route.bulkhead).__name__}"
+            f"(brownout.Bulkhead or ThreadBulkhead), not {type(bulkhead).__name__}"
         )
 
 

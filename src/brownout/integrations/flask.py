@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 try:
+    from flask import request
     from werkzeug.exceptions import HTTPException
     from werkzeug.routing import RequestRedirect
 except ModuleNotFoundError as e:  # the extra is not installed
@@ -24,7 +25,8 @@ except ModuleNotFoundError as e:  # the extra is not installed
     raise missing_extra(__name__, "flask", e) from e
 
 from .._edge import EdgePolicy
-from .wsgi import BrownoutMiddleware, Environ
+from .._errors import DeadlineExceeded, Rejected, UnknownOutcome
+from .wsgi import RAISED_KEY, BrownoutMiddleware, Environ
 
 __all__ = ["FlaskRoutes", "protect"]
 
@@ -64,7 +66,17 @@ class FlaskRoutes:
 
 def protect(app: Any, policy: EdgePolicy) -> BrownoutMiddleware:
     """Put the edge in front of the Flask ``app`` (its ``wsgi_app`` is wrapped, so Flask's
-    own middleware stack stays outside); returns the middleware."""
+    own middleware stack stays outside) and let it answer brownout's exceptions out of a
+    view (`RAISED_KEY`: a `Rejected` from a dependency is a 503, as on every edge);
+    returns the middleware."""
     middleware = BrownoutMiddleware(app.wsgi_app, policy, route_of=FlaskRoutes(app))
     app.wsgi_app = middleware
+
+    def hand_over(e: Exception) -> tuple[str, int]:
+        # Flask answers exceptions itself; the edge answers these (503/504 problem+json).
+        request.environ[RAISED_KEY] = e
+        return "", 500
+
+    for kind in (Rejected, DeadlineExceeded, UnknownOutcome):
+        app.register_error_handler(kind, hand_over)
     return middleware

@@ -40,7 +40,12 @@ from .._edge import (
 from .._edge.blocking import Held, begin, check_blocking
 from .._propagation import HeaderGetter, Repeated
 
-__all__ = ["BrownoutMiddleware", "environ_getter", "write_refusal"]
+__all__ = ["RAISED_KEY", "BrownoutMiddleware", "environ_getter", "write_refusal"]
+
+RAISED_KEY = "brownout.raised"
+"""The environ key where a framework that answers exceptions itself (Flask) leaves one of
+brownout's (a `Rejected` from a dependency, `DeadlineExceeded`, `UnknownOutcome`), for the
+middleware to answer as every edge does."""
 
 Environ = dict[str, Any]
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None]
@@ -219,15 +224,19 @@ class BrownoutMiddleware:
             if refusal is None or flight.response_started:
                 raise
             return write_refusal(refusal, start_response)
-        late = held.returned()
-        if late is not None:
+        raised = environ.pop(RAISED_KEY, None)
+        late = held.returned() if raised is None else held.raised(raised)
+        if late is not None or raised is not None:
             try:
                 close = getattr(body, "close", None)
                 if close is not None:
                     close()
             finally:
                 held.finish()
-            return write_refusal(late, start_response)
+            if late is not None:
+                return write_refusal(late, start_response)
+            answer.forward()  # the framework's own answer stands (its 500)
+            return []
         if answer.status is not None:
             answer.forward()
         else:

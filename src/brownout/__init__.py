@@ -12,7 +12,7 @@ The names below are what a service author needs. Specialists live in a few publi
 `brownout.export`. Every other module is private. docs/api.md says what is stable.
 """
 
-from ._admission import Bulkhead, Permit
+from ._admission import Bulkhead, Permit, ThreadBulkhead
 from ._clock import Clock, LoopClock, MonotonicClock
 from ._context import (
     RequestContext,
@@ -23,6 +23,7 @@ from ._context import (
     deadline,
     remaining,
     request,
+    statement_timeout_ms,
 )
 from ._deadline import Deadline
 from ._degrade import (
@@ -139,6 +140,7 @@ __all__ = [
     "StaleCache",
     "Stats",
     "StopReason",
+    "ThreadBulkhead",
     "TransientError",
     "Trust",
     "UnknownOutcome",
@@ -153,4 +155,5 @@ __all__ = [
     "load_config",
     "remaining",
     "request",
+    "statement_timeout_ms",
 ]

@@ -159,8 +159,9 @@ def test_waiters_are_served_by_priority() -> None:
     low = Waiter(b, order, caller="low", priority=Priority.SHEDDABLE)
     until(lambda: b.queue_depth == 1)
     high = Waiter(b, order, caller="high", priority=Priority.CRITICAL)
-    until(lambda: b.queue_depth == 2)
-    assert len(rec.of(RequestQueued)) == 2
+    # the event is emitted after the push, and queue_depth is read without the lock
+    until(lambda: len(rec.of(RequestQueued)) == 2)
+    assert b.queue_depth == 2
     holder.release()
     assert high.admitted.wait(SETTLE)
     assert not low.admitted.is_set()

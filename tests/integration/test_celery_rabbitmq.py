@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -275,3 +280,26 @@ def test_malformed_brownout_headers_are_parked_never_run_nor_lost(setup: Setup) 
     assert [p.reason for p in found] == ["malformed", "malformed"]
     assert sorted(json.loads(p.body)[0][0] for p in found) == ["a", "b"]
     assert depth(setup.queue) == 0
+
+
+def test_the_docs_examples_run_against_rabbitmq(setup: Setup) -> None:
+    """docs/celery.md's ```python blocks, run in a fresh interpreter on a queue of its own."""
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "celery.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    assert len(blocks) == 2
+    host = services.RABBITMQ.address
+    script = (
+        "\n".join(blocks).replace('"emails"', repr(setup.queue)).replace("127.0.0.1:5672", host)
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{root / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    out = done.stdout.decode()
+    assert "sending receipt 42 attempt 1" in out
+    assert re.search(r"parked \[\[43\], \{\}, .*\] because expired", out), out

@@ -16,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from .._clock import Clock, default_clock
 from .._context import get_current, make_context, reset_current, set_current
-from .._deadline import new_deadline
+from .._deadline import Deadline
 from .._priority import Priority
 from ..events import (
     EventHub,
@@ -116,7 +116,7 @@ class SyncMessageRunner:
         parent = get_current()
         deadline = parent.deadline
         if run.budget is not None and (deadline is None or deadline.remaining() > run.budget):
-            deadline = new_deadline(self.clock.now() + run.budget)
+            deadline = Deadline.after(run.budget, clock=self.clock)
         key = env.idempotency_key
         ctx = make_context(
             deadline,

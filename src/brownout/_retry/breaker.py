@@ -248,7 +248,7 @@ class CircuitBreaker:
         if self.state is BreakerState.CLOSED:
             return self._generation  # (a racing transition: the call counts as sent before it)
         with self._lock:
-            state = self.state
+            state: BreakerState = self.state  # (again: it may have closed meanwhile)
             if state is BreakerState.CLOSED:
                 return self._generation
             now = self._clock.now()

@@ -448,27 +448,13 @@ class RetryPolicy:
     def _stop(self, state: _Retrying, why: StopReason, *, previous: bool = False) -> Exception:
         """Give up on the current failure (``previous``: on the one before it)."""
         if previous:
-            assert state.last_failure is not None and state.last_error is not None
-            return self._give_up(
-                state.last_error,
-                state.last_failure,
-                state.attempt - 1,
-                why,
-                state.idempotent,
-                state.key,
-                state.source,
-                state.unknown,
-            )
-        assert state.failure is not None and state.error is not None
+            error, failure, attempts = state.last_error, state.last_failure, state.attempt - 1
+        else:
+            error, failure, attempts = state.error, state.failure, state.attempt
+        assert error is not None
+        assert failure is not None
         return self._give_up(
-            state.error,
-            state.failure,
-            state.attempt,
-            why,
-            state.idempotent,
-            state.key,
-            state.source,
-            state.unknown,
+            error, failure, attempts, why, state.idempotent, state.key, state.source, state.unknown
         )
 
     def _next_delay(self, state: _Retrying, error: Exception) -> float:

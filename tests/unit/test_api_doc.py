@@ -39,6 +39,8 @@ ADAPTER_MODULES = (
     "brownout.integrations.aiohttp_idempotency",
     "brownout.integrations.grpc_idempotency",
     "brownout.integrations.httpx",
+    "brownout.integrations.requests",
+    "brownout.integrations.urllib3",
     "brownout.integrations.aiohttp_client",
     "brownout.integrations.grpc_client",
     "brownout.integrations.lifespan",

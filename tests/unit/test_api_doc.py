@@ -42,6 +42,7 @@ ADAPTER_MODULES = (
     "brownout.integrations.redis_streams",
     "brownout.integrations.aio_pika",
     "brownout.integrations.faststream",
+    "brownout.integrations.gunicorn",
     "brownout.export.prometheus",
     "brownout.export.otel",
     "brownout.export.logging",

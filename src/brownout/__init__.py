@@ -12,7 +12,7 @@ The names below are what a service author needs. Specialists live in a few publi
 `brownout.export`. Every other module is private. docs/api.md says what is stable.
 """
 
-from ._admission import Bulkhead, Permit
+from ._admission import Bulkhead, Permit, ThreadBulkhead
 from ._clock import Clock, LoopClock, MonotonicClock
 from ._context import (
     RequestContext,
@@ -139,6 +139,7 @@ __all__ = [
     "StaleCache",
     "Stats",
     "StopReason",
+    "ThreadBulkhead",
     "TransientError",
     "Trust",
     "UnknownOutcome",

@@ -13,6 +13,7 @@ from .queues import (
     QueueItem,
     WaitQueue,
 )
+from .thread_bulkhead import ThreadBulkhead, ThreadPermit
 
 __all__ = [
     "AIMDLimit",
@@ -28,6 +29,8 @@ __all__ = [
     "Permit",
     "PriorityCoDelQueue",
     "QueueItem",
+    "ThreadBulkhead",
+    "ThreadPermit",
     "VegasLimit",
     "WaitQueue",
 ]

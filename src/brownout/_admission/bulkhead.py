@@ -380,8 +380,13 @@ class Bulkhead:
             in_progress=in_progress,
             retry=retry,
         )
+        self._admit_or_refuse(permit)
+        return permit
+
+    def _admit_or_refuse(self, permit: Permit) -> None:
+        """`try_admit`'s decision: admit ``permit`` now or raise `brownout.Rejected`."""
         if self._admit_now(permit):
-            return permit
+            return
         if self._forced is not None:
             raise self._refuse(
                 permit,
@@ -720,6 +725,59 @@ class Bulkhead:
             )
 
     async def _wait(self, p: Permit) -> None:
+        now = self._enqueue(p)
+        q = self._queue
+        d_at = p.deadline_at
+        loop = running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        p._future = fut
+        # Age bounds are enforced by one sweep timer for the whole queue; only a deadline
+        # that comes first needs a timer of its own.
+        if d_at < now + q.wait_bound(now, rank_of(p.priority, p.in_progress, p.retry)):
+            p._timer = loop.call_later(max(0.0, d_at - now), self._expire, p)
+        else:
+            p._timer = None
+        if self._sweep is None or self._sweep_loop is not loop:
+            # (a bulkhead outliving its loop, e.g. across asyncio.run calls, re-arms here)
+            self._schedule_sweep(loop, now)
+        else:
+            # A waiter may be due before the armed sweep: a class that continues a standing
+            # period gets CoDel's short bound at once (PriorityCoDelQueue), not the interval.
+            at = q.next_expiry(now)
+            if at is not None and at < self._sweep_at:
+                self._schedule_sweep(loop, now)
+        events = self._events
+        if events.enabled:
+            p._context = contextvars.copy_context()
+            events.emit(RequestQueued(now, self.name, p.operation, p.priority, p.caller, q.size))
+        else:
+            p._context = None
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self._waiter_gone(p, now)
+            raise
+
+    def _waiter_gone(self, p: Permit, since: float) -> None:
+        """The waiter queued at ``since`` stopped waiting (cancelled, interrupted): take it
+        off the queue, or give back the slot it was granted but never used."""
+        if p._state == _QUEUED:
+            if p._timer is not None:
+                p._timer.cancel()
+            p._state = _DONE
+            later = self._clock.now()
+            self._queue.remove(p, later)
+            self._left_queue(p, later, later - since, later >= p.deadline_at)
+            self._refill()
+        elif p._state == _ADMITTED:  # granted, but cancelled before it could run
+            self._release(p, _IGNORED, None)  # it never ran: nothing for the limit
+            if self._events.enabled:  # admitted, so it ends: abandoned, or expired (O1)
+                self._emit_outcome(p, _DROPPED, "CancelledError", self._clock.now(), 0.0)
+
+    def _enqueue(self, p: Permit) -> float:
+        """The decisions of queueing ``p``: refuse it (forced full, a deadline too short for
+        the expected wait, a full queue) or push it, evicting lower work. Returns when it was
+        queued; the caller makes the waiter's future before anything can settle it."""
         forced = self._forced
         if forced is not None:
             raise self._refuse(p, forced, _FORCED_DETAIL[forced], 0.0, justified=True)
@@ -757,47 +815,7 @@ class Bulkhead:
         if victim is not None:
             self._settle_refused(victim, Reason.QUEUE_FULL, now)  # type: ignore[arg-type]
         p._state = _QUEUED
-        loop = running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        p._future = fut
-        # Age bounds are enforced by one sweep timer for the whole queue; only a deadline
-        # that comes first needs a timer of its own.
-        if d_at < now + q.wait_bound(now, rank):
-            p._timer = loop.call_later(max(0.0, d_at - now), self._expire, p)
-        else:
-            p._timer = None
-        if self._sweep is None or self._sweep_loop is not loop:
-            # (a bulkhead outliving its loop, e.g. across asyncio.run calls, re-arms here)
-            self._schedule_sweep(loop, now)
-        else:
-            # A waiter may be due before the armed sweep: a class that continues a standing
-            # period gets CoDel's short bound at once (PriorityCoDelQueue), not the interval.
-            at = q.next_expiry(now)
-            if at is not None and at < self._sweep_at:
-                self._schedule_sweep(loop, now)
-        events = self._events
-        if events.enabled:
-            p._context = contextvars.copy_context()
-            events.emit(RequestQueued(now, self.name, p.operation, p.priority, p.caller, q.size))
-        else:
-            p._context = None
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if p._state == _QUEUED:
-                if p._timer is not None:
-                    p._timer.cancel()
-                p._state = _DONE
-                later = self._clock.now()
-                q.remove(p, later)
-                self._left_queue(p, later, later - now, later >= d_at)
-                self._refill()
-            elif p._state == _ADMITTED:  # granted, but cancelled before it could run
-                self._release(p, _IGNORED, None)  # it never ran: nothing for the limit
-                if events.enabled:  # admitted, so it ends: abandoned, or expired (O1)
-                    later = self._clock.now()
-                    self._emit_outcome(p, _DROPPED, "CancelledError", later, 0.0)
-            raise
+        return now
 
     def _schedule_sweep(self, loop: asyncio.AbstractEventLoop, now: float) -> None:
         if self._sweep is not None:
@@ -816,12 +834,16 @@ class Bulkhead:
     def _run_sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         """Timer: refuse every waiter older than the queue's age bound (QUEUE_TIMEOUT)."""
         now = self._clock.now()
+        self._expire_aged(now)
+        self._schedule_sweep(loop, now)
+
+    def _expire_aged(self, now: float) -> None:
+        """Refuse every waiter older than the queue's age bound (QUEUE_TIMEOUT)."""
         for item in self._queue.expire_old(now):
             p: Permit = item  # type: ignore[assignment]
             if p._state == _QUEUED:
                 self._settle_refused(p, Reason.QUEUE_TIMEOUT, now)
         self._refill()
-        self._schedule_sweep(loop, now)
 
     def _expire(self, p: Permit) -> None:
         """Timer: the waiter's deadline passed while it was still queued."""

@@ -6,10 +6,10 @@ type against them, so a bulkhead of one's own can stand in for it.
 
 from __future__ import annotations
 
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["AdmitsWork", "SettlesWork"]
+__all__ = ["AdmitsWork", "AdmitsWorkBlocking", "SettlesWork"]
 
 
 class SettlesWork(Protocol):
@@ -37,5 +37,18 @@ class AdmitsWork(Protocol):
     """
 
     def admit(self) -> AbstractAsyncContextManager[Any]: ...
+
+    def try_admit(self) -> SettlesWork: ...
+
+
+@runtime_checkable
+class AdmitsWorkBlocking(Protocol):
+    """Something that admits work from threads (`brownout.ThreadBulkhead` is one).
+
+    ``with admission.admit() as permit:`` blocks the calling thread while it waits for a
+    permit and refuses by raising `brownout.Rejected`; otherwise as `AdmitsWork`.
+    """
+
+    def admit(self) -> AbstractContextManager[Any]: ...
 
     def try_admit(self) -> SettlesWork: ...

@@ -1,0 +1,235 @@
+"""WSGI middleware: brownout's edge for Flask and any WSGI application (PEP 3333).
+
+::
+
+    app.wsgi_app = BrownoutMiddleware(app.wsgi_app, policy)  # Flask: integrations.flask
+
+Per request, on the server's worker thread (the decisions are `brownout._edge.blocking`'s):
+
+- health, readiness and metrics paths (`EdgePolicy.exempt_paths`) go straight to the app;
+- the operation label is the route template from ``route_of(environ)`` (Flask: its url_map
+  rule), else the policy's own ``routes``, else ``"unmatched"``;
+- refusals are complete ``application/problem+json`` responses with ``Content-Length`` and a
+  jittered ``Retry-After`` (503 capacity, 504 deadline);
+- the app's response is passed through unbuffered; its status settles the permit (5xx is a
+  failure) and ``brownout-degraded`` is added to its head when degraded modes are active;
+- the permit is held until the body iterable is exhausted or closed (a streaming body counts
+  as in flight); the iterable's ``close()`` is always called;
+- a thread cannot be cancelled: a handler that returns after its deadline has its answer
+  replaced by a 504 problem (counted as expired); the work itself ran to its end.
+"""
+
+from __future__ import annotations
+
+import http
+from collections.abc import Callable, Iterable, Iterator
+from types import TracebackType
+from typing import Any
+
+from .._clock import now
+from .._degrade.modes import DEGRADED_HEADER
+from .._edge import (
+    EdgePolicy,
+    Flight,
+    Refusal,
+    ResolvedRoute,
+    announced_modes,
+    one_value,
+    refusal_headers,
+)
+from .._edge.blocking import Held, begin, check_blocking
+from .._propagation import HeaderGetter, Repeated
+
+__all__ = ["BrownoutMiddleware", "environ_getter", "write_refusal"]
+
+Environ = dict[str, Any]
+ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None]
+StartResponse = Callable[..., Callable[[bytes], object]]
+WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
+
+_MAX_TEMPLATES = 1024  # templates come from the app's router and the policy's routes: few
+
+
+def environ_getter(environ: Environ) -> HeaderGetter:
+    """A header getter over a WSGI environ (``HTTP_*`` keys). A server joins a repeated
+    header's values with commas; they are split again, so repeated values follow the rule
+    every adapter's lookup follows (`one_value`)."""
+
+    def get(name: str) -> str | Repeated | None:
+        raw = environ.get("HTTP_" + name.upper().replace("-", "_"))
+        if raw is None:
+            return None
+        if "," not in raw:
+            return str(raw)
+        return one_value([v.strip() for v in str(raw).split(",")])
+
+    return get
+
+
+def _status_line(status: int) -> str:
+    try:
+        return f"{status} {http.HTTPStatus(status).phrase}"
+    except ValueError:
+        return f"{status} Refused"
+
+
+def write_refusal(refusal: Refusal, start_response: StartResponse) -> list[bytes]:
+    """Write a refusal as one complete WSGI response: its status, headers
+    (`refusal_headers`, with ``Content-Length``) and body."""
+    headers = refusal_headers(refusal)
+    headers.append(("content-length", str(len(refusal.body))))
+    start_response(_status_line(refusal.status), headers)
+    return [refusal.body]
+
+
+class _Answer:
+    """The app's ``start_response``, held until the edge has decided whether the app's answer
+    stands (it may be replaced by a 504 when the handler returned after its deadline)."""
+
+    __slots__ = ("deferring", "exc_info", "flight", "forwarded", "headers", "held", "status")
+
+    def __init__(self, flight: Flight, start_response: StartResponse) -> None:
+        self.flight = flight
+        self.forwarded = start_response
+        self.deferring = True
+        self.status: str | None = None
+        self.headers: list[tuple[str, str]] = []
+        self.exc_info: ExcInfo | None = None
+        self.held: Held | None = None
+
+    def start_response(
+        self, status: str, headers: list[tuple[str, str]], exc_info: ExcInfo | None = None
+    ) -> Callable[[bytes], object]:
+        self.status, self.headers, self.exc_info = status, headers, exc_info
+        try:
+            self.flight.status = int(status[:3])
+        except ValueError:
+            self.flight.status = 500  # (the server will refuse it too)
+        if self.deferring:
+            return self.write
+        return self.forward()
+
+    def write(self, data: bytes) -> object:
+        # PEP 3333's legacy write(): the head must leave first.
+        return self.forward()(data)
+
+    def forward(self) -> Callable[[bytes], object]:
+        """Send the held head to the server (once): from now on the answer stands."""
+        self.deferring = False
+        self.flight.response_started = True
+        headers = self.headers
+        held = self.held
+        modes = held.policy.degraded if held is not None else None
+        if modes is not None:
+            names = announced_modes(modes, held.marks if held is not None else None)
+            if names:
+                headers = [*headers, (DEGRADED_HEADER, ", ".join(names))]
+        if self.exc_info is not None:
+            return self.forwarded(self.status, headers, self.exc_info)
+        return self.forwarded(self.status, headers)
+
+
+class _Body:
+    """The app's response iterable, passed through; its end (exhausted or closed) settles
+    the request, and its ``close()`` is called whatever happens."""
+
+    __slots__ = ("answer", "body", "held", "iterator")
+
+    def __init__(self, body: Iterable[bytes], held: Held, answer: _Answer) -> None:
+        self.body = body
+        self.held = held
+        self.answer = answer
+        self.iterator: Iterator[bytes] | None = None
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        if self.iterator is None:
+            self.iterator = iter(self.body)
+        try:
+            chunk = next(self.iterator)
+        except StopIteration:
+            self.held.finish()
+            raise
+        except Exception:
+            self.answer.flight.status = 500  # the body broke mid-way: the service failed
+            self.held.finish()
+            raise
+        return chunk
+
+    def close(self) -> None:
+        try:
+            close = getattr(self.body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self.held.finish()
+
+
+class BrownoutMiddleware:
+    """WSGI middleware applying an `EdgePolicy` to every request on a worker thread.
+
+    ``route_of``: the route template of a request (its environ), or ``None`` when the app's
+    router has none (then the policy's own ``routes`` are matched). Route bulkheads must be
+    blocking (`brownout.ThreadBulkhead`); a policy with a quota hook or slowed refusals is
+    refused with `TypeError` (`brownout._edge.blocking.check_blocking`).
+    """
+
+    def __init__(
+        self,
+        app: WSGIApp,
+        policy: EdgePolicy,
+        *,
+        route_of: Callable[[Environ], str | None] | None = None,
+    ) -> None:
+        check_blocking(policy)
+        self.app = app
+        self.policy = policy
+        self.route_of = route_of
+        self._routes: dict[str | None, ResolvedRoute] = {}
+
+    def _route(self, environ: Environ, path: str) -> ResolvedRoute:
+        template = self.route_of(environ) if self.route_of is not None else None
+        if template is None:
+            template = self.policy.match(path)
+        route = self._routes.get(template)
+        if route is None:
+            route = self.policy.route(template)
+            if len(self._routes) < _MAX_TEMPLATES:
+                self._routes[template] = route
+        return route
+
+    def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
+        policy = self.policy
+        path = environ.get("PATH_INFO") or "/"
+        if path in policy.exempt_paths:
+            return self.app(environ, start_response)
+        flight = Flight(now())
+        route = self._route(environ, path)
+        held = begin(policy, environ, flight, route=route, get=environ_getter(environ))
+        if isinstance(held, Refusal):
+            return write_refusal(held, start_response)
+        answer = _Answer(flight, start_response)
+        answer.held = held
+        try:
+            body = self.app(environ, answer.start_response)
+        except Exception as e:
+            refusal = held.raised(e)
+            if refusal is None or flight.response_started:
+                raise
+            return write_refusal(refusal, start_response)
+        late = held.returned()
+        if late is not None:
+            try:
+                close = getattr(body, "close", None)
+                if close is not None:
+                    close()
+            finally:
+                held.finish()
+            return write_refusal(late, start_response)
+        if answer.status is not None:
+            answer.forward()
+        else:
+            answer.deferring = False  # a generator app: its head goes when it calls
+        return _Body(body, held, answer)

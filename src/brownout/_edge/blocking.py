@@ -25,6 +25,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from .._admission.bulkhead import Bulkhead
+from .._admission.thread_bulkhead import ThreadBulkhead
 from .._clock import now as _now
 from .._context import get_current, make_context, reset_current, set_current
 from .._deadline import Deadline, new_deadline
@@ -78,6 +79,8 @@ def check_blocking(policy: EdgePolicy) -> None:
 def is_blocking(bulkhead: Any) -> bool:
     """True for an admission that blocks the calling thread (``with admit()``), false for an
     asyncio one (``async with admit()``, `brownout.Bulkhead`)."""
+    if isinstance(bulkhead, ThreadBulkhead):  # a Bulkhead subclass whose admit blocks
+        return True
     return not isinstance(bulkhead, Bulkhead) and isinstance(bulkhead, AdmitsWorkBlocking)
 
 

@@ -48,6 +48,7 @@ ADAPTER_MODULES = (
     "brownout.integrations.aio_pika",
     "brownout.integrations.faststream",
     "brownout.integrations.celery",
+    "brownout.integrations.gunicorn",
     "brownout.export.prometheus",
     "brownout.export.otel",
     "brownout.export.logging",

@@ -23,6 +23,7 @@ from ._context import (
     deadline,
     remaining,
     request,
+    statement_timeout_ms,
 )
 from ._deadline import Deadline
 from ._degrade import (
@@ -154,4 +155,5 @@ __all__ = [
     "load_config",
     "remaining",
     "request",
+    "statement_timeout_ms",
 ]

@@ -181,6 +181,10 @@ class ManualClock:
             raise ValueError("a monotonic clock cannot go backwards")
         self._now += seconds
 
+    def sleep(self, seconds: float) -> None:
+        """What a blocking wait on this clock does: time moves on, nobody waits."""
+        self.advance(seconds if seconds > 0 else 0.0)
+
     def set(self, value: float) -> None:
         if value < self._now:
             raise ValueError("a monotonic clock cannot go backwards")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import math
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
@@ -47,6 +48,7 @@ __all__ = [
     "request",
     "reset_current",
     "set_current",
+    "statement_timeout_ms",
 ]
 
 P = ParamSpec("P")
@@ -478,6 +480,17 @@ def bind(fn: Callable[P, R]) -> Callable[P, R]:
         return ctx.copy().run(fn, *args, **kwargs)
 
     return run
+
+
+def statement_timeout_ms(
+    normal_timeout: float, *, reserve: float = 0.0, min_useful: float = 0.0
+) -> int:
+    """`call_budget` in whole milliseconds, rounded up and at least 1, for a database's
+    statement timeout (PostgreSQL's ``SET LOCAL statement_timeout``): there 0 means *no*
+    timeout, which a budget under half a millisecond must not round to. Refuses as
+    `call_budget` does (expired, or below ``min_useful``)."""
+    budget = call_budget(normal_timeout, reserve=reserve, min_useful=min_useful)
+    return max(1, math.ceil(budget * 1000.0))
 
 
 def call_budget(

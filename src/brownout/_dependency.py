@@ -20,15 +20,18 @@ A mutation whose outcome is unknown raises `UnknownOutcome` and is written to th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import functools
 import logging
 import math
+import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from ._admission.protocols import AdmitsWork
 from ._admission.settings import bulkhead_from
-from ._clock import Clock, default_clock
+from ._clock import Clock, default_clock, loop_or_none
 from ._context import DeadlineScope, current_deadline
 from ._degrade.drill import dependency_call, fallback_scope
 from ._errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
@@ -60,6 +63,7 @@ class Dependency:
 
     __slots__ = (
         "_active",
+        "_active_lock",
         "_clock",
         "_events",
         "breaker",
@@ -150,6 +154,7 @@ class Dependency:
         )
         self.ledger = ledger
         self._active = 0
+        self._active_lock = threading.Lock()
 
     @property
     def active(self) -> int:
@@ -241,17 +246,79 @@ class Dependency:
                     await self._record_unknown(self.ledger, lost_key, outcome)
             raise
         except Rejected as refused:
-            breaker = self.breaker
-            if (
-                refused.reason is Reason.BREAKER_OPEN
-                and breaker is not None
-                and breaker.fallback is not None
-            ):
-                # Drills check that the fallback never calls the dependency it replaces (G3).
-                with fallback_scope(f"breaker:{self.name}"):
-                    result: T = await breaker.fallback(refused)
-                return result
+            fallback = self._fallback_for(refused)
+            if fallback is None:
+                raise
+            # Drills check that the fallback never calls the dependency it replaces (G3).
+            with fallback_scope(f"breaker:{self.name}"):
+                result: T = await fallback(refused)
+            return result
+
+    def call_blocking(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        idempotent: bool = False,
+        idempotency_key: str | None = None,
+        **kwargs: Any,
+    ) -> T:
+        """`call` for blocking code: ``fn(*args, **kwargs)`` on the calling thread, under the
+        same guards, budget and retry decisions (a `RetryPolicy.execute_blocking`).
+
+        Each attempt runs with its budget as the context's deadline (``brownout.remaining()``)
+        and cannot be cancelled: ``fn`` must keep to that time (the requests and urllib3
+        adapters set their socket timeouts from it). Safe from many threads at once; a
+        dependency with a ``bulkhead`` (which admits on an event loop) raises `TypeError`:
+        cap threads with ``max_active``. The ledger write of an unknown outcome and a breaker
+        fallback, both coroutines, run to the end on a private event loop.
+        """
+        if self.bulkhead is not None:
+            raise TypeError(
+                f"{self.name}: call_blocking cannot use a bulkhead (it admits on an event loop);"
+                " use max_active to cap the calls in flight"
+            )
+        try:
+            return self.retry.execute_blocking(
+                functools.partial(self._attempt_blocking, fn, args, kwargs),
+                idempotent=idempotent,
+                idempotency_key=idempotency_key,
+                source=self.name,
+                reserve=self._kept_back(),
+                min_attempt_time=self.min_useful,
+                slots=self.retry_slots,
+            )
+        except UnknownOutcome as unknown:
+            if self.ledger is not None and unknown.idempotency_key is not None:
+                self._record_unknown_blocking(self.ledger, unknown.idempotency_key, unknown)
             raise
+        except Rejected as refused:
+            fallback = self._fallback_for(refused)
+            if fallback is None:
+                raise
+            with fallback_scope(f"breaker:{self.name}"):
+                answer: T = _run_to_end(fallback(refused))
+            return answer
+
+    def _fallback_for(self, refused: Rejected) -> Callable[[Rejected], Awaitable[Any]] | None:
+        """The breaker's fallback when ``refused`` is the breaker's refusal."""
+        breaker = self.breaker
+        if refused.reason is Reason.BREAKER_OPEN and breaker is not None:
+            return breaker.fallback
+        return None
+
+    def _record_unknown_blocking(
+        self, ledger: OutcomeLedger, key: str, unknown: UnknownOutcome
+    ) -> None:
+        """`_record_unknown` from blocking code: the write runs to its end here."""
+        try:
+            _run_to_end(
+                ledger.record_unknown(key, dependency=self.name, detail=repr(unknown.__cause__))
+            )
+        except Exception as error:
+            self._ledger_failed(ledger, key, error)
+            _not_recorded(unknown, key, error)
+        else:
+            unknown.recorded = True
 
     async def _record_unknown(
         self, ledger: OutcomeLedger, key: str, unknown: UnknownOutcome
@@ -272,11 +339,7 @@ class Dependency:
         try:
             await asyncio.shield(write)
         except Exception as error:  # logged and emitted by _ledger_written
-            unknown.recorded = False
-            unknown.add_note(
-                f"not recorded in the outcome ledger ({type(error).__name__}): no reconciler "
-                f"will find idempotency key {key!r}; keep it and reconcile it yourself"
-            )
+            _not_recorded(unknown, key, error)
         else:
             unknown.recorded = True
 
@@ -284,6 +347,9 @@ class Dependency:
         _LEDGER_WRITES.discard(write)
         if write.cancelled() or (error := write.exception()) is None:
             return
+        self._ledger_failed(ledger, key, error)
+
+    def _ledger_failed(self, ledger: OutcomeLedger, key: str, error: BaseException) -> None:
         name = getattr(ledger, "name", None)
         name = name if isinstance(name, str) else type(ledger).__name__
         _log.error(
@@ -312,6 +378,89 @@ class Dependency:
         number: int,
         key: str | None,
     ) -> T:
+        budget, token, started = self._admit()
+        breaker = self.breaker
+        token_ctx = enter_attempt(number, key)
+        bulkhead = self.bulkhead
+        admitted = bulkhead is None
+        scoped = budget is None and bulkhead is None
+        try:
+            if scoped:
+                result = await fn(*args, **kwargs)
+            else:
+                async with DeadlineScope(budget, None):
+                    scoped = True
+                    if bulkhead is None:
+                        result = await fn(*args, **kwargs)
+                    else:
+                        async with bulkhead.admit():
+                            admitted = True
+                            result = await fn(*args, **kwargs)
+        except DeadlineExceeded as expired:
+            if not scoped:
+                # A budget below the clock's resolution (``left - reserve`` of 1e-16 s): the
+                # scope expired on entry. Nothing was sent, so no unknown outcome (D4, D6).
+                raise self._unsent(
+                    token, Reason.DEADLINE_TOO_SHORT, "no usable time left"
+                ) from expired
+            if not admitted:
+                # Expired while queued for the bulkhead: never sent, so not an unknown outcome.
+                raise self._unsent(
+                    token, Reason.QUEUE_TIMEOUT, "attempt budget spent in the queue"
+                ) from expired
+            self._after_failure(expired, token, started)
+            raise
+        except Exception as error:
+            self._after_failure(error, token, started)
+            raise
+        except BaseException:
+            if breaker is not None:
+                breaker.release(token, failed=None)
+            raise
+        finally:
+            exit_attempt(token_ctx)
+            self._leave()
+        self._after_success(token, started)
+        return result
+
+    def _attempt_blocking(
+        self,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        number: int,
+        key: str | None,
+    ) -> T:
+        budget, token, started = self._admit()
+        if budget is not None and not budget > 0.0:
+            # The guards took what was left: nothing is sent, so no unknown outcome (D4).
+            self._leave()
+            raise self._unsent(token, Reason.DEADLINE_TOO_SHORT, "no usable time left")
+        token_ctx = enter_attempt(number, key)
+        try:
+            # The scope sets the attempt's deadline for ``fn`` (its timeouts, its headers);
+            # a blocking call cannot be cancelled, so ``fn`` must keep to it.
+            with DeadlineScope(budget, None):
+                result = fn(*args, **kwargs)
+        except Exception as error:
+            self._after_failure(error, token, started)
+            raise
+        except BaseException:
+            if self.breaker is not None:
+                self.breaker.release(token, failed=None)
+            raise
+        finally:
+            exit_attempt(token_ctx)
+            self._leave()
+        self._after_success(token, started)
+        return result
+
+    # -- what both kinds of attempt share -------------------------------------------------
+
+    def _admit(self) -> tuple[float | None, int, float]:
+        """The guards before an attempt: its budget (D4), ``max_active``, the breaker and the
+        throttle. Returns ``(budget, breaker token, start time)`` with the attempt counted as
+        active (`_leave` when it is over), or raises the refusal."""
         dependency_call(self.name)  # a drill marks this dependency failed (G3); free otherwise
         budget: float | None
         deadline = current_deadline()
@@ -333,92 +482,64 @@ class Dependency:
             except Rejected as refused:
                 # Counted as this dependency's shed, as its other local refusals are (O1).
                 raise self._refuse(refused.reason, f"{self.name}: {refused.detail}") from None
-        if self.max_active is not None and self._active >= self.max_active:
-            raise self._refuse(Reason.OVERLOADED, f"{self.name}: {self._active} calls in flight")
+        max_active = self.max_active
+        with self._active_lock:  # threads of a blocking caller share the count
+            active = self._active
+            if max_active is None or active < max_active:
+                self._active = active + 1
+        if max_active is not None and active >= max_active:
+            raise self._refuse(Reason.OVERLOADED, f"{self.name}: {active} calls in flight")
         breaker = self.breaker
-        token = breaker.acquire() if breaker is not None else 0
-        throttle = self.throttle
-        if throttle is not None:
-            try:
-                throttle.check()
-            except Rejected:
-                if breaker is not None:
-                    breaker.release(token, failed=None)
-                raise
-        clock = self._clock
-        timed = breaker is not None and breaker.slow_call_duration is not None
-        started = clock.now() if timed else 0.0
-        self._active += 1
-        token_ctx = enter_attempt(number, key)
-        if deadline is not None and budget is not None:
-            # The scope below starts the budget as a duration: what the guards took since it
-            # was taken (a preempted thread, a slow guard) comes out of it (D4).
-            budget -= deadline.clock.now() - taken
-        bulkhead = self.bulkhead
-        admitted = bulkhead is None
-        scoped = budget is None and bulkhead is None
         try:
-            if scoped:
-                result = await fn(*args, **kwargs)
-            else:
-                async with DeadlineScope(budget, None):
-                    scoped = True
-                    if bulkhead is None:
-                        result = await fn(*args, **kwargs)
-                    else:
-                        async with bulkhead.admit():
-                            admitted = True
-                            result = await fn(*args, **kwargs)
-        except DeadlineExceeded as expired:
-            if not scoped:
-                # A budget below the clock's resolution (``left - reserve`` of 1e-16 s): the
-                # scope expired on entry. Nothing was sent, so no unknown outcome (D4, D6).
-                if breaker is not None:
-                    breaker.release(token, failed=None)
-                raise self._refuse(
-                    Reason.DEADLINE_TOO_SHORT, f"{self.name}: no usable time left"
-                ) from expired
-            if not admitted:
-                # Expired while queued for the bulkhead: never sent, so not an unknown outcome.
-                if breaker is not None:
-                    breaker.release(token, failed=None)
-                raise self._refuse(
-                    Reason.QUEUE_TIMEOUT, f"{self.name}: attempt budget spent in the queue"
-                ) from expired
-            self._after_failure(expired, breaker, token, throttle, timed, started)
-            raise
-        except Exception as error:
-            self._after_failure(error, breaker, token, throttle, timed, started)
-            raise
+            token = breaker.acquire() if breaker is not None else 0
+            throttle = self.throttle
+            if throttle is not None:
+                try:
+                    throttle.check()
+                except Rejected:
+                    if breaker is not None:
+                        breaker.release(token, failed=None)
+                    raise
         except BaseException:
-            if breaker is not None:
-                breaker.release(token, failed=None)
+            self._leave()
             raise
-        finally:
-            exit_attempt(token_ctx)
-            self._active -= 1
-        if breaker is not None:
-            duration = clock.now() - started if timed else 0.0
-            breaker.release(token, failed=False, duration=duration)
-        if throttle is not None:
-            throttle.record_accept()
-        return result
+        timed = breaker is not None and breaker.slow_call_duration is not None
+        started = self._clock.now() if timed else 0.0
+        if deadline is not None and budget is not None:
+            # The scope starts the budget as a duration: what the guards took since it was
+            # taken (a preempted thread, a slow guard) comes out of it (D4).
+            budget -= deadline.clock.now() - taken
+        return budget, token, started
 
-    def _after_failure(
-        self,
-        error: Exception,
-        breaker: CircuitBreaker | None,
-        token: int,
-        throttle: ClientThrottle | None,
-        timed: bool,
-        started: float,
-    ) -> None:
+    def _leave(self) -> None:
+        with self._active_lock:
+            self._active -= 1
+
+    def _unsent(self, token: int, reason: Reason, detail: str) -> Rejected:
+        """A refusal of an attempt that was admitted but never sent (its breaker place freed)."""
+        if self.breaker is not None:
+            self.breaker.release(token, failed=None)
+        return self._refuse(reason, f"{self.name}: {detail}")
+
+    def _after_success(self, token: int, started: float) -> None:
+        breaker = self.breaker
+        if breaker is not None:
+            timed = breaker.slow_call_duration is not None
+            duration = self._clock.now() - started if timed else 0.0
+            breaker.release(token, failed=False, duration=duration)
+        if self.throttle is not None:
+            self.throttle.record_accept()
+
+    def _after_failure(self, error: Exception, token: int, started: float) -> None:
+        throttle = self.throttle
         if throttle is not None:
             failure = self.retry.classify(error)
             # Accepted: the dependency answered something other than an overload refusal.
             if failure.sent and not failure.transient and not failure.do_not_retry:
                 throttle.record_accept()
+        breaker = self.breaker
         if breaker is not None:
+            timed = breaker.slow_call_duration is not None
             duration = self._clock.now() - started if timed else 0.0
             breaker.release(token, failed=breaker.is_failure(error), duration=duration)
 
@@ -448,3 +569,25 @@ class Dependency:
 
     def __repr__(self) -> str:
         return f"Dependency({self.name!r}, timeout={self.timeout}, retry={self.retry!r})"
+
+
+def _not_recorded(unknown: UnknownOutcome, key: str, error: BaseException) -> None:
+    unknown.recorded = False
+    unknown.add_note(
+        f"not recorded in the outcome ledger ({type(error).__name__}): no reconciler "
+        f"will find idempotency key {key!r}; keep it and reconcile it yourself"
+    )
+
+
+def _run_to_end(awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` from blocking code, in the current context: on a private event
+    loop, or on a helper thread's when this thread already runs one (blocking inside it)."""
+
+    async def wait() -> T:
+        return await awaitable
+
+    if loop_or_none() is None:
+        return asyncio.run(wait())
+    with concurrent.futures.ThreadPoolExecutor(1) as helper:
+        context = contextvars.copy_context()
+        return helper.submit(context.run, asyncio.run, wait()).result()

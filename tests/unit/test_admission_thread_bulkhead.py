@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
+import brownout
 from brownout import Deadline, Priority, Reason, Rejected, ThreadBulkhead
 from brownout._admission.protocols import AdmitsWorkBlocking
 from brownout._clock import ManualClock
@@ -158,8 +159,9 @@ def test_waiters_are_served_by_priority() -> None:
     low = Waiter(b, order, caller="low", priority=Priority.SHEDDABLE)
     until(lambda: b.queue_depth == 1)
     high = Waiter(b, order, caller="high", priority=Priority.CRITICAL)
-    until(lambda: b.queue_depth == 2)
-    assert len(rec.of(RequestQueued)) == 2
+    # the event is emitted after the push, and queue_depth is read without the lock
+    until(lambda: len(rec.of(RequestQueued)) == 2)
+    assert b.queue_depth == 2
     holder.release()
     assert high.admitted.wait(SETTLE)
     assert not low.admitted.is_set()
@@ -328,3 +330,16 @@ def test_a_cancelled_async_waiter_leaves_the_queue() -> None:
     holder.release()
     assert b.in_flight == 0
     assert [a.caller for a in rec.of(RequestAbandoned)] == ["async"]
+
+
+def test_statement_timeout_ms_rounds_up_and_never_to_zero() -> None:
+    clock = ManualClock(100.0)
+    with brownout.deadline(Deadline(100.0004, clock)):
+        assert brownout.statement_timeout_ms(5.0) == 1  # 0 would mean no timeout at all
+    with brownout.deadline(Deadline(101.2501, clock)):
+        assert brownout.statement_timeout_ms(5.0) == 1251
+        assert brownout.statement_timeout_ms(0.2) == 200
+    assert brownout.statement_timeout_ms(0.2) == 200  # no deadline: the normal timeout
+    with brownout.deadline(Deadline(100.0, clock)), pytest.raises(Rejected) as e:
+        brownout.statement_timeout_ms(5.0)
+    assert e.value.reason is Reason.DEADLINE_EXPIRED

@@ -69,6 +69,8 @@ _BLOCK = "import sys\nfor name in {blocked!r}: sys.modules[name] = None  # as if
         ("brownout.integrations.grpc_client", "grpc", "grpc"),
         ("brownout.integrations.grpc_server", "grpc", "grpc"),
         ("brownout.integrations.httpx", "httpx", "httpx"),
+        ("brownout.integrations.requests", "requests", "requests"),
+        ("brownout.integrations.urllib3", "urllib3", "urllib3"),
         ("brownout.integrations.redis_streams", "redis", "redis"),
         ("brownout.integrations.aio_pika", "aio_pika", "rabbitmq"),
         ("brownout.integrations.faststream", "faststream", "faststream"),

@@ -118,6 +118,7 @@ DEFERRED: dict[tuple[str, str], str] = {
     ("_lab.payments_service", "__init__"): "the service process loads brownout after the fork",
     ("_lab.payments_service", "idempotency"): "the service process loads brownout after the fork",
     ("_lab.payments_service", "integrations"): "starlette, httpx, asyncpg only in the process",
+    ("integrations.gunicorn", "export.prometheus"): "prometheus_client only in multiprocess mode",
 }
 
 # Third-party imports in the core inside functions, by (importer, package).

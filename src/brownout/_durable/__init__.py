@@ -19,6 +19,7 @@ from .runner import (
     MessageRunner,
     Publisher,
 )
+from .sync_runner import Outcome, SyncHandler, SyncMessageBroker, SyncMessageRunner
 
 __all__ = [
     "ENVELOPE_FIELDS",
@@ -37,11 +38,15 @@ __all__ = [
     "MessageHandler",
     "MessagePolicy",
     "MessageRunner",
+    "Outcome",
     "Park",
     "ParkReason",
     "ParkedMessage",
     "Publisher",
     "RetryLater",
     "Run",
+    "SyncHandler",
+    "SyncMessageBroker",
+    "SyncMessageRunner",
     "message_failure",
 ]

@@ -17,14 +17,16 @@ Half-open: at most ``half_open_probes`` calls are let through; the first failure
 in flight at once. The limited probe count and the per-instance jitter are what keep recovery
 from being a synchronized wave.
 
-Hot path (closed): ``acquire`` reads the state; ``release`` updates O(1) counters. No locks:
-the breaker lives on one event loop.
+Hot path (closed): ``acquire`` reads the state; ``release`` updates O(1) counters under a
+lock, so threads calling through one blocking `Dependency` share a breaker (a half-open one
+lets exactly ``half_open_probes`` through). Events are emitted after the lock is let go.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from enum import StrEnum
 from typing import Any, TypeVar
@@ -149,6 +151,7 @@ class CircuitBreaker:
         "_clock",
         "_events",
         "_generation",
+        "_lock",
         "_opened_until",
         "_probe_successes",
         "_probes_in_flight",
@@ -236,31 +239,55 @@ class CircuitBreaker:
         self._probes_in_flight = 0
         self._probe_successes = 0
         self._generation = 0  # bumps on each transition; stale releases are ignored
+        self._lock = threading.Lock()
 
     # -- admission ------------------------------------------------------------------------
 
     def acquire(self) -> int:
         """Ask to send one call; returns a token for `release`, or raises BREAKER_OPEN."""
-        state = self.state
-        if state is BreakerState.CLOSED:
-            return self._generation
-        now = self._clock.now()
-        if state is BreakerState.OPEN:
-            if now < self._opened_until:
-                raise self._refuse(self._opened_until - now)
-            self._transition(BreakerState.HALF_OPEN, now)
-        if self._probes_in_flight + self._probe_successes >= self.half_open_probes:
-            raise self._refuse(None)
-        self._probes_in_flight += 1
-        return self._generation
+        if self.state is BreakerState.CLOSED:
+            return self._generation  # (a racing transition: the call counts as sent before it)
+        with self._lock:
+            state: BreakerState = self.state  # (again: it may have closed meanwhile)
+            if state is BreakerState.CLOSED:
+                return self._generation
+            now = self._clock.now()
+            changed = None
+            wait = None
+            admitted = False
+            if state is BreakerState.OPEN and now < self._opened_until:
+                wait = self._opened_until - now
+            else:
+                if state is BreakerState.OPEN:
+                    changed = self._transition(BreakerState.HALF_OPEN, now)
+                admitted = self._probes_in_flight + self._probe_successes < self.half_open_probes
+                if admitted:
+                    self._probes_in_flight += 1
+            token = self._generation
+        if changed is not None:
+            self._emit(changed)
+        if not admitted:
+            raise self._refuse(wait)
+        return token
 
     def release(self, token: int, *, failed: bool | None, duration: float = 0.0) -> None:
         """Report the outcome of an acquired call (``failed=None``: ignore it, free its slot)."""
+        if token != self._generation or (failed is None and self.state is BreakerState.CLOSED):
+            return  # the breaker moved on since this call started, or nothing to record
+        with self._lock:
+            changed = self._settle(token, failed, duration)
+        if changed is not None:
+            self._emit(changed)
+
+    def _settle(
+        self, token: int, failed: bool | None, duration: float
+    ) -> BreakerStateChanged | None:
+        """`release` under the lock; returns the transition to emit, if any."""
         if token != self._generation:
-            return  # the breaker moved on since this call started
+            return None
         if self.state is BreakerState.CLOSED:
             if failed is None:
-                return
+                return None
             slow = self.slow_call_duration is not None and duration >= self.slow_call_duration
             window = self._window
             window.add(failed, slow)
@@ -276,19 +303,19 @@ class CircuitBreaker:
                 totals[_FAILURES] / calls >= self.failure_rate
                 or totals[_SLOW] / calls >= self.slow_call_rate
             ):
-                self._open()
-            return
+                return self._open()
+            return None
         # half-open: a probe came back
         self._probes_in_flight -= 1
         if failed is None:
-            return
+            return None
         slow = self.slow_call_duration is not None and duration >= self.slow_call_duration
         if failed or slow:
-            self._open()
-            return
+            return self._open()
         self._probe_successes += 1
         if self._probe_successes >= self.half_open_probes:
-            self._transition(BreakerState.CLOSED, self._clock.now())
+            return self._transition(BreakerState.CLOSED, self._clock.now())
+        return None
 
     def record_error(self, token: int, error: BaseException, duration: float = 0.0) -> None:
         """`release` with the outcome decided by ``is_failure(error)``."""
@@ -337,14 +364,15 @@ class CircuitBreaker:
 
     # -- transitions ----------------------------------------------------------------------
 
-    def _open(self) -> None:
+    def _open(self) -> BreakerStateChanged | None:
         now = self._clock.now()
         spread = self.open_jitter
         factor = 1.0 + self.rng.uniform(-spread, spread) if spread else 1.0
         self._opened_until = now + self.open_for * factor
-        self._transition(BreakerState.OPEN, now)
+        return self._transition(BreakerState.OPEN, now)
 
-    def _transition(self, new: BreakerState, now: float) -> None:
+    def _transition(self, new: BreakerState, now: float) -> BreakerStateChanged | None:
+        """Move to ``new`` (under the lock); the event to emit once it is let go."""
         old = self.state
         self.state = new
         self._generation += 1
@@ -353,7 +381,11 @@ class CircuitBreaker:
         if new is BreakerState.CLOSED:
             self._window.clear()
         if self._events.enabled:
-            self._events.emit(BreakerStateChanged(now, self.name, old.value, new.value))
+            return BreakerStateChanged(now, self.name, old.value, new.value)
+        return None
+
+    def _emit(self, event: BreakerStateChanged) -> None:
+        self._events.emit(event)
 
     def _refuse(self, retry_after: float | None) -> Rejected:
         if self._events.enabled:
@@ -376,11 +408,17 @@ class CircuitBreaker:
 
     def force_open(self) -> None:
         """Open now (operator action or tests)."""
-        self._open()
+        with self._lock:
+            changed = self._open()
+        if changed is not None:
+            self._emit(changed)
 
     def reset(self) -> None:
         """Close now and forget history."""
-        self._transition(BreakerState.CLOSED, self._clock.now())
+        with self._lock:
+            changed = self._transition(BreakerState.CLOSED, self._clock.now())
+        if changed is not None:
+            self._emit(changed)
 
     def __repr__(self) -> str:
         return f"CircuitBreaker({self.name!r}, state={self.state.value})"

@@ -26,6 +26,7 @@ tokens.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -74,7 +75,15 @@ class RetryBudget:
     window is ``window`` seconds in ``buckets`` slices on an injected clock.
     """
 
-    __slots__ = ("_counters", "_deposit", "_reserve", "_withdraw", "min_per_second", "ratio")
+    __slots__ = (
+        "_counters",
+        "_deposit",
+        "_lock",
+        "_reserve",
+        "_withdraw",
+        "min_per_second",
+        "ratio",
+    )
 
     @classmethod
     def from_config(
@@ -112,6 +121,8 @@ class RetryBudget:
         self._counters = SlidingCounters(
             1, window=window, buckets=buckets, clock=clock or default_clock()
         )
+        # Threads calling through one blocking Dependency share it: check-and-take is atomic.
+        self._lock = threading.Lock()
 
     @property
     def window(self) -> float:
@@ -119,7 +130,8 @@ class RetryBudget:
 
     def record_request(self) -> None:
         if self._deposit:
-            self._counters.add(0, self._deposit)
+            with self._lock:
+                self._counters.add(0, self._deposit)
 
     def record_success(self) -> None:
         pass
@@ -128,15 +140,17 @@ class RetryBudget:
         pass
 
     def try_acquire_retry(self) -> bool:
-        balance = self._counters.sums()[0] + self._reserve
-        if balance >= self._withdraw:
-            self._counters.add(0, -self._withdraw)
-            return True
-        return False
+        with self._lock:
+            balance = self._counters.sums()[0] + self._reserve
+            if balance >= self._withdraw:
+                self._counters.add(0, -self._withdraw)
+                return True
+            return False
 
     def available(self) -> int:
         """How many retries the budget would allow right now (for metrics and tests)."""
-        return max(0, (self._counters.sums()[0] + self._reserve) // self._withdraw)
+        with self._lock:
+            return max(0, (self._counters.sums()[0] + self._reserve) // self._withdraw)
 
     def __repr__(self) -> str:
         return (
@@ -152,7 +166,7 @@ class GrpcRetryThrottle:
     nothing up front: its own failure will take a token like any other.
     """
 
-    __slots__ = ("_max", "_ratio", "_tokens")
+    __slots__ = ("_lock", "_max", "_ratio", "_tokens")
 
     def __init__(self, max_tokens: float = 10.0, token_ratio: float = 0.1) -> None:
         if not (0 < max_tokens < math.inf and 0 < token_ratio < math.inf):  # NaN, inf too
@@ -160,6 +174,7 @@ class GrpcRetryThrottle:
         self._max = round(max_tokens * _SCALE)
         self._ratio = int(token_ratio * _SCALE + 1e-9)  # gRPC keeps 3 decimals
         self._tokens = self._max
+        self._lock = threading.Lock()  # updates from many threads must not be lost
 
     @property
     def max_tokens(self) -> float:
@@ -179,10 +194,12 @@ class GrpcRetryThrottle:
         pass
 
     def record_success(self) -> None:
-        self._tokens = min(self._max, self._tokens + self._ratio)
+        with self._lock:
+            self._tokens = min(self._max, self._tokens + self._ratio)
 
     def record_failure(self) -> None:
-        self._tokens = max(0, self._tokens - _SCALE)
+        with self._lock:
+            self._tokens = max(0, self._tokens - _SCALE)
 
     def try_acquire_retry(self) -> bool:
         return 2 * self._tokens > self._max

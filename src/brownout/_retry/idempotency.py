@@ -17,6 +17,7 @@ import asyncio
 import heapq
 import logging
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -127,6 +128,7 @@ class InMemoryOutcomeLedger:
     __slots__ = (
         "_clock",
         "_entries",
+        "_lock",
         "_next_seq",
         "_resolved",
         "_seq",
@@ -151,31 +153,34 @@ class InMemoryOutcomeLedger:
         self.dropped_pending = 0
         """Of those, entries still pending: unknown outcomes nobody can reconcile any more
         (D6). Alarm on it growing, and size ``max_entries`` for an outage's worth of keys."""
+        # Blocking dependencies record from many threads; nothing awaits while it is held.
+        self._lock = threading.Lock()
 
     async def record_unknown(self, key: str, *, dependency: str, detail: str = "") -> None:
-        entries = self._entries
-        earlier = entries.get(key)
-        if earlier is not None:
-            if earlier.state is OutcomeState.PENDING:
-                # Still unknown: the first record stands, but the new attempt is unchecked.
-                if earlier.checks:
-                    entries[key] = replace(earlier, checks=0)
-                return
-            # Resolved, and a new attempt with the same key is unknown: pending again, at the
-            # back of the queue (its heap row goes stale: `_evict_one` checks the order).
-            entries.move_to_end(key)
-        entries[key] = OutcomeRecord(
-            key,
-            dependency,
-            OutcomeState.PENDING,
-            self._clock.now(),
-            detail,
-            previous=None if earlier is None else earlier.state,
-        )
-        self._next_seq += 1
-        self._seq[key] = self._next_seq
-        while len(entries) > self.max_entries:
-            self._evict_one()
+        with self._lock:
+            entries = self._entries
+            earlier = entries.get(key)
+            if earlier is not None:
+                if earlier.state is OutcomeState.PENDING:
+                    # Still unknown: the first record stands, but the new attempt is unchecked.
+                    if earlier.checks:
+                        entries[key] = replace(earlier, checks=0)
+                    return
+                # Resolved, and a new attempt with the same key is unknown: pending again, at the
+                # back of the queue (its heap row goes stale: `_evict_one` checks the order).
+                entries.move_to_end(key)
+            entries[key] = OutcomeRecord(
+                key,
+                dependency,
+                OutcomeState.PENDING,
+                self._clock.now(),
+                detail,
+                previous=None if earlier is None else earlier.state,
+            )
+            self._next_seq += 1
+            self._seq[key] = self._next_seq
+            while len(entries) > self.max_entries:
+                self._evict_one()
 
     def _evict_one(self) -> None:
         entries = self._entries
@@ -202,40 +207,44 @@ class InMemoryOutcomeLedger:
             )
 
     async def resolve(self, key: str, state: OutcomeState) -> None:
-        record = self._entries.get(key)
-        if record is not None:
-            self._entries[key] = replace(record, state=state)
-            if record.state is OutcomeState.PENDING and state is not OutcomeState.PENDING:
-                resolved = self._resolved
-                heapq.heappush(resolved, (self._seq[key], key))
-                if len(resolved) > 2 * self.max_entries:
-                    # Keys resolved, set back to pending and resolved again leave stale
-                    # heap rows that only an eviction would pop: rebuild from what is here.
-                    resolved[:] = [
-                        (self._seq[k], k)
-                        for k, r in self._entries.items()
-                        if r.state is not OutcomeState.PENDING
-                    ]
-                    heapq.heapify(resolved)
+        with self._lock:
+            record = self._entries.get(key)
+            if record is not None:
+                self._entries[key] = replace(record, state=state)
+                if record.state is OutcomeState.PENDING and state is not OutcomeState.PENDING:
+                    resolved = self._resolved
+                    heapq.heappush(resolved, (self._seq[key], key))
+                    if len(resolved) > 2 * self.max_entries:
+                        # Keys resolved, set back to pending and resolved again leave stale
+                        # heap rows that only an eviction would pop: rebuild from what is here.
+                        resolved[:] = [
+                            (self._seq[k], k)
+                            for k, r in self._entries.items()
+                            if r.state is not OutcomeState.PENDING
+                        ]
+                        heapq.heapify(resolved)
 
     async def get(self, key: str) -> OutcomeRecord | None:
-        return self._entries.get(key)
+        with self._lock:
+            return self._entries.get(key)
 
     async def pending(self, limit: int = 100) -> list[OutcomeRecord]:
-        out: list[OutcomeRecord] = []
-        if limit <= 0:
+        with self._lock:
+            out: list[OutcomeRecord] = []
+            if limit <= 0:
+                return out
+            for record in self._entries.values():
+                if record.state is OutcomeState.PENDING:
+                    out.append(record)
+                    if len(out) >= limit:
+                        break
             return out
-        for record in self._entries.values():
-            if record.state is OutcomeState.PENDING:
-                out.append(record)
-                if len(out) >= limit:
-                    break
-        return out
 
     async def note_check(self, key: str) -> None:
-        record = self._entries.get(key)
-        if record is not None:
-            self._entries[key] = replace(record, checks=record.checks + 1)
+        with self._lock:
+            record = self._entries.get(key)
+            if record is not None:
+                self._entries[key] = replace(record, checks=record.checks + 1)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -26,6 +26,8 @@ import contextvars
 import functools
 import math
 import secrets
+import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -41,6 +43,7 @@ from .settings import retry_from
 
 __all__ = [
     "AttemptFn",
+    "BlockingAttemptFn",
     "RetryPolicy",
     "RetrySlots",
     "enter_attempt",
@@ -52,6 +55,59 @@ T = TypeVar("T")
 
 AttemptFn = Callable[[int, "str | None"], Awaitable[T]]
 """Runs one attempt: ``(attempt_number, idempotency_key) -> awaitable result``."""
+
+
+BlockingAttemptFn = Callable[[int, "str | None"], T]
+"""Runs one attempt on the calling thread: ``(attempt_number, idempotency_key) -> result``."""
+
+
+class _Retrying:
+    """Where one call's retries stand: what both retry loops read and the decisions update."""
+
+    __slots__ = (
+        "attempt",
+        "error",
+        "failure",
+        "floor",
+        "idempotent",
+        "key",
+        "last_error",
+        "last_failure",
+        "previous_delay",
+        "reserve",
+        "slots",
+        "source",
+        "unknown",
+    )
+
+    def __init__(
+        self,
+        idempotent: bool,
+        key: str | None,
+        source: str,
+        reserve: float,
+        floor: float,
+        slots: RetrySlots | None,
+    ) -> None:
+        self.idempotent = idempotent
+        self.key = key
+        self.source = source
+        self.reserve = reserve
+        self.floor = floor
+        self.slots = slots
+        self.attempt = 1
+        self.previous_delay = 0.0
+        self.error: Exception | None = None  # the failure being decided on
+        self.failure: Failure | None = None
+        self.last_error: Exception | None = None  # the last transient one
+        self.last_failure: Failure | None = None
+        self.unknown = False  # an attempt was sent and never answered: maybe applied (D6)
+
+    def begin(self, delay: float) -> int:
+        """The retry's attempt number, once its wait of ``delay`` is over."""
+        self.previous_delay = delay
+        self.attempt += 1
+        return self.attempt
 
 
 def new_idempotency_key() -> str:
@@ -92,22 +148,25 @@ class RetrySlots:
     decided until its attempt finishes; when none is free the retry is not sent.
     """
 
-    __slots__ = ("in_use", "limit")
+    __slots__ = ("_lock", "in_use", "limit")
 
     def __init__(self, limit: int) -> None:
         if limit < 0:
             raise ValueError("limit must be >= 0")
         self.limit = limit
         self.in_use = 0
+        self._lock = threading.Lock()  # taken by threads of a blocking Dependency too
 
     def try_take(self) -> bool:
-        if self.in_use >= self.limit:
-            return False
-        self.in_use += 1
-        return True
+        with self._lock:
+            if self.in_use >= self.limit:
+                return False
+            self.in_use += 1
+            return True
 
     def release(self) -> None:
-        self.in_use -= 1
+        with self._lock:
+            self.in_use -= 1
 
 
 class RetryPolicy:
@@ -259,165 +318,235 @@ class RetryPolicy:
         with its own guards. ``reserve`` overrides the policy's, ``min_attempt_time`` floors
         the attempt-time estimate, ``slots`` overrides the policy's concurrent-retry cap.
         """
-        key = idempotency_key
+        key = self._call_key(idempotent, idempotency_key)
+        started = self._clock.now()
+        try:
+            result = await attempt_fn(1, key)
+        except Exception as error:
+            self._first_failed(error, started)
+            state = _Retrying(
+                idempotent,
+                key,
+                source or self.name,
+                self.reserve if reserve is None else reserve,
+                min_attempt_time,
+                slots if slots is not None else self.slots,
+            )
+            return await self._retry(attempt_fn, error, state)
+        self._succeeded(started)
+        return result
+
+    def execute_blocking(
+        self,
+        attempt_fn: BlockingAttemptFn[T],
+        *,
+        idempotent: bool = False,
+        idempotency_key: str | None = None,
+        source: str | None = None,
+        reserve: float | None = None,
+        min_attempt_time: float = 0.0,
+        slots: RetrySlots | None = None,
+    ) -> T:
+        """`execute` for a blocking ``attempt_fn``, on the calling thread: the same decisions,
+        the backoff slept with ``time.sleep`` (or the clock's own ``sleep``: a `ManualClock`
+        moves on instead of waiting). Safe to call from many threads at once."""
+        key = self._call_key(idempotent, idempotency_key)
+        started = self._clock.now()
+        try:
+            result = attempt_fn(1, key)
+        except Exception as error:
+            self._first_failed(error, started)
+            state = _Retrying(
+                idempotent,
+                key,
+                source or self.name,
+                self.reserve if reserve is None else reserve,
+                min_attempt_time,
+                slots if slots is not None else self.slots,
+            )
+            return self._retry_blocking(attempt_fn, error, state)
+        self._succeeded(started)
+        return result
+
+    async def _retry(self, attempt_fn: AttemptFn[T], error: Exception, state: _Retrying) -> T:
+        while True:
+            delay = self._next_delay(state, error)
+            slots = self._take_retry(state, error, delay)
+            try:
+                if delay > 0.0:
+                    await asyncio.sleep(delay)
+                number = state.begin(delay)
+                started = self._clock.now()
+                try:
+                    result = await attempt_fn(number, state.key)
+                except Exception as next_error:
+                    self._retry_failed(next_error, started)
+                    error = next_error
+                    continue
+                self._succeeded(started, original=False)
+                return result
+            finally:
+                if slots is not None:
+                    slots.release()
+
+    def _retry_blocking(
+        self, attempt_fn: BlockingAttemptFn[T], error: Exception, state: _Retrying
+    ) -> T:
+        sleep = getattr(self._clock, "sleep", time.sleep)
+        while True:
+            delay = self._next_delay(state, error)
+            slots = self._take_retry(state, error, delay)
+            try:
+                if delay > 0.0:
+                    sleep(delay)
+                number = state.begin(delay)
+                started = self._clock.now()
+                try:
+                    result = attempt_fn(number, state.key)
+                except Exception as next_error:
+                    self._retry_failed(next_error, started)
+                    error = next_error
+                    continue
+                self._succeeded(started, original=False)
+                return result
+            finally:
+                if slots is not None:
+                    slots.release()
+
+    # -- the decisions both loops share ---------------------------------------------------
+
+    def _call_key(self, idempotent: bool, key: str | None) -> str | None:
+        """The idempotency key every attempt of this call carries."""
         if key is None and not idempotent:
             # The request's key (the edge's, I1), so a retried request repeats its effects'
             # keys downstream; a fresh one per logical call otherwise.
             key = current().idempotency_key
             if key is None and self.idempotency_keys:
                 key = new_idempotency_key()
+        return key
+
+    def _succeeded(self, started: float, *, original: bool = True) -> None:
         budget = self.budget
-        clock = self._clock
-        started = clock.now()
-        try:
-            result = await attempt_fn(1, key)
-        except Exception as error:
-            if not isinstance(error, Rejected):
-                # An original deposits in the budget once it was tried: one refused here (an
-                # open breaker, a throttle, no time left) never reached the dependency, and
-                # counting it would leave retry tokens for the wave after the outage (R3).
-                # Local refusals say nothing of attempt time either.
-                budget.record_request()
-                self._observe(clock.now() - started)
-            return await self._retry(
-                attempt_fn,
-                error,
-                idempotent=idempotent,
-                key=key,
-                source=source or self.name,
-                reserve=self.reserve if reserve is None else reserve,
-                floor=min_attempt_time,
-                slots=slots if slots is not None else self.slots,
-            )
-        budget.record_request()
-        self._observe(clock.now() - started)
+        if original:
+            budget.record_request()
+        self._observe(self._clock.now() - started)
         budget.record_success()
-        return result
 
-    async def _retry(
-        self,
-        attempt_fn: AttemptFn[T],
-        error: Exception,
-        *,
-        idempotent: bool,
-        key: str | None,
-        source: str,
-        reserve: float,
-        floor: float,
-        slots: RetrySlots | None,
-    ) -> T:
+    def _first_failed(self, error: Exception, started: float) -> None:
+        if not isinstance(error, Rejected):
+            # An original deposits in the budget once it was tried: one refused here (an
+            # open breaker, a throttle, no time left) never reached the dependency, and
+            # counting it would leave retry tokens for the wave after the outage (R3).
+            # Local refusals say nothing of attempt time either.
+            self.budget.record_request()
+            self._observe(self._clock.now() - started)
+
+    def _retry_failed(self, error: Exception, started: float) -> None:
+        if not isinstance(error, Rejected):
+            self._observe(self._clock.now() - started)
+
+    def _stop(self, state: _Retrying, why: StopReason, *, previous: bool = False) -> Exception:
+        """Give up on the current failure (``previous``: on the one before it)."""
+        if previous:
+            error, failure, attempts = state.last_error, state.last_failure, state.attempt - 1
+        else:
+            error, failure, attempts = state.error, state.failure, state.attempt
+        assert error is not None
+        assert failure is not None
+        return self._give_up(
+            error, failure, attempts, why, state.idempotent, state.key, state.source, state.unknown
+        )
+
+    def _next_delay(self, state: _Retrying, error: Exception) -> float:
+        """The wait before retrying ``error``, or raise what the caller gets instead."""
+        failure = self.classify(error)
+        state.error, state.failure = error, failure
+        attempt = state.attempt
         budget = self.budget
-        clock = self._clock
-        events = self._events
-        attempt = 1
-        previous_delay = 0.0
-        last_error: Exception = error
-        last_failure: Failure | None = None
-        unknown = False  # an attempt was sent and never answered: it may have been applied (D6)
-
-        def stop(why: StopReason, *, previous: bool = False) -> Exception:
-            """Give up on the current failure (``previous``: on the one before it)."""
-            if previous:
-                assert last_failure is not None
-                return self._give_up(
-                    last_error, last_failure, attempt - 1, why, idempotent, key, source, unknown
-                )
-            return self._give_up(error, failure, attempt, why, idempotent, key, source, unknown)
-
-        while True:
-            failure = self.classify(error)
-            if not failure.transient:
-                if (
-                    attempt > 1
-                    and isinstance(error, Rejected)
-                    and not failure.do_not_retry
-                    and last_failure is not None
-                ):
-                    # A local guard refused the retry: the caller needs the real failure.
-                    raise stop(StopReason.REFUSED, previous=True) from last_error
-                if failure.do_not_retry:
-                    budget.record_failure()
-                    raise stop(StopReason.DO_NOT_RETRY) from error
-                if unknown and not idempotent:
-                    # An error answer to a retry (409 "still in progress", a 500) is not an
-                    # answer to the attempt that was lost: that one may have been applied (D6).
-                    raise self._unknown(key, source) from error
-                raise error
-            budget.record_failure()
-            last_error, last_failure = error, failure
-            unknown = unknown or failure.outcome_unknown
+        if not failure.transient:
+            if (
+                attempt > 1
+                and isinstance(error, Rejected)
+                and not failure.do_not_retry
+                and state.last_failure is not None
+            ):
+                # A local guard refused the retry: the caller needs the real failure.
+                raise self._stop(state, StopReason.REFUSED, previous=True) from state.last_error
             if failure.do_not_retry:
-                raise stop(StopReason.DO_NOT_RETRY) from error
-            if not (idempotent or key is not None or not failure.sent):
-                # Resending a possibly-applied, unkeyed mutation could apply it twice (R2).
-                if failure.outcome_unknown:
-                    raise self._unknown(None, source) from error
-                raise error
-            if attempt >= self.attempts:
-                if self.attempts == 1 and (idempotent or not failure.outcome_unknown):
-                    raise error  # not a retry layer: the layer above may retry (R1)
-                raise stop(StopReason.ATTEMPTS) from error
-            delay = self.backoff.delay(attempt, previous_delay)
-            if failure.retry_after is not None and failure.retry_after > delay:
-                if not failure.retry_after <= self.max_pushback:
-                    # "Come back in an hour": not a wait to hold a call (and its task) for.
-                    raise stop(StopReason.PUSHBACK) from error
-                delay = failure.retry_after
-            deadline = current_deadline()
-            if deadline is not None:
-                left = deadline.at - deadline.clock.now()
-                # Written so that a NaN anywhere (a config, a pushback) stops rather than retries.
-                if not delay + self.expected(floor) + reserve <= left:
-                    raise stop(StopReason.DEADLINE) from error
-            if slots is not None and not slots.try_take():
-                raise stop(StopReason.CONCURRENT_RETRIES) from error
-            try:
-                if not budget.try_acquire_retry():
-                    if events.enabled:
-                        ctx = current()
-                        events.emit(
-                            RetryBudgetExhausted(
-                                clock.now(),
-                                source,
-                                ctx.operation,
-                                ctx.priority,
-                                ctx.caller,
-                                attempt + 1,
-                            )
-                        )
-                    raise stop(StopReason.BUDGET) from error
-                if events.enabled:
-                    ctx = current()
-                    events.emit(
-                        AttemptRetried(
-                            clock.now(),
-                            source,
-                            ctx.operation,
-                            ctx.priority,
-                            ctx.caller,
-                            attempt + 1,
-                            type(error).__name__,
-                            delay,
-                        )
+                budget.record_failure()
+                raise self._stop(state, StopReason.DO_NOT_RETRY) from error
+            if state.unknown and not state.idempotent:
+                # An error answer to a retry (409 "still in progress", a 500) is not an
+                # answer to the attempt that was lost: that one may have been applied (D6).
+                raise self._unknown(state.key, state.source) from error
+            raise error
+        budget.record_failure()
+        state.last_error, state.last_failure = error, failure
+        state.unknown = state.unknown or failure.outcome_unknown
+        if failure.do_not_retry:
+            raise self._stop(state, StopReason.DO_NOT_RETRY) from error
+        if not (state.idempotent or state.key is not None or not failure.sent):
+            # Resending a possibly-applied, unkeyed mutation could apply it twice (R2).
+            if failure.outcome_unknown:
+                raise self._unknown(None, state.source) from error
+            raise error
+        if attempt >= self.attempts:
+            if self.attempts == 1 and (state.idempotent or not failure.outcome_unknown):
+                raise error  # not a retry layer: the layer above may retry (R1)
+            raise self._stop(state, StopReason.ATTEMPTS) from error
+        delay = self.backoff.delay(attempt, state.previous_delay)
+        if failure.retry_after is not None and failure.retry_after > delay:
+            if not failure.retry_after <= self.max_pushback:
+                # "Come back in an hour": not a wait to hold a call (and its task) for.
+                raise self._stop(state, StopReason.PUSHBACK) from error
+            delay = failure.retry_after
+        deadline = current_deadline()
+        if deadline is not None:
+            left = deadline.at - deadline.clock.now()
+            # Written so that a NaN anywhere (a config, a pushback) stops rather than retries.
+            if not delay + self.expected(state.floor) + state.reserve <= left:
+                raise self._stop(state, StopReason.DEADLINE) from error
+        return delay
+
+    def _take_retry(self, state: _Retrying, error: Exception, delay: float) -> RetrySlots | None:
+        """Take a concurrent-retry slot and the budget's price for one retry, or stop; the
+        slot returned is the caller's to release once the retry's attempt is over."""
+        slots = state.slots
+        if slots is not None and not slots.try_take():
+            raise self._stop(state, StopReason.CONCURRENT_RETRIES) from error
+        events = self._events
+        attempt = state.attempt
+        if not self.budget.try_acquire_retry():
+            if slots is not None:
+                slots.release()
+            if events.enabled:
+                ctx = current()
+                events.emit(
+                    RetryBudgetExhausted(
+                        self._clock.now(),
+                        state.source,
+                        ctx.operation,
+                        ctx.priority,
+                        ctx.caller,
+                        attempt + 1,
                     )
-                if delay > 0.0:
-                    await asyncio.sleep(delay)
-                previous_delay = delay
-                attempt += 1
-                started = clock.now()
-                try:
-                    result = await attempt_fn(attempt, key)
-                except Exception as next_error:
-                    if not isinstance(next_error, Rejected):
-                        self._observe(clock.now() - started)
-                    error = next_error
-                    continue
-                self._observe(clock.now() - started)
-                budget.record_success()
-                return result
-            finally:
-                if slots is not None:
-                    slots.release()
+                )
+            raise self._stop(state, StopReason.BUDGET) from error
+        if events.enabled:
+            ctx = current()
+            events.emit(
+                AttemptRetried(
+                    self._clock.now(),
+                    state.source,
+                    ctx.operation,
+                    ctx.priority,
+                    ctx.caller,
+                    attempt + 1,
+                    type(error).__name__,
+                    delay,
+                )
+            )
+        return slots
 
     def _give_up(
         self,

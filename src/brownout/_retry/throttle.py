@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 
 from .._clock import Clock, default_clock
 from .._context import current
@@ -36,7 +37,7 @@ class ClientThrottle:
     ``rng`` is injectable for deterministic tests.
     """
 
-    __slots__ = ("_clock", "_counters", "_events", "k", "name", "rng")
+    __slots__ = ("_clock", "_counters", "_events", "_lock", "k", "name", "rng")
 
     def __init__(
         self,
@@ -61,23 +62,27 @@ class ClientThrottle:
         self._clock = clock or default_clock()
         self._counters = SlidingCounters(2, window=window, buckets=buckets, clock=self._clock)
         self._events = events
+        self._lock = threading.Lock()  # a blocking Dependency counts from many threads
 
     def probability(self) -> float:
         """The current local rejection probability."""
-        totals = self._counters.sums()
-        requests = totals[_REQUESTS]
-        p = (requests - self.k * totals[_ACCEPTS]) / (requests + 1)
+        with self._lock:
+            totals = self._counters.sums()
+            requests = totals[_REQUESTS]
+            accepts = totals[_ACCEPTS]
+        p = (requests - self.k * accepts) / (requests + 1)
         return p if p > 0.0 else 0.0
 
     def check(self) -> None:
         """Count a request; refuse it with the current probability (before it is sent)."""
         counters = self._counters
-        slot = counters.advance()
-        totals = counters.totals
-        requests = totals[_REQUESTS]
-        accepts = totals[_ACCEPTS]
-        slot[_REQUESTS] += 1
-        totals[_REQUESTS] += 1
+        with self._lock:
+            slot = counters.advance()
+            totals = counters.totals
+            requests = totals[_REQUESTS]
+            accepts = totals[_ACCEPTS]
+            slot[_REQUESTS] += 1
+            totals[_REQUESTS] += 1
         excess = requests - self.k * accepts
         if excess > 0.0 and self.rng.random() < excess / (requests + 1):
             if self._events.enabled:
@@ -98,15 +103,18 @@ class ClientThrottle:
 
     def record_accept(self) -> None:
         """The dependency accepted a request (answered anything but an overload refusal)."""
-        self._counters.add(_ACCEPTS)
+        with self._lock:
+            self._counters.add(_ACCEPTS)
 
     @property
     def requests(self) -> int:
-        return self._counters.sums()[_REQUESTS]
+        with self._lock:
+            return self._counters.sums()[_REQUESTS]
 
     @property
     def accepts(self) -> int:
-        return self._counters.sums()[_ACCEPTS]
+        with self._lock:
+            return self._counters.sums()[_ACCEPTS]
 
     def __repr__(self) -> str:
         return f"ClientThrottle(k={self.k}, p={self.probability():.3f})"

@@ -2,7 +2,8 @@
 
 The window covers ``window`` seconds as ``buckets`` equal slices. Old slices are zeroed lazily
 when time moves on, so reading or adding is O(1) amortised and nothing runs in the background.
-Time comes from an injected `Clock`, so tests drive it with a `ManualClock`.
+Time comes from an injected `Clock`, so tests drive it with a `ManualClock`. No lock of its
+own: each owner (budget, throttle, breaker) holds its lock around a read-and-update.
 
 Slices are found by ``now // slice``, but a count's expiry is also kept as a time: the float
 ``t + window`` can land a hair short of the slice boundary ``now // slice`` needs to cross

@@ -1,0 +1,217 @@
+"""docs/gunicorn.md's gunicorn.conf.py files and app.py, run as they are on the page by real
+gunicorn (gthread and sync workers) over loopback: a burst above a worker's threads is
+refused 503 quickly while /health is answered; the adaptive limit moves and stays within
+the threads; a scrape of either of two workers shows both workers' counts, and a worker
+killed with SIGKILL keeps its counts (child_exit)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "gunicorn.md"
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+CAPACITY = 6  # the page's threads = 8, less a quarter kept spare
+NAMED = """
+import os
+from app import app as inner
+
+
+def app(environ, start_response):
+    def named(status, headers, exc_info=None):
+        return start_response(status, [*headers, ("x-pid", str(os.getpid()))], exc_info)
+
+    return inner(environ, named)
+"""
+
+
+def block(first_line: str) -> str:
+    found = [b for b in BLOCK.findall(PAGE.read_text()) if b.startswith(first_line + "\n")]
+    assert len(found) == 1, first_line
+    return found[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def total(text: str, name: str) -> float:
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name
+    )
+
+
+Server = Callable[..., str]
+
+
+@pytest.fixture
+def gunicorn(tmp_path: Path) -> Iterator[Server]:
+    procs: list[subprocess.Popen[bytes]] = []
+    (tmp_path / "app.py").write_text(block("# app.py"))
+    (tmp_path / "named.py").write_text(NAMED)
+    (tmp_path / "gthread.conf.py").write_text(block("# gunicorn.conf.py"))
+    (tmp_path / "sync.conf.py").write_text(block("# gunicorn.conf.py for sync workers"))
+
+    def start(kind: str, workers: int) -> str:
+        metrics = tmp_path / f"metrics-{len(procs)}"
+        metrics.mkdir()
+        port = free_port()
+        env = {
+            **os.environ,
+            "PROMETHEUS_MULTIPROC_DIR": str(metrics),
+            "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT / 'src'}",
+        }
+        args = ["-c", str(tmp_path / f"{kind}.conf.py"), "-b", f"127.0.0.1:{port}"]
+        args += ["-w", str(workers), "--log-level", "warning", "named:app"]
+        proc = subprocess.Popen([sys.executable, "-m", "gunicorn", *args], cwd=tmp_path, env=env)
+        procs.append(proc)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    return base
+            except requests.RequestException:
+                pass
+            assert proc.poll() is None, "gunicorn exited"
+            assert time.monotonic() < deadline, "gunicorn did not start"
+            time.sleep(0.2)
+
+    yield start
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def get(url: str) -> tuple[int, float, requests.Response]:
+    t = time.monotonic()
+    r = requests.get(url, timeout=30)  # its own connection: the kernel picks the worker
+    return r.status_code, time.monotonic() - t, r
+
+
+def limit_now(base: str) -> float:
+    r = requests.get(f"{base}/metrics", timeout=10)
+    assert r.status_code == 200
+    return total(r.text, "brownout_concurrency_limit")
+
+
+def test_gthread_refuses_a_burst_quickly_and_adapts_within_its_threads(gunicorn) -> None:
+    base = gunicorn("gthread", 1)
+    assert limit_now(base) == CAPACITY // 2  # worker_limit starts at half the capacity
+    limits: list[float] = []
+    refused: list[tuple[float, requests.Response]] = []
+    served = 0
+    with ThreadPoolExecutor(40) as pool:
+        for _ in range(8):  # bursts of 30 slow requests, far above 8 threads, until it moved
+            burst = [pool.submit(get, f"{base}/work?seconds=0.4") for _ in range(30)]
+            time.sleep(0.1)
+            health = [pool.submit(get, f"{base}/health") for _ in range(3)]
+            for f in health:
+                status, took, _ = f.result(timeout=60)
+                assert status == 200
+                assert took < 5.0, took  # a spare thread answers it; noisy host margin
+            for f in burst:
+                status, took, r = f.result(timeout=60)
+                if status == 503:
+                    refused.append((took, r))
+                else:
+                    assert status == 200, status
+                    served += 1
+            limits.append(limit_now(base))
+            if max(limits) > CAPACITY // 2 and len(refused) >= 30:
+                break
+    assert served > 0 and len(refused) >= 30, (served, len(refused))
+    assert all(1 <= v <= CAPACITY for v in limits), limits
+    assert max(limits) > CAPACITY // 2, limits  # it grew under load, up to the cap at most
+    for _, r in refused:
+        assert r.headers["content-type"].startswith("application/problem+json")
+        assert r.json()["status"] == 503
+        assert int(r.headers.get("retry-after", "0")) >= 0  # sent when the policy estimates
+    took = sorted(t for t, _ in refused)
+    # A refusal does not wait for the work ahead of it (each slow request takes 0.4 s).
+    assert took[len(took) // 2] < 0.4, took
+
+
+def test_sync_workers_serve_one_at_a_time_and_never_refuse_for_concurrency(gunicorn) -> None:
+    base = gunicorn("sync", 2)
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(get, [f"{base}/work?seconds=0.2"] * 8, timeout=60))
+    assert [s for s, _, _ in results] == [200] * 8  # waited in the backlog, unseen
+    deadline = time.monotonic() + 15
+    while (seen := limit_now(base)) != 2:  # 1 per worker, summed once both have published
+        assert seen <= 2 and time.monotonic() < deadline, seen
+        time.sleep(0.5)
+
+
+def workers_that_served(base: str, n: int) -> set[str]:
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(get, [f"{base}/work"] * n, timeout=120))
+    assert all(s == 200 for s, _, _ in results)
+    return {r.headers["x-pid"] for _, _, r in results}
+
+
+def scrapes_show(base: str, n: int) -> set[str]:
+    """Scrape on fresh connections until both workers answered; each must show n."""
+    pids: set[str] = set()
+    for _ in range(80):
+        r = requests.get(f"{base}/metrics", timeout=10)
+        assert r.status_code == 200
+        pids.add(r.headers["x-pid"])
+        assert total(r.text, "brownout_requests_offered_total") == n, r.headers["x-pid"]
+        assert total(r.text, "brownout_requests_admitted_total") == n
+        if len(pids) >= 2:
+            break
+    return pids
+
+
+def test_two_gthread_workers_scrape_as_one_and_keep_a_killed_workers_counts(gunicorn) -> None:
+    base = gunicorn("gthread", 2)
+    n = 80
+    served_by = workers_that_served(base, n)
+    while len(served_by) < 2 and n < 800:  # the kernel may give one worker a whole batch
+        served_by |= workers_that_served(base, 40)
+        n += 40
+    assert len(served_by) == 2, served_by
+    time.sleep(3)  # each worker publishes every second
+    assert len(scrapes_show(base, n)) == 2
+
+    victim = sorted(served_by)[0]
+    os.kill(int(victim), signal.SIGKILL)  # no last snapshot: child_exit folds what it wrote
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            r = requests.get(f"{base}/health", timeout=5)
+            if r.headers["x-pid"] not in served_by:
+                break  # the replacement answers
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, "no replacement worker"
+        time.sleep(0.2)
+    workers_that_served(base, 8)
+    time.sleep(3)
+    assert victim not in scrapes_show(base, n + 8)

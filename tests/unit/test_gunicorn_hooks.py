@@ -1,0 +1,93 @@
+"""The gunicorn hooks read real gunicorn worker objects: the thread count a worker records,
+the capacity and limit sized from it, and child_exit's no-op without a multiprocess
+directory."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from gunicorn.config import Config
+from gunicorn.workers.gthread import ThreadWorker
+from gunicorn.workers.sync import SyncWorker
+
+from brownout.integrations import gunicorn as hooks
+from brownout.limits import Gradient2Limit
+
+
+def worker(kind: type, threads: int) -> object:
+    cfg = Config()
+    cfg.set("threads", threads)
+    w = kind(0, os.getpid(), [], None, 30, cfg, None)
+    return w
+
+
+@pytest.fixture(autouse=True)
+def fresh() -> Iterator[None]:
+    hooks._threads = None
+    yield
+    hooks._threads = None
+
+
+def test_outside_a_worker_the_thread_count_is_asked_for() -> None:
+    with pytest.raises(RuntimeError, match="post_fork"):
+        hooks.worker_threads()
+    assert hooks.worker_capacity(threads=8) == 6
+
+
+def test_a_gthread_worker_records_its_threads() -> None:
+    w = worker(ThreadWorker, 16)
+    hooks.post_fork(None, w)
+    assert hooks.worker_threads() == 16
+    assert hooks.worker_capacity() == 12  # a quarter kept to refuse
+    assert hooks.worker_capacity(spare=2) == 14
+    limit = hooks.worker_limit()
+    assert isinstance(limit, Gradient2Limit)
+    assert limit.limit == 6 and limit.max_limit == 12
+
+
+def test_a_sync_worker_runs_one_request_whatever_threads_says() -> None:
+    hooks.post_fork(None, worker(SyncWorker, 1))
+    assert hooks.worker_threads() == 1
+    assert hooks.worker_capacity() == 1
+    assert hooks.worker_limit().limit == 1
+
+
+def test_the_limit_stays_within_the_threads_however_it_is_fed() -> None:
+    limit = hooks.worker_limit(spare=1, threads=5)
+    start = 0.0
+    for i in range(5_000):  # fast, fully used: the limit grows as far as it may
+        limit.on_sample(start, 0.001, limit.limit, False)
+        start += 0.001
+        assert 1 <= limit.limit <= 4, i
+
+
+@pytest.mark.parametrize(
+    ("spare", "threads", "initial"), [(4, 4, None), (-1, 4, None), (0, 0, None), (1, 4, 4)]
+)
+def test_bad_sizes_are_refused(spare: int, threads: int, initial: int | None) -> None:
+    with pytest.raises(ValueError):
+        hooks.worker_limit(spare, threads=threads, initial=initial)
+
+
+def test_child_exit_without_a_multiprocess_directory_does_nothing(monkeypatch) -> None:
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    hooks.child_exit(None, worker(SyncWorker, 1))  # no error, no file
+
+
+def test_child_exit_folds_the_workers_counts(tmp_path, monkeypatch) -> None:
+    import json
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    dead = 2**22 + 12345  # above any pid this host hands out
+    families = {"brownout_x": ["counter", "x", [["brownout_x_total", {}, 3]]]}
+    (tmp_path / f"brownout_{dead}.json").write_text(
+        json.dumps({"pid": dead, "token": "t", "families": families})
+    )
+    w = worker(SyncWorker, 1)
+    w.pid = dead  # type: ignore[attr-defined]
+    hooks.child_exit(None, w)
+    assert not (tmp_path / f"brownout_{dead}.json").exists()
+    archive = json.loads((tmp_path / "brownout_archive.json").read_text())
+    assert archive["families"]["brownout_x"][2] == [["brownout_x_total", {}, 3]]

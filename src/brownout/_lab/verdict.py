@@ -7,17 +7,12 @@ Checked on every configuration protected by brownout (or on the user's ``--targe
 - at 0.8x, refusals <= 0.1% of offered (no false-positive shedding, S8);
 - in the priority mix, interactive goodput >= 99% of interactive demand (S3).
 
-The sync front (Flask under gunicorn, `brownout._lab.sync_front`) is judged on the ramp up to
-`SYNC_JUDGED_LOAD`; its steps beyond (10x) are reported as targets: one Python process
-refusing 1,800 requests a second needs more than the core it has (docs/lab.md).
-
 `targets` adds the demo's stricter goals (adaptive: >= 97% of capacity at 10x, success p50
-<= 1.5x and p99 <= 3x the dependency's service time; the sync front's ramp beyond 4x; every
-health check answered within 50 ms under the 10x flood, S7) and the outbound goals on
-brownout configurations (outage: the busiest second at the dependency after it returns
-<= 1.5x its steady rate, R5; retry storm: the dependency never asked more than 1.25x
-capacity, R1/R3; degraded: goodput while the dependency is slow >= 90% of offered, G3).
-They are reported, not enforced.
+<= 1.5x and p99 <= 3x the dependency's service time; every health check answered within
+50 ms under the 10x flood, S7) and the outbound goals on brownout configurations (outage:
+the busiest second at the dependency after it returns <= 1.5x its steady rate, R5; retry
+storm: the dependency never asked more than 1.25x capacity, R1/R3; degraded: goodput while
+the dependency is slow >= 90% of offered, G3). They are reported, not enforced.
 
 In the CPU-starved scenario (a hog shares the front's core) brownout-adaptive must keep, at
 4x and 10x, goodput >= 90% of capacity and >= the goodput of uvicorn --limit-concurrency in
@@ -68,8 +63,6 @@ HERD_PEAK_FACTOR = 1.5
 ADAPTIVE_GOODPUT_TARGET = 0.97
 STORM_DEPENDENCY_FACTOR = 1.25
 DEGRADED_GOODPUT_SHARE = 0.90
-SYNC_JUDGED_LOAD = 4.0
-"""The sync front's highest ramp step under the invariants; higher ones are targets."""
 STARVED = "cpu-starved"
 STARVED_RIVAL = "uvicorn-limit"
 STARVED_SLACK = 0.02
@@ -144,10 +137,6 @@ def _p99_check(run: dict[str, Any], step: dict[str, Any], deadline_ms: float) ->
     )
 
 
-def _sync(lab: dict[str, Any]) -> set[str]:
-    return {c["name"] for c in lab["configurations"] if c.get("sync")}
-
-
 def _judged(lab: dict[str, Any]) -> set[str]:
     if lab.get("target"):
         return {c["name"] for c in lab["configurations"]}
@@ -170,7 +159,6 @@ def _http_checks(lab: dict[str, Any]) -> list[Check]:
     capacity = float(lab["calibration"]["capacity"])
     deadline_ms = float(lab["settings"]["deadline"]) * 1000
     judged = _judged(lab)
-    sync = _sync(lab)
     checks: list[Check] = []
     for run in lab["runs"]:
         if run["configuration"] not in judged:
@@ -178,8 +166,6 @@ def _http_checks(lab: dict[str, Any]) -> list[Check]:
         if run["scenario"] == "ramp":
             for step in run["steps"]:
                 steady = step["steady"]
-                if run["configuration"] in sync and step["load"] > SYNC_JUDGED_LOAD:
-                    continue  # a target (see `targets`)
                 if step["load"] in OVERLOAD_LOADS:
                     checks.append(_floor_check(run, step, capacity))
                 if steady["success_p99_ms"] is not None or steady["offered"]:
@@ -247,14 +233,9 @@ def _http_targets(lab: dict[str, Any]) -> list[Check]:
     service_ms = float(lab["calibration"]["service_time"]) * 1000
     out: list[Check] = []
     deadline_ms = float(lab["settings"]["deadline"]) * 1000
-    sync = _sync(lab)
     for run in lab["runs"]:
         if run["configuration"] in _judged(lab):
             out += _outbound_targets(run, capacity)
-        if run["scenario"] == "ramp" and run["configuration"] in sync & _judged(lab):
-            for step in run["steps"]:
-                if step["load"] > SYNC_JUDGED_LOAD:
-                    out += [_floor_check(run, step, capacity), _p99_check(run, step, deadline_ms)]
         if run["scenario"] == STARVED and run["configuration"] == "brownout-fixed":
             out += _starved_checks(lab, run, capacity, deadline_ms)
         if run["scenario"] == "health" and run["configuration"] in _judged(lab):

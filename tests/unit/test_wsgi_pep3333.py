@@ -13,13 +13,17 @@ from wsgiref.util import setup_testing_defaults
 
 import pytest
 
-from brownout import EdgePolicy, Route, ThreadBulkhead
+from brownout import EdgePolicy, Route, ThreadBulkhead, current
 from brownout.events import EventHub, RequestCompleted, RequestFailed
 from brownout.integrations.wsgi import BrownoutMiddleware
 from brownout.limits import FixedLimit
 from brownout.testing import EventRecorder
 
 App = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+class Stop(BaseException):
+    """Not an `Exception`: what a worker's shutdown or a greenlet's timeout raises."""
 
 
 @pytest.fixture
@@ -70,6 +74,19 @@ def test_write_then_a_returned_body_sends_one_head(
     assert raw.startswith(b"HTTP/1.0 200 OK")
     assert raw.endswith(b"written returned")
     assert bulkhead.in_flight == 0
+    assert len(settled(recorder)) == 1
+
+
+def test_a_base_exception_out_of_the_app_settles_and_leaves_no_context(
+    hub: EventHub, recorder: EventRecorder, bulkhead: ThreadBulkhead
+) -> None:
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        raise Stop
+
+    with pytest.raises(Stop):
+        guarded(app, hub, bulkhead)({"REQUEST_METHOD": "GET", "PATH_INFO": "/"}, None)
+    assert bulkhead.in_flight == 0  # its slot is free
+    assert current().deadline is None  # the next request on this thread starts clean
     assert len(settled(recorder)) == 1
 
 

@@ -150,10 +150,14 @@ class Held:
 
     def raised(self, e: BaseException) -> Refusal | None:
         """The handler raised ``e``: settle by it and give the answer `serve` would give (a
-        `Refusal`), or ``None`` to let ``e`` propagate. Nothing is left to `finish`."""
+        `Refusal`), or ``None`` to let ``e`` propagate (always, for a `BaseException` that is
+        not an `Exception`: the thread is being stopped). Nothing is left to `finish`."""
         self._leave()
         self._done = True
         flight = self.flight
+        if not isinstance(e, Exception):
+            self._release(type(e))
+            return None
         deadline = flight.deadline
         if deadline is not None and _now() > deadline.at:
             flight.expired = True
@@ -290,7 +294,7 @@ def serve_blocking(
         return held
     try:
         result = call()
-    except Exception as e:
+    except BaseException as e:  # settled whatever it is; only an Exception is answered
         answer = held.raised(e)
         if answer is None:
             raise

@@ -234,7 +234,7 @@ class BrownoutMiddleware:
         answer.held = held
         try:
             body = self.app(environ, answer.start_response)
-        except Exception as e:
+        except BaseException as e:  # settled whatever it is; only an Exception is answered
             refusal = held.raised(e)
             if refusal is None or flight.response_started:
                 raise

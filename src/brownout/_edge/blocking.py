@@ -164,7 +164,7 @@ class Held:
         self._release(TimeoutError if flight.expired else type(e))
         if flight.expired and not flight.response_started:
             flight.answered = True
-            self.policy.overran(flight)
+            self.policy.overran(flight, on_thread=True)
             return self.policy.refusal(Reason.DEADLINE_EXPIRED)
         return self.policy.answer_raised(e, flight, None)  # type: ignore[arg-type, return-value]
 
@@ -174,10 +174,13 @@ class Held:
         if permit is None:
             return
         try:
-            if raised is None:
-                self.policy.settle(permit, self.flight, self._marks)
-            else:
+            if raised is not None:
                 permit.settle_raised(raised)
+            elif self.flight.expired:  # `settle`'s first rule, told it ran on a thread
+                permit.settle_raised(TimeoutError)
+                self.policy.overran(self.flight, on_thread=True)
+            else:
+                self.policy.settle(permit, self.flight, self._marks)
         finally:
             if cm is not None:
                 cm.__exit__(None, None, None)
@@ -193,7 +196,7 @@ class Held:
         if self.permit is not None:
             self._release(None)
         elif flight.expired:
-            self.policy.overran(flight)
+            self.policy.overran(flight, on_thread=True)
         elif flight.reports:
             finished(self.policy, flight)
 

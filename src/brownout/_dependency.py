@@ -62,8 +62,8 @@ class Dependency:
     """
 
     __slots__ = (
-        "_active",
         "_active_lock",
+        "_calls",
         "_clock",
         "_events",
         "breaker",
@@ -153,13 +153,15 @@ class Dependency:
             RetrySlots(max_concurrent_retries) if max_concurrent_retries is not None else None
         )
         self.ledger = ledger
-        self._active = 0
+        # One entry per attempt in flight: append and pop are atomic, so the count needs a
+        # lock only to check ``max_active`` and count in one step.
+        self._calls: list[None] = []
         self._active_lock = threading.Lock()
 
     @property
     def active(self) -> int:
         """Attempts in flight right now (counted whether or not ``max_active`` is set)."""
-        return self._active
+        return len(self._calls)
 
     def gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
         """Live state for exporters (`brownout.Stats.watch`): retry-budget balance, breaker
@@ -419,8 +421,9 @@ class Dependency:
             raise
         finally:
             exit_attempt(token_ctx)
-            self._leave()
-        self._after_success(token, started)
+            self._calls.pop()  # `_leave`, inline
+        if breaker is not None or self.throttle is not None:
+            self._after_success(token, started)
         return result
 
     def _attempt_blocking(
@@ -483,12 +486,20 @@ class Dependency:
                 # Counted as this dependency's shed, as its other local refusals are (O1).
                 raise self._refuse(refused.reason, f"{self.name}: {refused.detail}") from None
         max_active = self.max_active
-        with self._active_lock:  # threads of a blocking caller share the count
-            active = self._active
-            if max_active is None or active < max_active:
-                self._active = active + 1
-        if max_active is not None and active >= max_active:
-            raise self._refuse(Reason.OVERLOADED, f"{self.name}: {active} calls in flight")
+        calls = self._calls
+        if max_active is None:
+            calls.append(None)  # atomic: threads and the loop may share the count
+        else:
+            lock = self._active_lock
+            lock.acquire()  # check-and-count as one step (a `_leave` needs no lock)
+            try:
+                active = len(calls)
+                if active < max_active:
+                    calls.append(None)
+            finally:
+                lock.release()
+            if active >= max_active:
+                raise self._refuse(Reason.OVERLOADED, f"{self.name}: {active} calls in flight")
         breaker = self.breaker
         try:
             token = breaker.acquire() if breaker is not None else 0
@@ -512,8 +523,7 @@ class Dependency:
         return budget, token, started
 
     def _leave(self) -> None:
-        with self._active_lock:
-            self._active -= 1
+        self._calls.pop()
 
     def _unsent(self, token: int, reason: Reason, detail: str) -> Rejected:
         """A refusal of an attempt that was admitted but never sent (its breaker place freed)."""

@@ -32,8 +32,8 @@ from typing import Any, TypeVar, cast
 
 from ._admission.bulkhead import Bulkhead
 from ._admission.protocols import AdmitsWork, AdmitsWorkBlocking
-from ._admission.thread_bulkhead import ThreadBulkhead
 from ._admission.settings import bulkhead_from
+from ._admission.thread_bulkhead import ThreadBulkhead
 from ._clock import Clock, default_clock, loop_or_none
 from ._context import DeadlineScope, current_deadline
 from ._degrade.drill import dependency_call, fallback_scope

@@ -1,9 +1,11 @@
 """One process of the fleet-limit crash test: N tasks acquiring, working, releasing.
 
-Run as ``python -m tests.integration.fleet_worker PORT PREFIX LIMIT TASKS LEASE OUT``. Each
-task writes ``S token start end_bound`` when it starts acting under a lease (``start``
-is read before ``lease.check()``, which passes only while ``start`` is before expiry) and ``E token end`` when it stops: ``end_bound`` is the lease's local
-expiry, the latest its action can last if the process is killed meanwhile.
+Each task writes ``S token start end_bound`` when it starts acting under a lease and
+``E token end`` when it stops. ``start`` is read before the lease's check, which passes only
+while ``start`` is before the lease's local expiry; ``end_bound`` is that expiry, the latest
+its action can last if the process is killed meanwhile.
+
+Run as ``python -m tests.integration.fleet_worker PORT PREFIX LIMIT TASKS LEASE OUT``.
 """
 
 from __future__ import annotations
@@ -21,10 +23,16 @@ from brownout import FleetLimit, Rejected
 async def main(port: int, prefix: str, limit: int, tasks: int, lease: float, out: str) -> None:
     client = redis_asyncio.Redis(host="127.0.0.1", port=port, max_connections=64)
     fleet = FleetLimit(
-        "crash", limit, redis=client, prefix=prefix, lease=lease, timeout=2.0,
+        "crash",
+        limit,
+        redis=client,
+        prefix=prefix,
+        lease=lease,
+        timeout=2.0,
         on_store_failure="closed",
     )
-    sink = open(out, "a", buffering=1)  # noqa: SIM115 (line-buffered: survives SIGKILL per line)
+    # Line-buffered: each line reaches the file before the next, so a SIGKILL loses none.
+    sink = open(out, "a", buffering=1)  # noqa: SIM115, ASYNC230
 
     async def task() -> None:
         rng = random.Random()

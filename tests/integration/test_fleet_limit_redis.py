@@ -172,9 +172,7 @@ async def test_renew_extends_on_the_server_and_refuses_an_expired_lease(
     await client.delete(*fleet.store.key_names("db"))  # type: ignore[attr-defined]
 
 
-async def test_concurrent_tasks_never_hold_more_than_the_limit(
-    client: object, prefix: str
-) -> None:
+async def test_concurrent_tasks_never_hold_more_than_the_limit(client: object, prefix: str) -> None:
     fleet = FleetLimit("db", 5, redis=client, prefix=prefix, lease=5.0, timeout=1.0)
     holding = 0
     peak = 0
@@ -203,9 +201,7 @@ async def test_fail_closed_refuses_while_redis_is_unreachable() -> None:
     sink = ListSink()
     events = EventHub()
     events.subscribe(sink)
-    fleet = FleetLimit(
-        "db", 4, redis=dead, on_store_failure="closed", timeout=0.5, events=events
-    )
+    fleet = FleetLimit("db", 4, redis=dead, on_store_failure="closed", timeout=0.5, events=events)
     started = time.monotonic()
     for _ in range(5):
         with pytest.raises(Rejected) as refused:
@@ -240,9 +236,7 @@ async def test_fail_open_admits_this_instances_share_while_redis_is_unreachable(
 
 async def test_the_store_comes_back_after_an_outage(private_port: int) -> None:
     c = redis_asyncio.Redis(host="127.0.0.1", port=private_port)
-    fleet = FleetLimit(
-        "db", 2, redis=c, on_store_failure="closed", timeout=0.5, probe_backoff=0.05
-    )
+    fleet = FleetLimit("db", 2, redis=c, on_store_failure="closed", timeout=0.5, probe_backoff=0.05)
     await c.execute_command("CLIENT", "PAUSE", "700", "ALL")  # a stalled Redis
     with pytest.raises(Rejected) as refused:
         await fleet.acquire().__aenter__()

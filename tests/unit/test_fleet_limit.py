@@ -110,7 +110,7 @@ async def test_check_is_conservative_and_renew_extends_only_unexpired_leases() -
 
 
 async def test_renewal_refused_by_the_store_when_the_lease_is_gone() -> None:
-    fleet, clock, _ = build(limit=1)
+    fleet, _, _ = build(limit=1)
     async with fleet.acquire() as lease:
         # The store purged it (its own clock ran ahead): the renewal says so.
         store = fleet.store

@@ -4,7 +4,7 @@
 set -u
 cd "$(dirname "$0")/.."
 mkdir -p bench-results
-for b in deadline admission edge edge_paths retry transport observability quota idempotency degrade lab_generator; do
+for b in deadline admission edge edge_paths retry transport observability quota fleet_limit idempotency degrade lab_generator; do
   echo "== bench/${b}_bench.py"
   start=$(date +%s)
   .venv/bin/python "bench/${b}_bench.py" > "bench-results/${b}.txt" 2>&1

@@ -46,6 +46,15 @@ from ._errors import (
     Rejected,
     UnknownOutcome,
 )
+from ._fleet import (
+    FleetLease,
+    FleetLimit,
+    InMemoryLeaseStore,
+    LeaseExpired,
+    LeaseStore,
+    LeaseStoreUnavailable,
+    RedisLeaseStore,
+)
 from ._overload import OverloadLevel, OverloadManager
 from ._priority import Priority
 from ._propagation import BudgetSigner, InboundBudget, InboundDeadlinePolicy, Trust
@@ -104,12 +113,18 @@ __all__ = [
     "ExponentialBackoff",
     "FailClosed",
     "FailClosedGuard",
+    "FleetLease",
+    "FleetLimit",
     "GrpcRetryThrottle",
     "HeaderError",
+    "InMemoryLeaseStore",
     "InMemoryOutcomeLedger",
     "InMemoryQuotaStore",
     "InboundBudget",
     "InboundDeadlinePolicy",
+    "LeaseExpired",
+    "LeaseStore",
+    "LeaseStoreUnavailable",
     "LoopClock",
     "MonotonicClock",
     "OutcomeLedger",
@@ -126,6 +141,7 @@ __all__ = [
     "QuotaStoreUnavailable",
     "Reason",
     "Reconciler",
+    "RedisLeaseStore",
     "RedisOutcomeLedger",
     "RedisQuotaStore",
     "Rejected",

@@ -25,12 +25,15 @@ import contextvars
 import functools
 import logging
 import math
+import os
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from ._admission.protocols import AdmitsWork
+from ._admission.bulkhead import Bulkhead
+from ._admission.protocols import AdmitsWork, AdmitsWorkBlocking
 from ._admission.settings import bulkhead_from
+from ._admission.thread_bulkhead import ThreadBulkhead
 from ._clock import Clock, default_clock, loop_or_none
 from ._context import DeadlineScope, current_deadline
 from ._degrade.drill import dependency_call, fallback_scope
@@ -62,8 +65,8 @@ class Dependency:
     """
 
     __slots__ = (
-        "_active",
         "_active_lock",
+        "_calls",
         "_clock",
         "_events",
         "breaker",
@@ -119,7 +122,7 @@ class Dependency:
         retry: RetryPolicy | None = None,
         breaker: CircuitBreaker | None = None,
         throttle: ClientThrottle | None = None,
-        bulkhead: AdmitsWork | None = None,
+        bulkhead: AdmitsWork | AdmitsWorkBlocking | None = None,
         max_active: int | None = None,
         max_concurrent_retries: int | None = None,
         ledger: OutcomeLedger | None = None,
@@ -153,13 +156,15 @@ class Dependency:
             RetrySlots(max_concurrent_retries) if max_concurrent_retries is not None else None
         )
         self.ledger = ledger
-        self._active = 0
+        # One entry per attempt in flight: append and pop are atomic, so the count needs a
+        # lock only to check ``max_active`` and count in one step.
+        self._calls: list[None] = []
         self._active_lock = threading.Lock()
 
     @property
     def active(self) -> int:
         """Attempts in flight right now (counted whether or not ``max_active`` is set)."""
-        return self._active
+        return len(self._calls)
 
     def gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
         """Live state for exporters (`brownout.Stats.watch`): retry-budget balance, breaker
@@ -267,15 +272,19 @@ class Dependency:
 
         Each attempt runs with its budget as the context's deadline (``brownout.remaining()``)
         and cannot be cancelled: ``fn`` must keep to that time (the requests and urllib3
-        adapters set their socket timeouts from it). Safe from many threads at once; a
-        dependency with a ``bulkhead`` (which admits on an event loop) raises `TypeError`:
-        cap threads with ``max_active``. The ledger write of an unknown outcome and a breaker
-        fallback, both coroutines, run to the end on a private event loop.
+        adapters set their socket timeouts from it). Safe from many threads at once. A
+        ``bulkhead`` admits each attempt as on the async path, blocking while it is queued: a
+        `ThreadBulkhead` (anything whose ``admit()`` is a ``with`` block); an asyncio
+        `Bulkhead` raises `TypeError`. The ledger write of an unknown outcome and a breaker
+        fallback, both coroutines, run to the end on the process's one private event loop
+        (a ``redis.asyncio`` client made for that ledger is used on that loop only).
         """
-        if self.bulkhead is not None:
+        bulkhead = self.bulkhead
+        if isinstance(bulkhead, Bulkhead) and not isinstance(bulkhead, ThreadBulkhead):
             raise TypeError(
-                f"{self.name}: call_blocking cannot use a bulkhead (it admits on an event loop);"
-                " use max_active to cap the calls in flight"
+                f"{self.name}: call_blocking cannot use an asyncio Bulkhead (it admits on an"
+                " event loop); give the dependency a ThreadBulkhead, or cap threads with"
+                " max_active"
             )
         try:
             return self.retry.execute_blocking(
@@ -393,7 +402,7 @@ class Dependency:
                     if bulkhead is None:
                         result = await fn(*args, **kwargs)
                     else:
-                        async with bulkhead.admit():
+                        async with cast(AdmitsWork, bulkhead).admit():
                             admitted = True
                             result = await fn(*args, **kwargs)
         except DeadlineExceeded as expired:
@@ -419,8 +428,9 @@ class Dependency:
             raise
         finally:
             exit_attempt(token_ctx)
-            self._leave()
-        self._after_success(token, started)
+            self._calls.pop()  # `_leave`, inline
+        if breaker is not None or self.throttle is not None:
+            self._after_success(token, started)
         return result
 
     def _attempt_blocking(
@@ -437,11 +447,28 @@ class Dependency:
             self._leave()
             raise self._unsent(token, Reason.DEADLINE_TOO_SHORT, "no usable time left")
         token_ctx = enter_attempt(number, key)
+        bulkhead = self.bulkhead
         try:
-            # The scope sets the attempt's deadline for ``fn`` (its timeouts, its headers);
-            # a blocking call cannot be cancelled, so ``fn`` must keep to it.
+            # The scope sets the attempt's deadline for ``fn`` (its timeouts, its headers) and
+            # bounds the wait in the bulkhead's queue; a blocking call cannot be cancelled, so
+            # ``fn`` must keep to it.
             with DeadlineScope(budget, None):
-                result = fn(*args, **kwargs)
+                if bulkhead is None:
+                    result = fn(*args, **kwargs)
+                else:
+                    # Admitted per attempt, as on the async path; a refusal (`Rejected`, also
+                    # for time spent queued) was never sent. Leaving settles the permit.
+                    with cast(AdmitsWorkBlocking, bulkhead).admit():
+                        scope = current_deadline()
+                        left = math.inf if scope is None else scope.remaining()
+                        if not (left > 0.0 and left >= self.min_useful):
+                            # Admitted as its budget ran out: not sent, as on the async
+                            # path (an uncancellable call cannot be sent with no time).
+                            raise self._refuse(
+                                Reason.QUEUE_TIMEOUT,
+                                f"{self.name}: attempt budget spent in the queue",
+                            )
+                        result = fn(*args, **kwargs)
         except Exception as error:
             self._after_failure(error, token, started)
             raise
@@ -483,12 +510,20 @@ class Dependency:
                 # Counted as this dependency's shed, as its other local refusals are (O1).
                 raise self._refuse(refused.reason, f"{self.name}: {refused.detail}") from None
         max_active = self.max_active
-        with self._active_lock:  # threads of a blocking caller share the count
-            active = self._active
-            if max_active is None or active < max_active:
-                self._active = active + 1
-        if max_active is not None and active >= max_active:
-            raise self._refuse(Reason.OVERLOADED, f"{self.name}: {active} calls in flight")
+        calls = self._calls
+        if max_active is None:
+            calls.append(None)  # atomic: threads and the loop may share the count
+        else:
+            lock = self._active_lock
+            lock.acquire()  # check-and-count as one step (a `_leave` needs no lock)
+            try:
+                active = len(calls)
+                if active < max_active:
+                    calls.append(None)
+            finally:
+                lock.release()
+            if active >= max_active:
+                raise self._refuse(Reason.OVERLOADED, f"{self.name}: {active} calls in flight")
         breaker = self.breaker
         try:
             token = breaker.acquire() if breaker is not None else 0
@@ -512,8 +547,7 @@ class Dependency:
         return budget, token, started
 
     def _leave(self) -> None:
-        with self._active_lock:
-            self._active -= 1
+        self._calls.pop()
 
     def _unsent(self, token: int, reason: Reason, detail: str) -> Rejected:
         """A refusal of an attempt that was admitted but never sent (its breaker place freed)."""
@@ -580,14 +614,54 @@ def _not_recorded(unknown: UnknownOutcome, key: str, error: BaseException) -> No
 
 
 def _run_to_end(awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable`` from blocking code, in the current context: on a private event
-    loop, or on a helper thread's when this thread already runs one (blocking inside it)."""
+    """Await ``awaitable`` from blocking code, in the current context, on the process's one
+    private event loop (`_private_loop`), blocking this thread until it is done.
 
-    async def wait() -> T:
-        return await awaitable
+    One loop for every write, not one per write: a client bound to the loop it first ran on
+    (``redis.asyncio``'s connection pool) keeps working across writes and threads."""
+    loop = _private_loop()
+    if loop_or_none() is loop:
+        # Called from a coroutine on that loop (a fallback calling back): a loop of its own.
+        with concurrent.futures.ThreadPoolExecutor(1) as helper:
+            context = contextvars.copy_context()
+            return helper.submit(context.run, asyncio.run, _awaited(awaitable)).result()
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+    context = contextvars.copy_context()
 
-    if loop_or_none() is None:
-        return asyncio.run(wait())
-    with concurrent.futures.ThreadPoolExecutor(1) as helper:
-        context = contextvars.copy_context()
-        return helper.submit(context.run, asyncio.run, wait()).result()
+    async def run() -> None:
+        try:
+            done.set_result(await awaitable)
+        except BaseException as error:  # the caller's thread raises it
+            done.set_exception(error)
+
+    def start() -> None:
+        task = loop.create_task(run(), context=context)
+        _PRIVATE_TASKS.add(task)
+        task.add_done_callback(_PRIVATE_TASKS.discard)
+
+    loop.call_soon_threadsafe(start)
+    return done.result()
+
+
+async def _awaited(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+_PRIVATE: list[tuple[int, asyncio.AbstractEventLoop]] = []  # (pid, loop): one per process
+_PRIVATE_LOCK = threading.Lock()
+_PRIVATE_TASKS: set[asyncio.Task[None]] = set()  # writes in progress (strong refs)
+
+
+def _private_loop() -> asyncio.AbstractEventLoop:
+    """The event loop the blocking path awaits on, on a daemon thread started on first use
+    (again in a forked child: the parent's thread did not come with it)."""
+    pid = os.getpid()
+    with _PRIVATE_LOCK:
+        if _PRIVATE and _PRIVATE[0][0] == pid:
+            return _PRIVATE[0][1]
+        loop = asyncio.new_event_loop()
+        threading.Thread(
+            target=loop.run_forever, name="brownout-blocking-loop", daemon=True
+        ).start()
+        _PRIVATE[:] = [(pid, loop)]
+        return loop

@@ -18,14 +18,14 @@ ledger turns the counts into one `RequestsTallied` event:
 Counters are cumulative and a flush emits the difference from the previous flush, so a flush
 from another thread (a Prometheus HTTP server thread) never loses an increment made
 concurrently on the loop: it is counted by the next flush. Latency and remaining-deadline
-samples are lists swapped out at flush; a sample appended during the swap may be dropped
-(they are samples: counts are exact, histograms are a sample).
+samples are taken from the front of their lists at flush, never swapped out: a releasing
+thread may hold the list while another thread flushes, and its sample lands in the next flush.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from ._priority import Priority
 from ._snapshot import items_of
@@ -60,6 +60,8 @@ _ROW_LEN = _BASE + _COUNTED
 MAX_SAMPLES = 4096
 """Latency or remaining-deadline samples held before a flush."""
 
+T = TypeVar("T")
+
 _BY_VALUE = tuple(sorted(Priority))
 _PRIORITIES = len(_BY_VALUE)
 
@@ -67,6 +69,15 @@ Index = dict[str, dict[str, list[list[int] | None]]]
 """caller -> operation -> a row per priority (None until used). Nested rather than keyed by a
 tuple: on the admission path, three subscripts are cheaper than a tuple's build, hash and
 lookup."""
+
+
+def _take(samples: list[T]) -> list[T]:
+    """The samples appended so far, removed from the front of ``samples``: one appended
+    concurrently (after the length is read) stays for the next flush."""
+    n = len(samples)
+    taken = samples[:n]
+    del samples[:n]
+    return taken
 
 
 def held(row: list[int]) -> int:
@@ -175,8 +186,8 @@ class Ledger:
                             late,
                         )
                     )
-            latencies, self.latencies = self.latencies, []
-            remaining, self.remaining = self.remaining, []
+            latencies = _take(self.latencies)
+            remaining = _take(self.remaining)
             if not (rows or latencies or remaining):
                 return
             event = RequestsTallied(

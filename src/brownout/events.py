@@ -170,9 +170,11 @@ class RequestAbandoned(RequestEvent):
 
 @_event
 class HandlerOverran(RequestEvent):
-    """A handler was still running when its deadline passed and did not stop when cancelled:
-    the edge answered for it at the deadline (504), discarded its late answer and kept its
-    slot until it returned, ``overrun`` seconds after the deadline."""
+    """A handler was still running when its deadline passed and did not stop when cancelled
+    (on a loop), or returned after it (on a thread, which is never cancelled): the edge
+    answered for it with 504 (at the deadline on a loop, when it returned on a thread),
+    discarded its late answer and kept its slot until it returned, ``overrun`` seconds after
+    the deadline."""
 
     overrun: float
 

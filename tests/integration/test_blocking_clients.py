@@ -14,8 +14,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+import redis
+import redis.asyncio
 import requests
 import urllib3
+from tests import services
 
 import brownout
 from brownout import (
@@ -24,14 +27,18 @@ from brownout import (
     ExponentialBackoff,
     InMemoryOutcomeLedger,
     Reason,
+    RedisOutcomeLedger,
     Rejected,
     RetriesExhausted,
     RetryBudget,
     RetryPolicy,
+    ThreadBulkhead,
     UnknownOutcome,
 )
 from brownout.integrations.requests import BrownoutAdapter
 from brownout.integrations.urllib3 import BrownoutPoolManager
+from brownout.limits import FixedLimit
+from brownout.queues import FifoQueue
 
 SLACK = 1.5  # seconds of scheduling noise allowed on a shared 2-core host
 
@@ -41,6 +48,8 @@ class _Seen:
         self.lock = threading.Lock()
         self.rows: list[tuple[str, str, dict[str, str]]] = []
         self.flaky: dict[str, int] = {}
+        self.held = 0  # requests inside /held now
+        self.most_held = 0  # the most there were at once
 
     def of(self, path: str) -> list[dict[str, str]]:
         with self.lock:
@@ -75,6 +84,13 @@ class _Handler(BaseHTTPRequestHandler):
         status = 200
         if url.path == "/slow":
             time.sleep(float(query["s"]))
+        elif url.path == "/held":
+            with SEEN.lock:
+                SEEN.held += 1
+                SEEN.most_held = max(SEEN.most_held, SEEN.held)
+            time.sleep(float(query["s"]))
+            with SEEN.lock:
+                SEEN.held -= 1
         elif url.path.startswith("/status/"):
             status = int(url.path.rsplit("/", 1)[1])
             if "retry_after" in query:
@@ -303,3 +319,126 @@ def test_urllib3_answers_and_refusals(base: str) -> None:
         http.request("GET", f"{base}/status/200", retries=urllib3.Retry(3))
     with pytest.raises(ValueError, match="one retry layer"):
         BrownoutPoolManager(retries=3)
+
+
+# -- a ThreadBulkhead on the blocking path ---------------------------------------------------
+
+
+def _eight_at_once(dep: Dependency, url: str) -> tuple[int, list[Reason], int]:
+    """Eight threads GET ``url`` through ``dep`` together: (answers, refusal reasons, reads
+    that timed out)."""
+    start = threading.Barrier(8)
+    answered: list[int] = []
+    refused: list[Reason] = []
+    timed_out: list[BaseException] = []
+
+    def get() -> None:
+        session = _session(dep)
+        start.wait()
+        try:
+            answered.append(session.get(url).status_code)
+        except Rejected as refusal:
+            refused.append(refusal.reason)
+        except requests.Timeout as late:  # admitted with less time left than the answer takes
+            timed_out.append(late)
+
+    threads = [threading.Thread(target=get) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert answered.count(200) == len(answered)
+    return len(answered), refused, len(timed_out)
+
+
+def test_a_thread_bulkhead_holds_the_server_to_its_limit(base: str) -> None:
+    bulkhead = ThreadBulkhead("svc", FixedLimit(2), FifoQueue(max_size=2, max_wait=30.0))
+    dep = Dependency("svc", bulkhead=bulkhead)
+    with SEEN.lock:
+        SEEN.most_held = 0
+    answered, refused, timed_out = _eight_at_once(dep, f"{base}/held?s=0.4")
+    assert SEEN.most_held == 2  # never more than the limit at the server
+    assert (answered, timed_out) == (4, 0)  # two admitted at once, two queued behind them
+    assert refused == [Reason.QUEUE_FULL] * 4
+    assert bulkhead.in_flight == 0  # every permit settled
+    assert dep.active == 0
+
+
+def test_a_queued_attempt_spends_its_own_budget(base: str) -> None:
+    bulkhead = ThreadBulkhead("svc", FixedLimit(2), FifoQueue(max_size=8, max_wait=30.0))
+    dep = Dependency("svc", bulkhead=bulkhead, timeout=0.6)
+    with SEEN.lock:
+        SEEN.most_held = 0
+    before = len(SEEN.of("/held"))
+    answered, refused, timed_out = _eight_at_once(dep, f"{base}/held?s=0.4")
+    # A read that timed out frees its permit while the server still works on it.
+    assert 2 <= SEEN.most_held <= 2 + timed_out
+    # Two go at once; the rest wait at most their 0.6 s budget, and a pair admitted after
+    # 0.4 s has too little left for the answer.
+    assert answered >= 2
+    assert len(refused) >= 2  # at most a third pair starts, with what the skew left
+    assert answered + len(refused) + timed_out == 8
+    assert set(refused) <= {Reason.QUEUE_TIMEOUT, Reason.DEADLINE_EXPIRED}
+    assert len(SEEN.of("/held")) == before + answered + timed_out  # refused: never sent
+    assert bulkhead.in_flight == 0
+
+
+def test_an_asyncio_bulkhead_is_a_type_error(base: str) -> None:
+    dep = Dependency("svc", bulkhead=brownout.Bulkhead("svc", FixedLimit(2)))
+    with pytest.raises(TypeError, match="ThreadBulkhead"):
+        _session(dep).get(f"{base}/status/200")
+
+
+# -- the outcome ledger on Redis, from threads ------------------------------------------------
+
+
+@pytest.fixture
+def redis_ledger() -> Iterator[tuple[RedisOutcomeLedger, redis.Redis]]:
+    server = services.require(services.REDIS)
+    # Made for this ledger alone: the blocking path awaits its writes on one private loop.
+    client = redis.asyncio.Redis(host=server.host, port=server.port)
+    check = redis.Redis(host=server.host, port=server.port)
+    prefix = f"{{test-blocking-{time.monotonic_ns()}}}"
+    try:
+        yield RedisOutcomeLedger(client, prefix=prefix, ttl=60), check
+    finally:
+        keys = list(check.scan_iter(match=f"{prefix}:*"))
+        if keys:
+            check.delete(*keys)
+        check.close()
+
+
+def test_posts_never_answered_are_recorded_in_redis(
+    base: str, redis_ledger: tuple[RedisOutcomeLedger, redis.Redis]
+) -> None:
+    ledger, check = redis_ledger
+    dep = Dependency("pay", retry=_fast_retries(), ledger=ledger)
+    lost: list[UnknownOutcome] = []
+    errors: list[BaseException] = []
+
+    def post(n: int) -> None:
+        session = _session(dep)
+        try:
+            with brownout.deadline(0.5):
+                session.post(f"{base}/slow?s=2", json={"order": n})
+        except UnknownOutcome as unknown:
+            lost.append(unknown)
+        except BaseException as error:
+            errors.append(error)
+
+    post(0)  # alone first, then four threads at once: the ledger's client serves them all
+    threads = [threading.Thread(target=post, args=(n,)) for n in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert len(lost) == 5
+    assert all(unknown.recorded for unknown in lost)
+    keys = [unknown.idempotency_key for unknown in lost]
+    sent = {h.get("idempotency-key") for h in SEEN.of("/slow")}
+    for key in keys:
+        assert key in sent
+        record = check.hgetall(f"{ledger.name}:outcome:{key}")
+        assert record[b"state"] == b"pending"
+        assert record[b"dependency"] == b"pay"

@@ -54,7 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "primitives",
-        ("_admission", "_retry", "_degrade", "_quota", "_overload", "_stats"),
+        ("_admission", "_retry", "_degrade", "_quota", "_fleet", "_overload", "_stats"),
         "one mechanism each, composed by nothing below the composition layer",
     ),
     (
@@ -84,7 +84,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
 CORE_EXCLUDED = ("integrations", "export", "_lab", "_cli", "_queue_cli")
 """Everything else is the core: standard library imports only."""
 
-INDEPENDENT = ("_admission", "_retry", "_degrade", "_quota", "_overload", "_stats")
+INDEPENDENT = ("_admission", "_retry", "_degrade", "_quota", "_fleet", "_overload", "_stats")
 """The primitives import none of each other: admission does not depend on observability, nor
 retries on quotas; composing them is the composition layer's job."""
 
@@ -125,6 +125,7 @@ DEFERRED: dict[tuple[str, str], str] = {
 CORE_DEFERRED_THIRD_PARTY: dict[tuple[str, str], str] = {
     ("_quota.redis", "redis"): "exception types of the client the user passed in",
     ("_idempotency.redis", "redis"): "exception types of the client the user passed in",
+    ("_fleet.redis", "redis"): "exception types of the client the user passed in",
 }
 
 # Underscore-prefixed names imported across modules, by (importer prefix, name): none.

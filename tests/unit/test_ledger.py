@@ -266,3 +266,22 @@ async def test_bounded_samples_wait_for_no_reader() -> None:
     assert len(ledger.latencies) < MAX_SAMPLES
     assert len(ledger.remaining) < MAX_SAMPLES
     assert ledger.row_count <= ledger.max_rows
+
+
+def test_a_sample_appended_to_the_list_a_flush_took_is_not_lost() -> None:
+    """A releasing thread reads ``ledger.latencies`` and appends to it; a flush on another
+    thread may run between the two. The sample lands in the next flush, not in a dropped list."""
+    hub = EventHub()
+    rec = TallyRecorder()
+    hub.subscribe(rec)
+    ledger = Ledger("api", hub, ManualClock())
+    ledger.latencies.append(("/q", Priority.CRITICAL, 0.1))
+    ledger.remaining.append(1.0)
+    latencies, remaining = ledger.latencies, ledger.remaining  # the releasing thread's read
+    ledger.flush()  # the other thread's flush
+    latencies.append(("/q", Priority.CRITICAL, 0.2))  # its append, after the flush
+    remaining.append(2.0)
+    ledger.flush()
+    tallies = [e for e in rec.events if isinstance(e, RequestsTallied)]
+    assert [s for e in tallies for _, _, s in e.latencies] == [0.1, 0.2]
+    assert [s for e in tallies for s in e.remaining] == [1.0, 2.0]

@@ -6,23 +6,30 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def quickstart_lines() -> str:
-    source = (ROOT / "examples" / "quickstart.py").read_text()
+EXAMPLES = ("quickstart.py", "quickstart_flask.py")
+
+
+def quickstart_lines(example: str = "quickstart.py") -> str:
+    source = (ROOT / "examples" / example).read_text()
     start = source.index("# --- the ten lines the README shows")
     body = source[source.index("\n", start) + 1 : source.index("# -----", start + 10)]
     return body.strip()
 
 
-def test_readme_shows_the_quickstart_verbatim() -> None:
-    assert quickstart_lines() in (ROOT / "README.md").read_text()
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_readme_shows_the_quickstart_verbatim(example: str) -> None:
+    assert quickstart_lines(example) in (ROOT / "README.md").read_text()
 
 
-def test_quickstart_runs() -> None:
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_quickstart_runs(example: str) -> None:
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "quickstart.py")],
+        [sys.executable, str(ROOT / "examples" / example)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -31,10 +38,11 @@ def test_quickstart_runs() -> None:
     assert "payments saw:" in result.stdout
 
 
-def test_the_readme_block_runs_as_pasted() -> None:
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_the_readme_block_runs_as_pasted(example: str) -> None:
     """Pasted alone into a file, the README's block builds the app and its client."""
     result = subprocess.run(
-        [sys.executable, "-c", quickstart_lines()],
+        [sys.executable, "-c", quickstart_lines(example)],
         capture_output=True,
         text=True,
         timeout=60,

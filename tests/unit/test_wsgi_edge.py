@@ -5,6 +5,7 @@ its deadline, header trust and malformed headers, settling by status and body cl
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 
@@ -21,6 +22,7 @@ from brownout import (
     Rejected,
     Route,
     SlowedRejections,
+    ThreadBulkhead,
     Trust,
 )
 from brownout.events import (
@@ -137,6 +139,19 @@ def test_a_handler_returning_after_its_deadline_gets_504(
     assert overran.operation == "/slow" and overran.overrun >= SLOW - SHORT - 0.01
     assert [e.operation for e in of(recorder, RequestExpired)] == ["/slow"]
     assert of(recorder, RequestCompleted) == []
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_the_overrun_log_says_the_504_went_out_when_the_handler_returned(
+    hub: EventHub, caplog: pytest.LogCaptureFixture, guarded: bool
+) -> None:
+    bulkhead = ThreadBulkhead("t", FixedLimit(2), events=hub) if guarded else None
+    app, _ = make_app(policy_for(hub, bulkhead=bulkhead))
+    with caplog.at_level(logging.WARNING, logger="brownout.edge"):
+        assert app.test_client().get("/slow").status_code == 504
+    (message,) = [r.getMessage() for r in caplog.records if "past its deadline" in r.message]
+    assert "when it returned" in message  # a thread is never cancelled at the deadline
+    assert "at the deadline" not in message and "cancellation" not in message
 
 
 def test_a_spent_budget_is_refused_before_the_work(hub: EventHub, recorder: EventRecorder) -> None:

@@ -150,17 +150,21 @@ class Held:
 
     def raised(self, e: BaseException) -> Refusal | None:
         """The handler raised ``e``: settle by it and give the answer `serve` would give (a
-        `Refusal`), or ``None`` to let ``e`` propagate. Nothing is left to `finish`."""
+        `Refusal`), or ``None`` to let ``e`` propagate (always, for a `BaseException` that is
+        not an `Exception`: the thread is being stopped). Nothing is left to `finish`."""
         self._leave()
         self._done = True
         flight = self.flight
+        if not isinstance(e, Exception):
+            self._release(type(e))
+            return None
         deadline = flight.deadline
         if deadline is not None and _now() > deadline.at:
             flight.expired = True
         self._release(TimeoutError if flight.expired else type(e))
         if flight.expired and not flight.response_started:
             flight.answered = True
-            self.policy.overran(flight)
+            self.policy.overran(flight, on_thread=True)
             return self.policy.refusal(Reason.DEADLINE_EXPIRED)
         return self.policy.answer_raised(e, flight, None)  # type: ignore[arg-type, return-value]
 
@@ -170,10 +174,13 @@ class Held:
         if permit is None:
             return
         try:
-            if raised is None:
-                self.policy.settle(permit, self.flight, self._marks)
-            else:
+            if raised is not None:
                 permit.settle_raised(raised)
+            elif self.flight.expired:  # `settle`'s first rule, told it ran on a thread
+                permit.settle_raised(TimeoutError)
+                self.policy.overran(self.flight, on_thread=True)
+            else:
+                self.policy.settle(permit, self.flight, self._marks)
         finally:
             if cm is not None:
                 cm.__exit__(None, None, None)
@@ -189,7 +196,7 @@ class Held:
         if self.permit is not None:
             self._release(None)
         elif flight.expired:
-            self.policy.overran(flight)
+            self.policy.overran(flight, on_thread=True)
         elif flight.reports:
             finished(self.policy, flight)
 
@@ -290,7 +297,7 @@ def serve_blocking(
         return held
     try:
         result = call()
-    except Exception as e:
+    except BaseException as e:  # settled whatever it is; only an Exception is answered
         answer = held.raised(e)
         if answer is None:
             raise

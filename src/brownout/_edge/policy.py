@@ -911,10 +911,11 @@ class EdgePolicy:
         if flight.answer_now(self.refusal(Reason.DEADLINE_EXPIRED)):
             flight.answered = True
 
-    def overran(self, flight: Flight) -> None:
+    def overran(self, flight: Flight, *, on_thread: bool = False) -> None:
         """The handler ended (answered or raised) after its deadline's cancellation: count
         `HandlerOverran` and log it. Its slot was held until now; its answer is discarded
-        when the edge answered at the deadline (``flight.answered``)."""
+        when the edge answered for it (``flight.answered``): at the deadline on a loop, when
+        it returned on a thread (``on_thread``: a thread is never cancelled)."""
         task = flight.task
         if task is not None and task.cancelling():
             task.uncancel()  # the deadline's cancellation, swallowed: not the server's
@@ -933,13 +934,25 @@ class EdgePolicy:
                             t, self.name, cls.operation, cls.priority, cls.caller, "running", 0.0
                         )
                     )
+            if on_thread:
+                how = "a thread is not cancelled; " + (
+                    "answered 504 for it when it returned"
+                    if flight.answered
+                    else "its own answer had started"
+                )
+            else:
+                how = "ignoring its cancellation; " + (
+                    "answered for it at the deadline"
+                    if flight.answered
+                    else "the handler's own answer stood"
+                )
             _log.warning(
-                "%s: the handler of %s ran %.3f s past its deadline, ignoring its cancellation "
-                "(answered %s at the deadline; its slot was held until it returned)",
+                "%s: the handler of %s ran %.3f s past its deadline (%s; its slot was held "
+                "until it returned)",
                 self.name,
                 cls.operation,
                 over,
-                "for it" if flight.answered else "by the handler",
+                how,
             )
 
     def settle_fallback(self, permit: SettlesWork, flight: Flight) -> None:

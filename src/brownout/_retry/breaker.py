@@ -19,7 +19,9 @@ from being a synchronized wave.
 
 Hot path (closed): ``acquire`` reads the state; ``release`` updates O(1) counters under a
 lock, so threads calling through one blocking `Dependency` share a breaker (a half-open one
-lets exactly ``half_open_probes`` through). Events are emitted after the lock is let go.
+lets exactly ``half_open_probes`` through). A fast success into a count window full of fast
+successes changes nothing and takes no lock: the healthy case costs no more than on one
+event loop. Events are emitted after the lock is let go.
 """
 
 from __future__ import annotations
@@ -102,9 +104,11 @@ class _CountWindow:
         return self.totals
 
     def clear(self) -> None:
-        self._ring = [0] * len(self._ring)
+        # In place: the breaker's lock-free success path holds ``totals`` itself.
+        ring = self._ring
+        ring[:] = [0] * len(ring)
         self._i = 0
-        self.totals = [0, 0, 0]
+        self.totals[:] = (0, 0, 0)
 
 
 class _TimeWindow:
@@ -149,12 +153,14 @@ class CircuitBreaker:
 
     __slots__ = (
         "_clock",
+        "_counts",
         "_events",
         "_generation",
         "_lock",
         "_opened_until",
         "_probe_successes",
         "_probes_in_flight",
+        "_quiet",
         "_window",
         "failure_rate",
         "fallback",
@@ -225,8 +231,15 @@ class CircuitBreaker:
         self.rng = rng or random.Random()
         self._clock = clock or default_clock()
         self._events = events
+        # A count window's totals when it holds nothing but fast successes (``None``: a time
+        # window, whose successes always count): the lock-free case of `release`.
+        self._quiet: list[int] | None = None
+        self._counts: list[int] | None = None
         if window_type == "count":
-            self._window: _CountWindow | _TimeWindow = _CountWindow(window)
+            ring = _CountWindow(window)
+            self._window: _CountWindow | _TimeWindow = ring
+            self._quiet = [window, 0, 0]
+            self._counts = ring.totals
             # A ring of ``window`` outcomes never holds more: a larger minimum would never be
             # reached and the breaker would never open (Resilience4j caps it the same way).
             self.minimum_calls = min(self.minimum_calls, window)
@@ -272,10 +285,26 @@ class CircuitBreaker:
 
     def release(self, token: int, *, failed: bool | None, duration: float = 0.0) -> None:
         """Report the outcome of an acquired call (``failed=None``: ignore it, free its slot)."""
-        if token != self._generation or (failed is None and self.state is BreakerState.CLOSED):
-            return  # the breaker moved on since this call started, or nothing to record
-        with self._lock:
+        if token != self._generation:
+            return  # the breaker moved on since this call started
+        if self.state is BreakerState.CLOSED:
+            if failed is None:
+                return  # nothing to record
+            if (
+                not failed
+                and self._quiet is not None
+                and self._quiet == self._counts
+                and (self.slow_call_duration is None or duration < self.slow_call_duration)
+            ):
+                # A full ring of fast successes stays one after another: nothing to change,
+                # so no lock (read mid-update, the success counts as before that update).
+                return
+        lock = self._lock
+        lock.acquire()
+        try:
             changed = self._settle(token, failed, duration)
+        finally:
+            lock.release()
         if changed is not None:
             self._emit(changed)
 

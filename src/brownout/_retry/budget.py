@@ -130,8 +130,13 @@ class RetryBudget:
 
     def record_request(self) -> None:
         if self._deposit:
-            with self._lock:
+            # acquire/release, not ``with``: half the price, on every call's success path.
+            lock = self._lock
+            lock.acquire()
+            try:
                 self._counters.add(0, self._deposit)
+            finally:
+                lock.release()
 
     def record_success(self) -> None:
         pass

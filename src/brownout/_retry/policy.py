@@ -318,8 +318,11 @@ class RetryPolicy:
         with its own guards. ``reserve`` overrides the policy's, ``min_attempt_time`` floors
         the attempt-time estimate, ``slots`` overrides the policy's concurrent-retry cap.
         """
-        key = self._call_key(idempotent, idempotency_key)
-        started = self._clock.now()
+        key = idempotency_key
+        if key is None and not idempotent:
+            key = self._call_key()
+        clock = self._clock
+        started = clock.now()
         try:
             result = await attempt_fn(1, key)
         except Exception as error:
@@ -333,7 +336,11 @@ class RetryPolicy:
                 slots if slots is not None else self.slots,
             )
             return await self._retry(attempt_fn, error, state)
-        self._succeeded(started)
+        # `_succeeded`, inline: the common case, kept free of extra frames.
+        budget = self.budget
+        budget.record_request()
+        self._observe(clock.now() - started)
+        budget.record_success()
         return result
 
     def execute_blocking(
@@ -350,8 +357,11 @@ class RetryPolicy:
         """`execute` for a blocking ``attempt_fn``, on the calling thread: the same decisions,
         the backoff slept with ``time.sleep`` (or the clock's own ``sleep``: a `ManualClock`
         moves on instead of waiting). Safe to call from many threads at once."""
-        key = self._call_key(idempotent, idempotency_key)
-        started = self._clock.now()
+        key = idempotency_key
+        if key is None and not idempotent:
+            key = self._call_key()
+        clock = self._clock
+        started = clock.now()
         try:
             result = attempt_fn(1, key)
         except Exception as error:
@@ -365,7 +375,11 @@ class RetryPolicy:
                 slots if slots is not None else self.slots,
             )
             return self._retry_blocking(attempt_fn, error, state)
-        self._succeeded(started)
+        # `_succeeded`, inline: the common case, kept free of extra frames.
+        budget = self.budget
+        budget.record_request()
+        self._observe(clock.now() - started)
+        budget.record_success()
         return result
 
     async def _retry(self, attempt_fn: AttemptFn[T], error: Exception, state: _Retrying) -> T:
@@ -415,14 +429,13 @@ class RetryPolicy:
 
     # -- the decisions both loops share ---------------------------------------------------
 
-    def _call_key(self, idempotent: bool, key: str | None) -> str | None:
-        """The idempotency key every attempt of this call carries."""
-        if key is None and not idempotent:
-            # The request's key (the edge's, I1), so a retried request repeats its effects'
-            # keys downstream; a fresh one per logical call otherwise.
-            key = current().idempotency_key
-            if key is None and self.idempotency_keys:
-                key = new_idempotency_key()
+    def _call_key(self) -> str | None:
+        """The idempotency key every attempt of a mutation without one of its own carries:
+        the request's (the edge's, I1), so a retried request repeats its effects' keys
+        downstream; a fresh one per logical call otherwise."""
+        key = current().idempotency_key
+        if key is None and self.idempotency_keys:
+            key = new_idempotency_key()
         return key
 
     def _succeeded(self, started: float, *, original: bool = True) -> None:

@@ -91,7 +91,16 @@ class _Answer:
     """The app's ``start_response``, held until the edge has decided whether the app's answer
     stands (it may be replaced by a 504 when the handler returned after its deadline)."""
 
-    __slots__ = ("deferring", "exc_info", "flight", "forwarded", "headers", "held", "status")
+    __slots__ = (
+        "deferring",
+        "exc_info",
+        "flight",
+        "forwarded",
+        "headers",
+        "held",
+        "sent",
+        "status",
+    )
 
     def __init__(self, flight: Flight, start_response: StartResponse) -> None:
         self.flight = flight
@@ -101,6 +110,7 @@ class _Answer:
         self.headers: list[tuple[str, str]] = []
         self.exc_info: ExcInfo | None = None
         self.held: Held | None = None
+        self.sent: Callable[[bytes], object] | None = None  # the server's write, once sent
 
     def start_response(
         self, status: str, headers: list[tuple[str, str]], exc_info: ExcInfo | None = None
@@ -112,6 +122,7 @@ class _Answer:
             self.flight.status = 500  # (the server will refuse it too)
         if self.deferring:
             return self.write
+        self.sent = None  # called again (with exc_info): the server decides
         return self.forward()
 
     def write(self, data: bytes) -> object:
@@ -120,6 +131,8 @@ class _Answer:
 
     def forward(self) -> Callable[[bytes], object]:
         """Send the held head to the server (once): from now on the answer stands."""
+        if self.sent is not None:  # already sent by write(): a second head is an error
+            return self.sent
         self.deferring = False
         self.flight.response_started = True
         headers = self.headers
@@ -130,8 +143,10 @@ class _Answer:
             if names:
                 headers = [*headers, (DEGRADED_HEADER, ", ".join(names))]
         if self.exc_info is not None:
-            return self.forwarded(self.status, headers, self.exc_info)
-        return self.forwarded(self.status, headers)
+            self.sent = self.forwarded(self.status, headers, self.exc_info)
+        else:
+            self.sent = self.forwarded(self.status, headers)
+        return self.sent
 
 
 class _Body:
@@ -219,7 +234,7 @@ class BrownoutMiddleware:
         answer.held = held
         try:
             body = self.app(environ, answer.start_response)
-        except Exception as e:
+        except BaseException as e:  # settled whatever it is; only an Exception is answered
             refusal = held.raised(e)
             if refusal is None or flight.response_started:
                 raise

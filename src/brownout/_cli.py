@@ -260,7 +260,7 @@ def lab_main(argv: list[str]) -> int:
         tasks: dict[tuple[str, str], TaskID] = {}
         for c in configs:
             for s in scenarios:
-                if s.runs_on(c.name):  # the runner skips the others
+                if c.runs(s):  # the runner skips the others
                     tasks[(c.name, s.name)] = progress.add_task(f"{c.title}: {s.title}", total=None)
 
         def on_progress(config: str, scenario: str, done: float, total: float) -> None:

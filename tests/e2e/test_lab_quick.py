@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from brownout._lab.runner import CONFIGURATIONS
+from brownout._lab.scenarios import SCENARIOS
 from brownout._lab.verdict import evaluate
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -55,10 +57,14 @@ def test_quick_lab_produces_a_consistent_report(tmp_path: Path) -> None:
     capacity = lab["calibration"]["capacity"]
     assert 50 < capacity < 2000, lab["calibration"]  # the demo's dependency: ~200/s
     configs = {c["name"] for c in lab["configurations"]}
-    assert configs == {"unprotected", "uvicorn-limit", "brownout-fixed", "brownout-adaptive"}
+    assert configs == set(CONFIGURATIONS)
     assert {(r["configuration"], r["scenario"]) for r in lab["runs"]} == {
-        (c, s) for c in configs for s in ("ramp", "priority")
+        (c.name, s)
+        for c in CONFIGURATIONS.values()
+        for s in ("ramp", "priority")
+        if c.runs(SCENARIOS[s])
     }
+    assert {"sync-unprotected", "sync-brownout"} <= configs  # the Flask front under gunicorn
     for run in lab["runs"]:
         assert run["unresolved"] == 0, run["configuration"]
         for step in run["steps"]:
@@ -81,7 +87,7 @@ def test_quick_lab_produces_a_consistent_report(tmp_path: Path) -> None:
             assert isinstance(step["host_bound"], list)
     # The plateau (T1): brownout's goodput at the highest step of the ramp, from the JSON.
     floor = 0.9 * capacity
-    for config in ("brownout-fixed", "brownout-adaptive"):
+    for config in ("brownout-fixed", "brownout-adaptive", "sync-brownout"):
         ramp = next(
             r for r in lab["runs"] if (r["configuration"], r["scenario"]) == (config, "ramp")
         )
@@ -115,7 +121,7 @@ def test_quick_lab_produces_a_consistent_report(tmp_path: Path) -> None:
         )
 
     # brownout names its reasons and keeps connections open (S2); uvicorn's guard closes them
-    for config in ("brownout-fixed", "brownout-adaptive"):
+    for config in ("brownout-fixed", "brownout-adaptive", "sync-brownout"):
         reasons = ramp_step(config, 10.0)["steady"]["shed_reasons"]  # type: ignore[index]
         assert reasons and all(not r.startswith("http_") for r in reasons), reasons
     churn = ramp_step("uvicorn-limit", 10.0)["connections_opened"]

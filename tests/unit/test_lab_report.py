@@ -475,3 +475,30 @@ def test_the_verdict_line_tells_host_bound_checks_from_failures() -> None:
     out = console.export_text()
     assert out.count("1 check(s) passed on a host-bound step") == 2
     assert out.count("1 invariant check(s) failed") == 1
+
+
+def test_the_sync_front_is_judged_like_the_async_ones() -> None:
+    # Flask under gunicorn gets every ramp invariant, 10x included; its unprotected twin none.
+    lab = make_lab()
+    lab["configurations"] = [
+        asdict(CONFIGURATIONS["sync-unprotected"]),
+        asdict(CONFIGURATIONS["sync-brownout"]),
+    ]
+    lab["runs"] = [r for r in lab["runs"] if r["scenario"] == "ramp"]
+    names = {"unprotected": "sync-unprotected", "brownout-adaptive": "sync-brownout"}
+    for run in lab["runs"]:
+        run["configuration"] = names[run["configuration"]]
+    checks = evaluate(lab)
+    assert checks and all(c["passed"] for c in checks), [c for c in checks if not c["passed"]]
+    assert {c["configuration"] for c in checks} == {"sync-brownout"}
+    assert {c["step"] for c in checks if "of capacity" in c["check"]} == {"2x", "4x", "10x"}
+    top = next(
+        s
+        for r in lab["runs"]
+        if r["configuration"] == "sync-brownout"
+        for s in r["steps"]
+        if s["load"] == 10.0
+    )
+    top["steady"]["goodput_per_s"] = 100.0
+    failed = [c for c in evaluate(lab) if not c["passed"]]
+    assert [(c["step"], c["check"]) for c in failed] == [("10x", "goodput >= 90% of capacity")]

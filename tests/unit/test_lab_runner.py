@@ -87,6 +87,19 @@ def test_scenarios_are_data_that_can_be_registered() -> None:
 @pytest.mark.parametrize("name", list(CONFIGURATIONS))
 def test_configurations_differ_only_in_protection(name: str) -> None:
     c = CONFIGURATIONS[name]
-    assert c.brownout == name.startswith("brownout-")
+    assert c.brownout == ("brownout" in name)
     assert (c.limit_concurrency is not None) == (name == "uvicorn-limit")
     assert c.mode in ("unprotected", "fixed", "adaptive")
+    assert c.sync == name.startswith("sync-")
+    assert c.mode != "adaptive" or not c.sync  # the sync front's protection is the fixed one
+
+
+def test_the_sync_configurations_run_the_ramp_and_brownout_also_the_flood() -> None:
+    ran = {
+        (c.name, s.name) for c in CONFIGURATIONS.values() for s in SCENARIOS.values() if c.runs(s)
+    }
+    assert {s for c, s in ran if c == "sync-unprotected"} == {"ramp"}
+    assert {s for c, s in ran if c == "sync-brownout"} == {"ramp", "health"}
+    # the async configurations keep every scenario they ran before
+    assert {s for c, s in ran if c == "unprotected"} == set(SCENARIOS) - {"cpu-starved"}
+    assert {s for c, s in ran if c == "brownout-adaptive"} == set(SCENARIOS)

@@ -19,7 +19,9 @@
   ``recommendations`` is on (entered when the dependency gets slow, or by ``--drill``).
 
 Run one with ``python -m brownout._lab.demo backend|front ...``: it binds 127.0.0.1 on an
-ephemeral port, prints ``PORT <n>`` and serves with uvicorn until terminated.
+ephemeral port, prints ``PORT <n>`` and serves with uvicorn until terminated. ``sync-front``
+serves the same front's ramp endpoints as a Flask app under gunicorn instead
+(`brownout._lab.sync_front`).
 """
 
 from __future__ import annotations
@@ -432,7 +434,7 @@ def _exit_with_parent(parent: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m brownout._lab.demo backend|front [options]``: serve one demo process."""
     parser = argparse.ArgumentParser(prog="python -m brownout._lab.demo")
-    parser.add_argument("role", choices=("backend", "front"))
+    parser.add_argument("role", choices=("backend", "front", "sync-front"))
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--latency", type=float, default=0.040)
     parser.add_argument("--backend-url", default="")
@@ -452,11 +454,17 @@ def main(argv: list[str] | None = None) -> int:
     # than a stock soft limit of 1,024, and the front would refuse connections (EMFILE).
     fit_fd_limit(_SERVER_CONNECTIONS)
 
-    import uvicorn
-
     from .process import pin_to
 
     pin_to([int(c) for c in args.cpus.split(",") if c])
+    if args.role == "sync-front":
+        from .sync_front import serve
+
+        serve(sock, args.backend_url, args.mode)  # gunicorn's worker inherits the pinning
+        return 0
+
+    import uvicorn
+
     if args.role == "backend":
         app: Any = Backend(args.concurrency, args.latency)
         lifespan: Literal["on", "off"] = "off"

@@ -10,7 +10,11 @@ it is what a user adds to their own Starlette or FastAPI app:
   (`PriorityCoDelQueue`: as long as the current limit, CoDel per priority class, so batch
   absorbs the shedding): no number tuned for this demo.
 
-Both: the caller's budget header is honoured (an internal caller), the route decides the
+The sync front (`brownout._lab.sync_front`, Flask under gunicorn) gets the same protection
+through `protect_wsgi`: brownout's WSGI middleware and a `ThreadBulkhead` with the same limit
+and queue.
+
+All: the caller's budget header is honoured (an internal caller), the route decides the
 priority (interactive is ``CRITICAL``, batch ``SHEDDABLE``), and ``/healthz`` bypasses
 admission.
 
@@ -29,7 +33,7 @@ dependency; the edge announces it in the ``brownout-degraded`` header (G2, G3).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from brownout import (
     Bulkhead,
@@ -44,6 +48,7 @@ from brownout import (
     RetryBudget,
     RetryPolicy,
     Route,
+    ThreadBulkhead,
     Trust,
 )
 from brownout.integrations.asgi import BrownoutMiddleware
@@ -59,6 +64,7 @@ __all__ = [
     "outbound_dependency",
     "outbound_session",
     "protect",
+    "protect_wsgi",
 ]
 
 FIXED_LIMIT = 10
@@ -135,22 +141,21 @@ def degraded_modes(dependency_slow: Callable[[], bool]) -> DegradedModes:
     )
 
 
-def protect(app: Any, mode: str, *, degraded: DegradedModes | None = None) -> Bulkhead:
-    """Add brownout's ASGI middleware to the Starlette ``app`` (``fixed`` or ``adaptive``).
-
-    Returns the bulkhead, so the demo can show its limit and queue at ``/lab/bulkhead``.
-    """
+def _bulkhead(mode: str, kind: type[Bulkhead] = Bulkhead) -> Bulkhead:
+    """The front's bulkhead in ``mode`` (``fixed`` or ``adaptive``), of class ``kind``."""
     if mode == "fixed":
-        bulkhead = Bulkhead(
+        return kind(
             "front",
             limit=FixedLimit(FIXED_LIMIT),
             queue=FifoQueue(max_size=FIXED_LIMIT, max_wait=0.1),
         )
-    elif mode == "adaptive":
-        bulkhead = Bulkhead("front", limit=Gradient2Limit())
-    else:
-        raise ValueError(f"unknown protection mode {mode!r}")
-    policy = EdgePolicy(
+    if mode == "adaptive":
+        return kind("front", limit=Gradient2Limit())
+    raise ValueError(f"unknown protection mode {mode!r}")
+
+
+def _policy(bulkhead: Bulkhead, degraded: DegradedModes | None = None) -> EdgePolicy:
+    return EdgePolicy(
         bulkhead=bulkhead,
         deadline=InboundDeadlinePolicy(default=1.0, maximum=10.0),
         trust=Trust.TRUSTED,
@@ -163,5 +168,23 @@ def protect(app: Any, mode: str, *, degraded: DegradedModes | None = None) -> Bu
         },
         degraded=degraded,
     )
-    app.add_middleware(BrownoutMiddleware, policy=policy)
+
+
+def protect(app: Any, mode: str, *, degraded: DegradedModes | None = None) -> Bulkhead:
+    """Add brownout's ASGI middleware to the Starlette ``app`` (``fixed`` or ``adaptive``).
+
+    Returns the bulkhead, so the demo can show its limit and queue at ``/lab/bulkhead``.
+    """
+    bulkhead = _bulkhead(mode)
+    app.add_middleware(BrownoutMiddleware, policy=_policy(bulkhead, degraded))
     return bulkhead
+
+
+def protect_wsgi(app: Any, mode: str) -> ThreadBulkhead:
+    """The same protection for the sync front's Flask ``app``: brownout's WSGI middleware
+    (Flask's rules as routes) and a `ThreadBulkhead` with the same limit and queue."""
+    from brownout.integrations.flask import protect as protect_flask
+
+    bulkhead = _bulkhead(mode, ThreadBulkhead)
+    protect_flask(app, _policy(bulkhead))
+    return cast(ThreadBulkhead, bulkhead)

@@ -635,6 +635,14 @@ scenario:
 The only difference between unprotected and protected is `brownout._lab.protect`: a
 `Bulkhead` in an `EdgePolicy` given to `BrownoutMiddleware`, public API only.
 
+**The sync front** (`sync-unprotected` on the ramp, `sync-brownout` on the ramp and the health
+flood): the same endpoints as a Flask app under gunicorn (one gthread worker of 32 threads)
+calling the dependency through a pooled `requests` session, unprotected as a sync service
+ships today; protected, `brownout._lab.protect.protect_wsgi`: brownout's Flask middleware and
+a `ThreadBulkhead` with the fixed configuration's limit and queue, passing the remaining
+budget to the dependency. Its table: [the lab's sync
+configuration](wsgi.md#the-labs-sync-configuration).
+
 **The load generator** is open loop (arrivals on a schedule that never waits for responses),
 runs in its own process on raw uvloop transports with HTTP/1.1 keep-alive, measures latency
 from each request's *scheduled* time (no coordinated omission), abandons a request at its

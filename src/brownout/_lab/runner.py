@@ -43,6 +43,8 @@ __all__ = [
 
 HEALTH = "health"
 """The traffic class of health checks, reported apart from the work."""
+SYNC_SCENARIOS = ("ramp",)
+"""What the sync configurations run: the plateau (brownout's also the health flood)."""
 UVICORN_LIMIT = 2 * FIXED_LIMIT
 """``--limit-concurrency`` for the uvicorn configuration (counts connections, not requests)."""
 
@@ -57,6 +59,15 @@ class Configuration:
     limit_concurrency: int | None = None
     brownout: bool = False
     """True when brownout protects it: the lab's pass/fail invariants apply."""
+    sync: bool = False
+    """The front is the Flask app under gunicorn gthread (`brownout._lab.sync_front`)."""
+    scenarios: tuple[str, ...] | None = None
+    """The scenarios it runs (None: every one asked for)."""
+
+    def runs(self, scenario: Scenario) -> bool:
+        """True when ``scenario`` is measured on this configuration (both must agree)."""
+        mine = self.scenarios is None or scenario.name in self.scenarios
+        return mine and scenario.runs_on(self.name)
 
 
 CONFIGURATIONS: dict[str, Configuration] = {
@@ -71,6 +82,22 @@ CONFIGURATIONS: dict[str, Configuration] = {
         ),
         Configuration("brownout-fixed", f"brownout FixedLimit({FIXED_LIMIT})", "fixed", None, True),
         Configuration("brownout-adaptive", "brownout Gradient2Limit()", "adaptive", None, True),
+        # The sync front costs more CPU per request: the ramp and the flood are its figure.
+        Configuration(
+            "sync-unprotected",
+            "Flask + gunicorn, unprotected",
+            "unprotected",
+            sync=True,
+            scenarios=SYNC_SCENARIOS,
+        ),
+        Configuration(
+            "sync-brownout",
+            f"Flask + gunicorn, brownout FixedLimit({FIXED_LIMIT})",
+            "fixed",
+            brownout=True,
+            sync=True,
+            scenarios=(*SYNC_SCENARIOS, "health"),
+        ),
     )
 }
 
@@ -348,9 +375,10 @@ def _measure(bench: _Bench, config: Configuration, scenario: Scenario) -> dict[s
                     backend_cpus=bench.backend_cpus,
                     front_cpus=bench.front_cpus,
                     drill=settings.drill,
+                    sync=config.sync,
                 )
             )
-            watch = [("front", demo.front.proc.pid), ("dependency", demo.backend.proc.pid)]
+            watch = [("front", demo.front.serving_pid), ("dependency", demo.backend.proc.pid)]
             on_front_core = ["front"]
             if bench.backend_cpus == bench.front_cpus:
                 on_front_core.append("dependency")
@@ -391,7 +419,8 @@ def run_lab(
     A scenario with a host-bound step (the generator late, or a process saturated: see
     `brownout._lab.hostcpu`) is measured once more, up to ``settings.reruns`` times per lab
     run; the attempt with fewer host-bound steps is kept and ``attempts`` says how many were
-    made. A scenario limited to some configurations (`Scenario.runs_on`) skips the others.
+    made. A scenario limited to some configurations (`Scenario.runs_on`) skips the others, and
+    a configuration limited to some scenarios (`Configuration.scenarios`) those it does not run.
     """
     gen_cpus, front_cpus, backend_cpus = cpu_layout()
     stage = on_stage or (lambda _msg: None)
@@ -431,7 +460,7 @@ def run_lab(
         )
         for config in configurations:
             for scenario in scenarios:
-                if not scenario.runs_on(config.name):
+                if not config.runs(scenario):
                     stage(f"{config.title}: {scenario.title}: not run on this configuration")
                     continue
                 stage(f"{config.title}: {scenario.title}")

@@ -1,9 +1,11 @@
-"""Start and stop the demo's server processes (real uvicorn, each in its own process)."""
+"""Start and stop the demo's server processes (real uvicorn or gunicorn, each in its own
+process)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,12 +30,23 @@ class ServerProcess:
     role: str
     port: int
     proc: subprocess.Popen[bytes]
+    worker_pid: int | None = None
+    """gunicorn's worker, forked by ``proc`` (its master): the process that serves."""
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def serving_pid(self) -> int:
+        """The process whose CPU is the server's: the worker under gunicorn."""
+        return self.worker_pid if self.worker_pid is not None else self.proc.pid
+
     def stop(self) -> None:
+        if self.worker_pid is not None:
+            # Killed with its master, a worker would serve on until it noticed, up to a second.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.worker_pid, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.kill()  # a demo server has nothing to flush; a graceful stop only costs time
             self.proc.wait(5)
@@ -57,7 +70,15 @@ def spawn_server(args: list[str]) -> ServerProcess:
         proc.kill()
         proc.wait()
         raise RuntimeError(f"demo server {args[0]} failed to start (said {line!r})")
-    return ServerProcess(args[0], int(line.split()[1]), proc)
+    server = ServerProcess(args[0], int(line.split()[1]), proc)
+    if args[0] == "sync-front":
+        # gunicorn's worker says its pid once forked (the app is built there).
+        worker = proc.stdout.readline().decode().strip()
+        if not worker.startswith("WORKER "):
+            server.stop()
+            raise RuntimeError(f"demo server {args[0]} started no worker (said {worker!r})")
+        server.worker_pid = int(worker.split()[1])
+    return server
 
 
 def wait_ready(server: ServerProcess, ready_path: str, timeout: float = 20.0) -> None:
@@ -105,11 +126,13 @@ def start_demo(
     backend_cpus: list[int] | None = None,
     front_cpus: list[int] | None = None,
     drill: str | None = None,
+    sync: bool = False,
 ) -> Iterator[DemoSystem]:
     """A fresh backend + front in ``mode``; both stopped on exit. ``concurrency`` and
     ``latency`` shape the dependency (the lab passes `LabSettings`' ``backend_*``).
 
     ``drill`` forces that declared degraded mode on in the front (protected modes only).
+    ``sync``: the front is the Flask one under gunicorn (`brownout._lab.sync_front`).
     """
 
     def cpus(c: list[int] | None) -> list[str]:
@@ -131,7 +154,15 @@ def start_demo(
         if drill is not None and mode != "unprotected":
             extra += ["--drill", drill]
         front = spawn_server(
-            ["front", "--backend-url", backend.url, "--mode", mode, *extra, *cpus(front_cpus)]
+            [
+                "sync-front" if sync else "front",
+                "--backend-url",
+                backend.url,
+                "--mode",
+                mode,
+                *extra,
+                *cpus(front_cpus),
+            ]
         )
         wait_ready(backend, "/admin/stats")
         wait_ready(front, "/healthz")

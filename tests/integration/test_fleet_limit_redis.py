@@ -31,7 +31,7 @@ from brownout import (
     RedisLeaseStore,
     Rejected,
 )
-from brownout.events import Event, EventHub, QuotaBackendChanged, RequestShed
+from brownout.events import Event, EventHub, FleetStoreChanged, RequestShed
 
 redis_asyncio = pytest.importorskip("redis.asyncio")
 
@@ -210,7 +210,7 @@ async def test_fail_closed_refuses_while_redis_is_unreachable() -> None:
     assert time.monotonic() - started < 2.0
     assert fleet.fallback_active and fleet.closed_refusals == 5
     assert fleet.store.calls == 1  # type: ignore[attr-defined]  # the rest wait for the probe
-    changes = [e for e in sink.events if isinstance(e, QuotaBackendChanged)]
+    changes = [e for e in sink.events if isinstance(e, FleetStoreChanged)]
     assert [e.fallback for e in changes] == [True]
     shed = [e.reason for e in sink.events if isinstance(e, RequestShed)]
     assert shed == [Reason.DEPENDENCY_UNAVAILABLE] * 5

@@ -27,6 +27,7 @@ from tests import services
 from brownout import (
     FleetLimit,
     LeaseExpired,
+    LeaseUnfenced,
     Reason,
     RedisLeaseStore,
     Rejected,
@@ -223,6 +224,12 @@ async def test_fail_open_admits_this_instances_share_while_redis_is_unreachable(
     assert fleet.local_limit == 2
     held = [await fleet.acquire().__aenter__() for _ in range(2)]
     assert all(lease.token is None for lease in held)  # nothing to fence with
+    for lease in held:
+        lease.check()  # a local lease has no expiry: it may act while held
+        assert lease.valid and lease.remaining == float("inf")
+        await lease.renew()  # nothing to renew
+        with pytest.raises(LeaseUnfenced, match="no fencing token"):
+            lease.check(fenced=True)  # an action that needs a token must not run
     with pytest.raises(Rejected) as refused:
         await fleet.acquire().__aenter__()
     assert refused.value.reason is Reason.OVERLOADED

@@ -190,10 +190,11 @@ class BlockingRedisLeaseStore:
     """`RedisLeaseStore` for threads: the same scripts and keys, with a blocking ``redis.Redis``.
 
     A blocking client cannot be interrupted, so its own socket timeouts bound each call: the
-    client must be built with ``socket_timeout`` (and may set ``socket_connect_timeout``) such
-    that every attempt it makes (``retry``'s retries plus one) fits in ``timeout``, else
-    `ValueError`. For the same reason a call is not cut shorter than that by the request's
-    deadline. Failures raise `LeaseStoreUnavailable`.
+    client must be built with ``socket_timeout`` and ``socket_connect_timeout`` such that
+    every attempt it makes (``retry``'s retries plus one) fits in ``timeout``, else
+    `ValueError`: ``redis.Redis(socket_timeout=0.05, socket_connect_timeout=0.05,
+    retry=Retry(NoBackoff(), 0))``. For the same reason a call is not cut shorter than that
+    by the request's deadline. Failures raise `LeaseStoreUnavailable`.
     """
 
     __slots__ = (
@@ -233,8 +234,8 @@ class BlockingRedisLeaseStore:
         if attempts * max(read, connect) > timeout:
             raise ValueError(
                 f"the redis client may wait {attempts} x {max(read, connect)} s per call, over "
-                f"timeout={timeout}: lower its socket timeouts, or build it with "
-                "retry=Retry(NoBackoff(), 0)"
+                f"timeout={timeout}: build it with socket_timeout= and socket_connect_timeout= "
+                "at most the timeout, and retry=Retry(NoBackoff(), 0)"
             )
         self._client = client
         self._no_script: type[Exception] = NoScriptError

@@ -47,13 +47,19 @@ from ._errors import (
     UnknownOutcome,
 )
 from ._fleet import (
+    BlockingInMemoryLeaseStore,
+    BlockingLeaseStore,
+    BlockingRedisLeaseStore,
     FleetLease,
     FleetLimit,
     InMemoryLeaseStore,
     LeaseExpired,
     LeaseStore,
     LeaseStoreUnavailable,
+    LeaseUnfenced,
     RedisLeaseStore,
+    ThreadFleetLease,
+    ThreadFleetLimit,
 )
 from ._overload import OverloadLevel, OverloadManager
 from ._priority import Priority
@@ -94,6 +100,9 @@ from ._version import VERSION as __version__
 
 __all__ = [
     "Backoff",
+    "BlockingInMemoryLeaseStore",
+    "BlockingLeaseStore",
+    "BlockingRedisLeaseStore",
     "BreakerState",
     "BrownoutError",
     "BudgetSigner",
@@ -125,6 +134,7 @@ __all__ = [
     "LeaseExpired",
     "LeaseStore",
     "LeaseStoreUnavailable",
+    "LeaseUnfenced",
     "LoopClock",
     "MonotonicClock",
     "OutcomeLedger",
@@ -157,6 +167,8 @@ __all__ = [
     "Stats",
     "StopReason",
     "ThreadBulkhead",
+    "ThreadFleetLease",
+    "ThreadFleetLimit",
     "TransientError",
     "Trust",
     "UnknownOutcome",

@@ -33,6 +33,7 @@ __all__ = [
     "DegradedModeChanged",
     "Event",
     "EventHub",
+    "FleetStoreChanged",
     "GuardFailedClosed",
     "HandlerOverran",
     "IdempotencyDecided",
@@ -310,6 +311,15 @@ class DegradedModeChanged(Event):
 @_event
 class QuotaBackendChanged(Event):
     """A shared quota store became unreachable (``fallback`` active) or came back."""
+
+    fallback: bool
+    detail: str
+
+
+@_event
+class FleetStoreChanged(Event):
+    """A fleet limit's lease store became unavailable (``fallback``: its failure policy
+    decides) or answers again; ``source`` is the limit's name."""
 
     fallback: bool
     detail: str

@@ -27,11 +27,12 @@ from tests import services
 from brownout import (
     FleetLimit,
     LeaseExpired,
+    LeaseUnfenced,
     Reason,
     RedisLeaseStore,
     Rejected,
 )
-from brownout.events import Event, EventHub, QuotaBackendChanged, RequestShed
+from brownout.events import Event, EventHub, FleetStoreChanged, RequestShed
 
 redis_asyncio = pytest.importorskip("redis.asyncio")
 
@@ -210,7 +211,7 @@ async def test_fail_closed_refuses_while_redis_is_unreachable() -> None:
     assert time.monotonic() - started < 2.0
     assert fleet.fallback_active and fleet.closed_refusals == 5
     assert fleet.store.calls == 1  # type: ignore[attr-defined]  # the rest wait for the probe
-    changes = [e for e in sink.events if isinstance(e, QuotaBackendChanged)]
+    changes = [e for e in sink.events if isinstance(e, FleetStoreChanged)]
     assert [e.fallback for e in changes] == [True]
     shed = [e.reason for e in sink.events if isinstance(e, RequestShed)]
     assert shed == [Reason.DEPENDENCY_UNAVAILABLE] * 5
@@ -223,6 +224,12 @@ async def test_fail_open_admits_this_instances_share_while_redis_is_unreachable(
     assert fleet.local_limit == 2
     held = [await fleet.acquire().__aenter__() for _ in range(2)]
     assert all(lease.token is None for lease in held)  # nothing to fence with
+    for lease in held:
+        lease.check()  # a local lease has no expiry: it may act while held
+        assert lease.valid and lease.remaining == float("inf")
+        await lease.renew()  # nothing to renew
+        with pytest.raises(LeaseUnfenced, match="no fencing token"):
+            lease.check(fenced=True)  # an action that needs a token must not run
     with pytest.raises(Rejected) as refused:
         await fleet.acquire().__aenter__()
     assert refused.value.reason is Reason.OVERLOADED

@@ -12,12 +12,14 @@ import pytest
 
 import brownout
 from brownout import (
+    BlockingInMemoryLeaseStore,
     FleetLimit,
     InMemoryLeaseStore,
     LeaseExpired,
     Priority,
     Reason,
     Rejected,
+    ThreadFleetLimit,
 )
 from brownout._admission.protocols import AdmitsWork
 from brownout.events import (
@@ -208,3 +210,93 @@ def test_bad_settings_are_refused(kw: dict[str, object], match: str) -> None:
 def test_needs_exactly_one_store() -> None:
     with pytest.raises(TypeError, match="exactly one"):
         FleetLimit("db", 2)
+
+
+def build_threaded(limit: int = 2, **kw: object) -> tuple[ThreadFleetLimit, ManualClock, ListSink]:
+    clock = ManualClock(START)
+    sink = ListSink()
+    events = EventHub()
+    events.subscribe(sink)
+    fleet = ThreadFleetLimit(
+        "db",
+        limit,
+        store=BlockingInMemoryLeaseStore(clock=clock),
+        lease=5.0,
+        clock=clock,
+        events=events,
+        **kw,  # type: ignore[arg-type]
+    )
+    return fleet, clock, sink
+
+
+def summary(sink: ListSink) -> list[tuple[str, object]]:
+    return [(type(e).__name__, getattr(e, "reason", None)) for e in sink.events]
+
+
+async def test_the_thread_limit_decides_as_the_asyncio_limit_does() -> None:
+    """The same script of acquires, expiry, renewals and priorities: the same answers."""
+    async_fleet, async_clock, async_sink = build(limit=2, reserved=1)
+    thread_fleet, thread_clock, thread_sink = build_threaded(limit=2, reserved=1)
+    answers: dict[str, list[object]] = {"async": [], "thread": []}
+
+    async def run_async() -> None:
+        out = answers["async"]
+        with brownout.request(priority=Priority.SHEDDABLE):
+            a = await async_fleet.acquire().__aenter__()
+            try:
+                await async_fleet.acquire().__aenter__()
+            except Rejected as e:
+                out.append(e.reason)
+        with brownout.request(priority=Priority.CRITICAL):
+            b = await async_fleet.acquire().__aenter__()
+        async_clock.advance(4.0)
+        await b.renew()
+        async_clock.advance(2.0)
+        out.append((a.valid, b.valid, a.token, b.token))
+        async with async_fleet.acquire() as c:
+            out.append(c.token)
+        await b.release()
+
+    def run_thread() -> None:
+        out = answers["thread"]
+        with brownout.request(priority=Priority.SHEDDABLE):
+            a = thread_fleet.acquire().__enter__()
+            try:
+                thread_fleet.acquire().__enter__()
+            except Rejected as e:
+                out.append(e.reason)
+        with brownout.request(priority=Priority.CRITICAL):
+            b = thread_fleet.acquire().__enter__()
+        thread_clock.advance(4.0)
+        b.renew()
+        thread_clock.advance(2.0)
+        out.append((a.valid, b.valid, a.token, b.token))
+        with thread_fleet.acquire() as c:
+            out.append(c.token)
+        b.release()
+
+    await run_async()
+    run_thread()
+    assert answers["async"] == answers["thread"] == [Reason.OVERLOADED, (False, True, 1, 2), 3]
+    assert summary(async_sink) == summary(thread_sink)
+    assert async_fleet.holders == thread_fleet.holders == 1  # the expired lease is still held here
+    assert list(async_fleet.gauges()) == list(thread_fleet.gauges())
+
+
+def test_each_limit_refuses_the_other_kind_of_store() -> None:
+    with pytest.raises(TypeError, match="ThreadFleetLimit"):
+        FleetLimit("db", 2, store=BlockingInMemoryLeaseStore())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="FleetLimit"):
+        ThreadFleetLimit("db", 2, store=InMemoryLeaseStore())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"blocking redis\.Redis"):
+        ThreadFleetLimit("db", 2)
+
+
+def test_a_lease_may_not_act_once_released() -> None:
+    fleet, _, _ = build_threaded(limit=1)
+    with fleet.acquire() as lease:
+        lease.check(fenced=True)  # a stored lease has its token
+    with pytest.raises(LeaseExpired, match="not held"):
+        lease.check()
+    with pytest.raises(RuntimeError, match="entered once"):
+        lease.__enter__()

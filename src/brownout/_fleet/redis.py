@@ -11,7 +11,8 @@ so hosts' clocks do not matter), beside a counter ``<tag>:fence`` that only grow
 - renew: ONE ``EVALSHA`` that extends the lease only while it is unexpired.
 
 A crashed holder's slot comes back when its lease expires: the next acquire purges it.
-``redis`` is imported only when a `RedisLeaseStore` is built.
+`BlockingRedisLeaseStore` sends the same commands with a blocking ``redis.Redis`` client
+(threads). ``redis`` is imported only when a store is built.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 from .._redis_keys import tagged
 from .store import LeaseGrant, LeaseStoreUnavailable
 
-__all__ = ["ACQUIRE_SCRIPT", "RENEW_SCRIPT", "RedisLeaseStore"]
+__all__ = ["ACQUIRE_SCRIPT", "RENEW_SCRIPT", "BlockingRedisLeaseStore", "RedisLeaseStore"]
 
 T = TypeVar("T")
 
@@ -66,6 +67,20 @@ class _AsyncRedis(Protocol):
     def eval(self, script: str, numkeys: int, *keys_and_args: Any) -> Any: ...
 
     def zrem(self, name: str, *values: Any) -> Any: ...
+
+
+def _key_names(prefix: str, name: str) -> tuple[str, str]:
+    tag = tagged(prefix + name)
+    return tag + ":leases", tag + ":fence"
+
+
+def _lease_us(lease: float) -> int:
+    return max(1, round(lease * _US))
+
+
+def _grant(reply: Any) -> LeaseGrant:
+    granted, held, token = (int(x) for x in reply)
+    return LeaseGrant(bool(granted), token if granted else None, held)
 
 
 class RedisLeaseStore:
@@ -111,26 +126,23 @@ class RedisLeaseStore:
 
     def key_names(self, name: str) -> tuple[str, str]:
         """The Redis keys of limit ``name``: its leases (a sorted set) and its fence counter."""
-        tag = tagged(self.prefix + name)
-        return tag + ":leases", tag + ":fence"
+        return _key_names(self.prefix, name)
 
     async def acquire(
         self, name: str, ceiling: int, lease: float, budget: float | None = None
     ) -> LeaseGrant:
-        keys = self.key_names(name)
-        args = (*keys, ceiling, max(1, round(lease * _US)))
+        args = (*self.key_names(name), ceiling, _lease_us(lease))
         reply = await self._bounded(
             budget, lambda: self._script(_ACQUIRE_SHA, ACQUIRE_SCRIPT, 2, args)
         )
-        granted, held, token = (int(x) for x in reply)
-        return LeaseGrant(bool(granted), token if granted else None, held)
+        return _grant(reply)
 
     async def release(self, name: str, token: int, budget: float | None = None) -> None:
         leases = self.key_names(name)[0]
         await self._bounded(budget, lambda: self._client.zrem(leases, str(token)))
 
     async def renew(self, name: str, token: int, lease: float, budget: float | None = None) -> bool:
-        args = (self.key_names(name)[0], str(token), max(1, round(lease * _US)))
+        args = (self.key_names(name)[0], str(token), _lease_us(lease))
         reply = await self._bounded(budget, lambda: self._script(_RENEW_SHA, RENEW_SCRIPT, 1, args))
         return int(reply) == 1
 
@@ -158,3 +170,121 @@ class RedisLeaseStore:
 
     def __repr__(self) -> str:
         return f"RedisLeaseStore(prefix={self.prefix!r}, timeout={self.timeout!r})"
+
+
+class _BlockingRedis(Protocol):
+    """The calls the blocking store needs from a ``redis.Redis`` client."""
+
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Any: ...
+
+    def eval(self, script: str, numkeys: int, *keys_and_args: Any) -> Any: ...
+
+    def zrem(self, name: str, *values: Any) -> Any: ...
+
+    def get_connection_kwargs(self) -> dict[str, Any]: ...
+
+    def get_retry(self) -> Any: ...
+
+
+class BlockingRedisLeaseStore:
+    """`RedisLeaseStore` for threads: the same scripts and keys, with a blocking ``redis.Redis``.
+
+    A blocking client cannot be interrupted, so its own socket timeouts bound each call: the
+    client must be built with ``socket_timeout`` and ``socket_connect_timeout`` such that
+    every attempt it makes (``retry``'s retries plus one) fits in ``timeout``, else
+    `ValueError`: ``redis.Redis(socket_timeout=0.05, socket_connect_timeout=0.05,
+    retry=Retry(NoBackoff(), 0))``. For the same reason a call is not cut shorter than that
+    by the request's deadline. Failures raise `LeaseStoreUnavailable`.
+    """
+
+    __slots__ = (
+        "_client",
+        "_no_script",
+        "_redis_errors",
+        "_redis_timeout",
+        "calls",
+        "prefix",
+        "script_loads",
+        "timeout",
+    )
+
+    shared = True
+
+    def __init__(
+        self, client: _BlockingRedis, *, prefix: str = "bfl:", timeout: float = 0.05
+    ) -> None:
+        if not timeout > 0:
+            raise ValueError("timeout must be > 0")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a string, not {type(prefix).__name__}")
+        # Imported here, not at module import: the core stays standard-library only.
+        from redis.exceptions import NoScriptError, RedisError
+        from redis.exceptions import TimeoutError as RedisTimeout
+
+        settings = client.get_connection_kwargs()
+        read = settings.get("socket_timeout")
+        connect = settings.get("socket_connect_timeout") or read
+        if read is None or connect is None:
+            raise ValueError(
+                "the redis client needs socket_timeout= (seconds): a blocking call to the "
+                "lease store must not wait without bound"
+            )
+        retry = client.get_retry()
+        attempts = 1 + (retry.get_retries() if retry is not None else 0)
+        if attempts * max(read, connect) > timeout:
+            raise ValueError(
+                f"the redis client may wait {attempts} x {max(read, connect)} s per call, over "
+                f"timeout={timeout}: build it with socket_timeout= and socket_connect_timeout= "
+                "at most the timeout, and retry=Retry(NoBackoff(), 0)"
+            )
+        self._client = client
+        self._no_script: type[Exception] = NoScriptError
+        self._redis_timeout: type[Exception] = RedisTimeout
+        self._redis_errors: tuple[type[Exception], ...] = (RedisError, OSError)
+        self.prefix = prefix
+        self.timeout = timeout
+        self.calls = 0
+        self.script_loads = 0
+
+    @property
+    def client(self) -> _BlockingRedis:
+        return self._client
+
+    def key_names(self, name: str) -> tuple[str, str]:
+        """The Redis keys of limit ``name``: its leases (a sorted set) and its fence counter."""
+        return _key_names(self.prefix, name)
+
+    def acquire(
+        self, name: str, ceiling: int, lease: float, budget: float | None = None
+    ) -> LeaseGrant:
+        args = (*self.key_names(name), ceiling, _lease_us(lease))
+        return _grant(self._call(lambda: self._script(_ACQUIRE_SHA, ACQUIRE_SCRIPT, 2, args)))
+
+    def release(self, name: str, token: int, budget: float | None = None) -> None:
+        leases = self.key_names(name)[0]
+        self._call(lambda: self._client.zrem(leases, str(token)))
+
+    def renew(self, name: str, token: int, lease: float, budget: float | None = None) -> bool:
+        args = (self.key_names(name)[0], str(token), _lease_us(lease))
+        return int(self._call(lambda: self._script(_RENEW_SHA, RENEW_SCRIPT, 1, args))) == 1
+
+    def _script(self, sha: str, script: str, numkeys: int, args: tuple[Any, ...]) -> Any:
+        try:
+            return self._client.evalsha(sha, numkeys, *args)
+        except self._no_script:
+            self.script_loads += 1
+            return self._client.eval(script, numkeys, *args)
+
+    def _call(self, call: Callable[[], T]) -> T:
+        self.calls += 1
+        try:
+            return call()
+        except self._redis_timeout as e:
+            raise LeaseStoreUnavailable(
+                f"redis did not answer within {self.timeout * 1000:.0f} ms", timed_out=True
+            ) from e
+        except self._redis_errors as e:
+            raise LeaseStoreUnavailable(f"redis failed: {type(e).__name__}: {e}") from e
+
+    def __repr__(self) -> str:
+        return f"BlockingRedisLeaseStore(prefix={self.prefix!r}, timeout={self.timeout!r})"

@@ -6,7 +6,14 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 from .._errors import BrownoutError
 
-__all__ = ["LeaseExpired", "LeaseGrant", "LeaseStore", "LeaseStoreUnavailable"]
+__all__ = [
+    "BlockingLeaseStore",
+    "LeaseExpired",
+    "LeaseGrant",
+    "LeaseStore",
+    "LeaseStoreUnavailable",
+    "LeaseUnfenced",
+]
 
 
 class LeaseGrant(NamedTuple):
@@ -43,6 +50,22 @@ class LeaseStore(Protocol):
         ...
 
 
+@runtime_checkable
+class BlockingLeaseStore(Protocol):
+    """A `LeaseStore` whose calls block the calling thread (`ThreadFleetLimit` uses it): the
+    same decisions, each call bounded by the store's own ``timeout``."""
+
+    shared: bool
+
+    def acquire(
+        self, name: str, ceiling: int, lease: float, budget: float | None = None
+    ) -> LeaseGrant: ...
+
+    def release(self, name: str, token: int, budget: float | None = None) -> None: ...
+
+    def renew(self, name: str, token: int, lease: float, budget: float | None = None) -> bool: ...
+
+
 class LeaseStoreUnavailable(BrownoutError):
     """A shared lease store did not answer: timed out, unreachable, or answered with an error.
 
@@ -59,3 +82,8 @@ class LeaseStoreUnavailable(BrownoutError):
 class LeaseExpired(BrownoutError):
     """A fleet lease may no longer act: it expired (its slot may be someone else's now), was
     released, or a renewal was refused. Stop before touching the guarded resource."""
+
+
+class LeaseUnfenced(LeaseExpired):
+    """``lease.check(fenced=True)`` on a lease granted while the store was down (fail-open):
+    it has no fencing token, so an action that needs one must not run."""

@@ -24,6 +24,9 @@ GAUGE_KINDS = (
     "degraded_mode_active_seconds",
     "degraded_mode_max_seconds",
     "quota_fallback_active",
+    "fleet_holders",
+    "fleet_store_failures",
+    "fleet_fallback_active",
     "backlog_depth",
     "backlog_oldest_age",
 )

@@ -37,6 +37,7 @@ from ..events import (
     DegradedModeChanged,
     Event,
     EventHub,
+    FleetStoreChanged,
     GuardFailedClosed,
     HandlerOverran,
     IdempotencyDecided,
@@ -192,6 +193,7 @@ class Stats:
         """Declared maximum duration of each degraded mode (seconds), for alerting (G2)."""
         self.degraded_activations: dict[str, int] = {}
         self.quota_fallback: dict[str, bool] = {}
+        self.fleet_fallback: dict[str, bool] = {}
         self.headers_ignored: dict[tuple[str, str], int] = {}
         """Inbound deadline/priority headers ignored, by (header, problem)."""
         self.stale_served: dict[str, int] = {}
@@ -230,6 +232,7 @@ class Stats:
             OverloadLevelChanged: self._overload,
             DegradedModeChanged: self._degraded,
             QuotaBackendChanged: self._quota_backend,
+            FleetStoreChanged: self._fleet_store,
             DeadlineHeaderIgnored: self._header_ignored,
             StaleServed: self._stale_served,
             GuardFailedClosed: self._guard_failed_closed,
@@ -491,6 +494,9 @@ class Stats:
     def _quota_backend(self, e: QuotaBackendChanged) -> None:
         self.quota_fallback[self.sources(e.source)] = e.fallback
 
+    def _fleet_store(self, e: FleetStoreChanged) -> None:
+        self.fleet_fallback[self.sources(e.source)] = e.fallback
+
     def _header_ignored(self, e: DeadlineHeaderIgnored) -> None:
         key = (self.reasons(e.header), self.reasons(e.problem))
         self.headers_ignored[key] = self.headers_ignored.get(key, 0) + 1
@@ -597,6 +603,8 @@ class Stats:
             put("degraded_mode_max_seconds", {"mode": mode}, limit_s)
         for source, fallback in items_of(self.quota_fallback):
             put("quota_fallback_active", {"source": source}, 1.0 if fallback else 0.0)
+        for source, fallback in items_of(self.fleet_fallback):
+            put("fleet_fallback_active", {"source": source}, 1.0 if fallback else 0.0)
 
         # Read from a copy and prune under `_watching`: with two reader threads (a Prometheus
         # server and the OTel reader), replacing the list with the survivors one reader saw
@@ -726,6 +734,7 @@ class Stats:
             "overload_level": self.overload_level,
             "degraded_modes": dict(items_of(self.degraded_modes)),
             "quota_fallback": dict(items_of(self.quota_fallback)),
+            "fleet_fallback": dict(items_of(self.fleet_fallback)),
             "series": self.series_count(),
         }
 

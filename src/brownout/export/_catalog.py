@@ -283,6 +283,27 @@ GAUGES: tuple[GaugeSpec, ...] = (
         "1",
         "1 while a shared quota store is unreachable and the local fallback rules (F1).",
     ),
+    GaugeSpec(
+        "fleet_holders",
+        "brownout_fleet_holders_leases",
+        "brownout.fleet.holders",
+        "{lease}",
+        "Leases the whole fleet holds under a fleet limit, as this instance last saw (B3).",
+    ),
+    GaugeSpec(
+        "fleet_store_failures",
+        "brownout_fleet_store_failures",
+        "brownout.fleet.store_failures",
+        "{call}",
+        "Calls to a fleet limit's lease store that failed or timed out since start (B3).",
+    ),
+    GaugeSpec(
+        "fleet_fallback_active",
+        "brownout_fleet_fallback_active",
+        "brownout.fleet.fallback",
+        "1",
+        "1 while a fleet limit's lease store is unavailable and its failure policy rules (B3).",
+    ),
 )
 
 HISTOGRAMS: tuple[HistogramSpec, ...] = (

@@ -27,7 +27,6 @@ from typing import Any, TypeVar
 from .._admission.bulkhead import Bulkhead
 from .._admission.protocols import AdmitsWorkBlocking
 from .._admission.thread_bulkhead import ThreadBulkhead
-from .._clock import MonotonicClock
 from .._clock import now as _now
 from .._context import (
     NO_REQUEST,
@@ -45,7 +44,6 @@ from .._propagation import ENVOY_TIMEOUT_HEADER, HeaderGetter
 from .express import EXPRESS_HEADERS, Express
 from .flight import Flight
 from .policy import EdgePolicy
-from .protocols import Classification
 from .refusals import Refusal
 from .routes import ResolvedRoute
 
@@ -56,7 +54,6 @@ __all__ = [
     "check_async",
     "check_blocking",
     "claims_nothing",
-    "express_plan",
     "is_blocking",
     "serve_blocking",
 ]
@@ -350,29 +347,6 @@ def begin(
     held.permit = permit
     flight.admitted = True
     return held
-
-
-def express_plan(policy: EdgePolicy, route: ResolvedRoute) -> Express | None:
-    """The express path's plan for ``route`` on a worker thread, or ``None`` when only
-    `begin` can serve it: as `EdgePolicy.express`, for a `ThreadBulkhead` on
-    ``time.monotonic()`` (the edge's clock on a thread without an event loop)."""
-    bulkhead = route.bulkhead
-    if (
-        not isinstance(bulkhead, ThreadBulkhead)
-        or type(bulkhead.clock) is not MonotonicClock
-        or policy.quota is not None
-        or policy.slowed is not None
-        or route.deadline.read_envoy
-    ):
-        return None
-    return Express(
-        bulkhead,
-        route.deadline.default,
-        Classification(route.priority, "unknown", route.template),
-        policy.classifier,
-        policy.degraded,
-        policy._sweeper,
-    )
 
 
 def begin_express(

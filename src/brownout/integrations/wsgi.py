@@ -43,7 +43,6 @@ from .._edge.blocking import (
     begin_express,
     check_blocking,
     claims_nothing,
-    express_plan,
 )
 from .._edge.express import Express
 from .._propagation import HeaderGetter, Repeated
@@ -214,14 +213,14 @@ class BrownoutMiddleware:
         self._routes: dict[str | None, tuple[ResolvedRoute, Express | None]] = {}
 
     def _route(self, environ: Environ, path: str) -> tuple[ResolvedRoute, Express | None]:
-        """The request's route and its express plan (`express_plan`), cached per template."""
+        """The request's route and its express plan (`EdgePolicy.express`), cached per template."""
         template = self.route_of(environ) if self.route_of is not None else None
         if template is None:
             template = self.policy.match(path)
         entry = self._routes.get(template)
         if entry is None:
             route = self.policy.route(template)
-            entry = (route, express_plan(self.policy, route))
+            entry = (route, self.policy.express(route, on_thread=True))
             if len(self._routes) < _MAX_TEMPLATES:
                 self._routes[template] = entry
         return entry

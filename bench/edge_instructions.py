@@ -12,6 +12,7 @@ time without adding instructions), reported beside it, not instead of it.
 
     .venv/bin/python bench/edge_instructions.py            # FastAPI, 2,000 requests (~2 min)
     .venv/bin/python bench/edge_instructions.py starlette  # or: noop
+    .venv/bin/python bench/edge_instructions.py flask      # the WSGI edge (bench/wsgi_bench.py)
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ WARM_UP = 300
 
 def _child(kind: str, variant: str, n: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if kind == "flask":
+        # The WSGI edge on a worker thread's path: Flask called with a werkzeug environ.
+        from wsgi_bench import bare_app, local_round, protected_app
+
+        wsgi_app = protected_app if variant == "mw" else bare_app
+        local_round(wsgi_app, WARM_UP)
+        if n:
+            local_round(wsgi_app, n)
+        return
     from edge_bench import fastapi_app, noop_pair, per_request, starlette_app
 
     app: Any

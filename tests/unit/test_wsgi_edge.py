@@ -8,6 +8,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from flask import Flask, Response
@@ -29,6 +30,7 @@ from brownout.events import (
     DeadlineHeaderIgnored,
     EventHub,
     HandlerOverran,
+    RequestAbandoned,
     RequestAdmitted,
     RequestCompleted,
     RequestExpired,
@@ -214,29 +216,51 @@ def test_a_refusal_from_inside_is_problem_json_with_retry_after(
     assert of(recorder, RequestCompleted) == []
 
 
-def test_a_streaming_body_is_in_flight_until_closed(hub: EventHub, recorder: EventRecorder) -> None:
+def _stream_environ() -> dict:
+    return {
+        "REQUEST_METHOD": "GET",
+        "PATH_INFO": "/stream",
+        "SERVER_NAME": "x",
+        "SERVER_PORT": "80",
+        "wsgi.url_scheme": "http",
+        "wsgi.input": None,
+    }
+
+
+def test_a_streaming_body_is_in_flight_until_read_to_its_end(
+    hub: EventHub, recorder: EventRecorder
+) -> None:
     app, _ = make_app(policy_for(hub))
-    environ_app = app.wsgi_app
     statuses: list[str] = []
-    body = environ_app(
-        {
-            "REQUEST_METHOD": "GET",
-            "PATH_INFO": "/stream",
-            "SERVER_NAME": "x",
-            "SERVER_PORT": "80",
-            "wsgi.url_scheme": "http",
-            "wsgi.input": None,
-        },
-        lambda status, headers, exc_info=None: statuses.append(status),
+    body = app.wsgi_app(
+        _stream_environ(), lambda status, headers, exc_info=None: statuses.append(status)
     )
     assert statuses == ["200 OK"]
-    assert next(iter(body)) == b"a"
+    chunks = iter(body)
+    assert next(chunks) == b"a"
     assert of(recorder, RequestCompleted) == []  # still streaming
+    assert list(chunks) == [b"b"]
+    assert len(of(recorder, RequestCompleted)) == 1
     body.close()  # type: ignore[attr-defined]
     assert app.config["closed"] == ["stream"]
-    assert len(of(recorder, RequestCompleted)) == 1
     body.close()  # type: ignore[attr-defined]  # settled once
     assert len(of(recorder, RequestCompleted)) == 1
+    assert of(recorder, RequestAbandoned) == []
+
+
+def test_a_body_closed_before_its_end_is_abandoned_not_a_success(
+    hub: EventHub, recorder: EventRecorder
+) -> None:
+    app, _ = make_app(policy_for(hub))
+    body = app.wsgi_app(_stream_environ(), lambda status, headers, exc_info=None: None)
+    assert next(iter(body)) == b"a"
+    body.close()  # type: ignore[attr-defined]  # the server stopped: its client went away
+    assert app.config["closed"] == ["stream"]
+    (abandoned,) = of(recorder, RequestAbandoned)
+    assert abandoned.operation == "/stream"
+    assert of(recorder, RequestCompleted) == []
+    body.close()  # type: ignore[attr-defined]  # settled once
+    assert len(of(recorder, RequestAbandoned)) == 1
 
 
 def test_what_the_blocking_path_cannot_do_is_refused_at_construction(hub: EventHub) -> None:
@@ -315,3 +339,82 @@ def test_a_full_thread_bulkhead_refuses_with_503_and_health_is_still_served(
     assert held == [4]  # "done", read to the end: the permit is released
     assert [e.operation for e in of(recorder, RequestShed)] == ["/hold"]
     assert bulkhead.in_flight == 0
+
+
+class CountingThreadBulkhead(ThreadBulkhead):
+    """Counts the admissions the express path made (`admit_uncontended`)."""
+
+    express = 0
+
+    def admit_uncontended(self, *args: Any) -> Any:
+        permit = super().admit_uncontended(*args)
+        if permit is not None:
+            self.express += 1
+        return permit
+
+
+def test_plain_requests_take_the_express_path_and_count_as_the_general_one() -> None:
+    from brownout import Stats, current
+
+    hub = EventHub()
+    stats = Stats()
+    hub.subscribe(stats)
+    bulkhead = CountingThreadBulkhead("api", FixedLimit(4), events=hub)
+    app = Flask(__name__)
+    seen: list[tuple[float | None, Priority, str]] = []
+
+    @app.get("/items/<int:item_id>")
+    def item(item_id: int) -> dict[str, int]:
+        ctx = current()
+        seen.append((ctx.remaining(), ctx.priority, ctx.operation))
+        return {"id": item_id}
+
+    protect(
+        app,
+        EdgePolicy(
+            bulkhead=bulkhead, routes={"/items/<int:item_id>": Route(default=1.5)}, events=hub
+        ),
+    )
+    client = app.test_client()
+    for i in range(3):
+        assert client.get(f"/items/{i}").json == {"id": i}
+    for i in range(3):  # a priority claim sends a request through `begin`
+        r = client.get(f"/items/{i}", headers={"brownout-priority": "sheddable"})
+        assert r.json == {"id": i}  # (read: the body holds its permit until then)
+    assert bulkhead.express == 3
+    remaining, priority, operation = seen[0]
+    assert remaining is not None and 1.0 < remaining <= 1.5  # the route default
+    assert priority is Priority.CRITICAL and operation == "/items/<int:item_id>"
+    assert [s[1] for s in seen] == [Priority.CRITICAL] * 6  # untrusted: the claim is ignored
+    assert bulkhead.in_flight == 0
+    for kind in ("offered", "admitted", "completed"):
+        assert stats.count(kind, operation="/items/<int:item_id>") == 6, kind
+    assert stats.count("failed") == 0
+
+
+def test_a_contended_or_nested_request_leaves_the_express_path() -> None:
+    from brownout import deadline
+
+    bulkhead = CountingThreadBulkhead("api", FixedLimit(4), events=EventHub())
+    app = Flask(__name__)
+    remaining: list[float | None] = []
+
+    @app.get("/x")
+    def x() -> str:
+        from brownout import current
+
+        remaining.append(current().remaining())
+        return "x"
+
+    protect(app, EdgePolicy(bulkhead=bulkhead, events=bulkhead._events))
+    client = app.test_client()
+    with deadline(0.5):  # inside another request's context: its deadline is the bound
+        assert client.get("/x").text == "x"
+    assert bulkhead.express == 0
+    assert remaining[0] is not None and remaining[0] <= 0.5
+    bulkhead.force_full()
+    assert client.get("/x").status_code == 503
+    bulkhead.force_full(False)
+    assert bulkhead.express == 0 and bulkhead.in_flight == 0
+    assert client.get("/x").text == "x"
+    assert bulkhead.express == 1 and bulkhead.in_flight == 0

@@ -6,6 +6,7 @@ application does."""
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from wsgiref.handlers import SimpleHandler
@@ -13,11 +14,20 @@ from wsgiref.util import setup_testing_defaults
 
 import pytest
 
-from brownout import EdgePolicy, Route, ThreadBulkhead, current
-from brownout.events import EventHub, RequestCompleted, RequestFailed
+from brownout import DeadlineExceeded, EdgePolicy, Route, ThreadBulkhead, current
+from brownout.events import (
+    EventHub,
+    HandlerOverran,
+    RequestAbandoned,
+    RequestCompleted,
+    RequestExpired,
+    RequestFailed,
+)
 from brownout.integrations.wsgi import BrownoutMiddleware
 from brownout.limits import FixedLimit
 from brownout.testing import EventRecorder
+
+SHORT = 0.05
 
 App = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -135,7 +145,9 @@ def test_close_without_iteration_and_a_disconnect_mid_body_settle_once(
     body.close()  # type: ignore[attr-defined]
     assert closed == [True]
     assert bulkhead.in_flight == 0
-    assert len(settled(recorder)) == 2
+    # Both ended before the body was read: the client went away, not a success (O1).
+    abandoned = [e for e in recorder.events if isinstance(e, RequestAbandoned)]
+    assert len(abandoned) == 2 and settled(recorder) == []
 
 
 def test_file_wrapper_and_head_are_served_and_settled(
@@ -159,3 +171,56 @@ def test_file_wrapper_and_head_are_served_and_settled(
     assert all(f.closed for f in files)
     assert bulkhead.in_flight == 0
     assert len(settled(recorder)) == 2
+
+
+def test_a_streamed_body_is_read_inside_the_request_context(
+    hub: EventHub, recorder: EventRecorder, bulkhead: ThreadBulkhead
+) -> None:
+    seen: list[float | None] = []
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterator[bytes]:
+        start_response("200 OK", [("content-type", "text/plain")])
+        for part in (b"a", b"b"):
+            seen.append(current().remaining())  # code of the app, run as the server reads
+            yield part
+
+    raw, _ = serve(guarded(app, hub, bulkhead))
+    assert raw.endswith(b"ab")
+    assert len(seen) == 2 and all(r is not None and 0 < r <= 5.0 for r in seen)
+    assert current().deadline is None  # and not left on the server's thread
+    assert len(settled(recorder)) == 1
+
+
+def test_a_handler_raising_after_its_deadline_once_its_response_started_overran(
+    hub: EventHub, recorder: EventRecorder, bulkhead: ThreadBulkhead
+) -> None:
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        write = start_response("200 OK", [("content-type", "text/plain")])
+        write(b"partial")  # the head is out: the answer can no longer be replaced
+        time.sleep(SHORT * 2)
+        raise DeadlineExceeded("a dependency found no time left")
+
+    policy = EdgePolicy(routes={"/": Route(default=SHORT, bulkhead=bulkhead)}, events=hub)
+    serve(BrownoutMiddleware(app, policy))
+    (overran,) = [e for e in recorder.events if isinstance(e, HandlerOverran)]
+    assert overran.overrun >= SHORT * 0.5
+    assert [e.stage for e in recorder.events if isinstance(e, RequestExpired)] == ["running"]
+    assert settled(recorder) == []
+    assert bulkhead.in_flight == 0
+
+
+def test_a_body_raising_after_its_deadline_overran(
+    hub: EventHub, recorder: EventRecorder, bulkhead: ThreadBulkhead
+) -> None:
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterator[bytes]:
+        start_response("200 OK", [("content-type", "text/plain")])
+        yield b"a"
+        time.sleep(SHORT * 2)
+        raise RuntimeError("the stream broke, late")
+
+    policy = EdgePolicy(routes={"/": Route(default=SHORT, bulkhead=bulkhead)}, events=hub)
+    serve(BrownoutMiddleware(app, policy))
+    assert len([e for e in recorder.events if isinstance(e, HandlerOverran)]) == 1
+    assert len([e for e in recorder.events if isinstance(e, RequestExpired)]) == 1
+    assert settled(recorder) == []
+    assert bulkhead.in_flight == 0

@@ -20,7 +20,7 @@ refusal, the capacity a refusal exists to save.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
@@ -28,11 +28,20 @@ from .._admission.bulkhead import Bulkhead
 from .._admission.protocols import AdmitsWorkBlocking
 from .._admission.thread_bulkhead import ThreadBulkhead
 from .._clock import now as _now
-from .._context import get_current, make_context, reset_current, set_current
+from .._context import (
+    NO_REQUEST,
+    RequestContext,
+    get_current,
+    inbound_context,
+    make_context,
+    reset_current,
+    set_current,
+)
 from .._deadline import Deadline, new_deadline
 from .._degrade.markers import served_by_fallback
 from .._errors import Reason, Rejected
-from .._propagation import HeaderGetter
+from .._propagation import ENVOY_TIMEOUT_HEADER, HeaderGetter
+from .express import EXPRESS_HEADERS, Express
 from .flight import Flight
 from .policy import EdgePolicy
 from .refusals import Refusal
@@ -41,8 +50,10 @@ from .routes import ResolvedRoute
 __all__ = [
     "Held",
     "begin",
+    "begin_express",
     "check_async",
     "check_blocking",
+    "claims_nothing",
     "is_blocking",
     "serve_blocking",
 ]
@@ -52,6 +63,19 @@ T = TypeVar("T")
 
 def _no_header(name: str) -> None:
     return None
+
+
+_CLAIM_KEYS = frozenset(
+    "HTTP_" + name.decode("latin-1").upper().replace("-", "_")
+    for name in (*EXPRESS_HEADERS, ENVOY_TIMEOUT_HEADER.encode("latin-1"))
+)
+"""The WSGI environ keys of the request headers the edge has a decision to make about."""
+
+
+def claims_nothing(environ: Mapping[str, Any]) -> bool:
+    """True when a WSGI environ carries none of the headers only `begin` decides about (a
+    budget, a priority claim, an idempotency key or attempt, Envoy's timeout)."""
+    return not any(map(environ.__contains__, _CLAIM_KEYS))  # six lookups, in C
 
 
 def check_blocking(policy: EdgePolicy) -> None:
@@ -102,9 +126,20 @@ def _blocking_admission(route: ResolvedRoute) -> AdmitsWorkBlocking | None:
 
 class Held:
     """One admitted request on the blocking path: its context is set on this thread until
-    `returned` (or `raised`), its permit (if any) held until `finish`."""
+    `returned` (or `raised`), and again around each step of its body (`advance`), its permit
+    (if any) held until `finish`."""
 
-    __slots__ = ("_cm", "_done", "_marks", "_marks_token", "_token", "flight", "permit", "policy")
+    __slots__ = (
+        "_cm",
+        "_done",
+        "_marks",
+        "_marks_token",
+        "_token",
+        "context",
+        "flight",
+        "permit",
+        "policy",
+    )
 
     def __init__(
         self,
@@ -112,17 +147,18 @@ class Held:
         flight: Flight,
         cm: AbstractContextManager[Any] | None,
         permit: Any,
-        token: Any,
+        context: RequestContext,
         marks: list[str] | None,
-        marks_token: Any,
     ) -> None:
         self.policy = policy
         self.flight = flight
         self._cm = cm
         self.permit = permit
-        self._token = token
+        self.context = context
+        """The request context, set on this thread while the handler and its body run."""
+        self._token: Any = set_current(context)
         self._marks = marks
-        self._marks_token = marks_token
+        self._marks_token = None if marks is None else served_by_fallback.set(marks)
         self._done = False
 
     @property
@@ -136,6 +172,23 @@ class Held:
             reset_current(token)
             if self._marks_token is not None:
                 served_by_fallback.reset(self._marks_token)
+
+    def advance(self, body: Iterator[T]) -> T:
+        """``next(body)`` inside the request context (its deadline, its fallback marks): a
+        streamed body runs code of the application after the handler returned."""
+        token = set_current(self.context)
+        marks = self._marks
+        if marks is None:
+            try:
+                return next(body)
+            finally:
+                reset_current(token)
+        marks_token = served_by_fallback.set(marks)
+        try:
+            return next(body)
+        finally:
+            served_by_fallback.reset(marks_token)
+            reset_current(token)
 
     def returned(self) -> Refusal | None:
         """The handler returned (``flight.status`` set): the expiry's refusal when it
@@ -162,11 +215,33 @@ class Held:
         if deadline is not None and _now() > deadline.at:
             flight.expired = True
         self._release(TimeoutError if flight.expired else type(e))
-        if flight.expired and not flight.response_started:
-            flight.answered = True
+        if flight.expired:
+            # Raised after its deadline: counted as every overrun is, whatever it raised.
+            if not flight.response_started:
+                flight.answered = True
             self.policy.overran(flight, on_thread=True)
-            return self.policy.refusal(Reason.DEADLINE_EXPIRED)
+            if flight.answered:
+                return self.policy.refusal(Reason.DEADLINE_EXPIRED)
+            return None  # its response had started: the server cuts it short
         return self.policy.answer_raised(e, flight, None)  # type: ignore[arg-type, return-value]
+
+    def broke(self) -> None:
+        """The response body raised while it was read: settle as failed, or as expired
+        (`HandlerOverran`) when its deadline had passed. Idempotent with `finish`."""
+        flight = self.flight
+        deadline = flight.deadline
+        if deadline is not None and _now() > deadline.at:
+            flight.expired = True
+        else:
+            flight.status = 500  # the body broke mid-way: the service failed
+        self.finish()
+
+    def abandon(self) -> None:
+        """The server closed the body before it was read to its end: the client went away
+        mid-response. Settle as abandoned (O1), as the async edge counts a disconnect."""
+        if not self._done:
+            self.flight.abandoned = True
+            self.finish()
 
     def _release(self, raised: type[BaseException] | None) -> None:
         permit, cm = self.permit, self._cm
@@ -187,8 +262,9 @@ class Held:
 
     def finish(self) -> None:
         """The response is done (its body exhausted or closed): settle by ``flight.status``
-        (`EdgePolicy.settle`; a handler that overran its deadline is counted as expired)
-        and count it when the edge reports this route. Idempotent."""
+        (`EdgePolicy.settle`; a handler that overran its deadline is counted as expired, a
+        body abandoned by its client as abandoned) and count it when the edge reports this
+        route. Idempotent."""
         if self._done:
             return
         self._done = True
@@ -197,6 +273,8 @@ class Held:
             self._release(None)
         elif flight.expired:
             self.policy.overran(flight, on_thread=True)
+        elif flight.abandoned:
+            self.policy.record_abandoned(flight)
         elif flight.reports:
             finished(self.policy, flight)
 
@@ -245,14 +323,9 @@ def begin(
         cls.in_progress,
         flight.started,
     )
-    token = set_current(ctx)
-    marks: list[str] | None = None
-    marks_token = None
-    if policy.degraded is not None:
-        marks = []
-        marks_token = served_by_fallback.set(marks)
     cm: AbstractContextManager[Any] | None = None
     permit: Any = None
+    held = Held(policy, flight, None, None, ctx, [] if policy.degraded is not None else None)
     try:
         if admission is None:
             if deadline.at <= _now():
@@ -265,17 +338,43 @@ def begin(
             cm = admission.admit()
             permit = cm.__enter__()
     except Rejected as e:
-        reset_current(token)
-        if marks_token is not None:
-            served_by_fallback.reset(marks_token)
+        held._leave()
         return policy.refusal(e.reason, e.retry_after)
     except BaseException:
-        reset_current(token)
-        if marks_token is not None:
-            served_by_fallback.reset(marks_token)
+        held._leave()
         raise
+    held._cm = cm
+    held.permit = permit
     flight.admitted = True
-    return Held(policy, flight, cm, permit, token, marks, marks_token)
+    return held
+
+
+def begin_express(
+    policy: EdgePolicy, express: Express, request: Any, flight: Flight
+) -> Held | None:
+    """`begin` for a request with nothing to decide (no brownout header: `claims_nothing`;
+    no enclosing request; an uncontended bulkhead: `Bulkhead.admit_uncontended`), with the
+    same counts: the `Held` request, or ``None`` (nothing counted) for `begin` to serve."""
+    if get_current() is not NO_REQUEST:
+        return None
+    cls = express.classification
+    if express.classifier is not None:
+        cls = express.classifier(request, cls)
+    started = flight.started
+    seconds = express.seconds
+    permit = express.bulkhead.admit_uncontended(
+        cls.priority, cls.caller, cls.operation, started, seconds
+    )
+    if permit is None:
+        return None
+    ctx = inbound_context(
+        started + seconds, cls.priority, cls.caller, cls.operation, cls.in_progress, started
+    )
+    flight.classification = cls
+    flight.deadline = ctx.deadline
+    flight.reports = False  # the bulkhead reports the lifecycle
+    flight.admitted = True
+    return Held(policy, flight, None, permit, ctx, [] if express.degraded is not None else None)
 
 
 def serve_blocking(

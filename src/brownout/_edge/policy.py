@@ -29,7 +29,8 @@ from typing import Any, Literal, TypeVar
 from .._admission.bulkhead import Bulkhead
 from .._admission.permit import Permit, Untracked
 from .._admission.protocols import AdmitsWork, SettlesWork
-from .._clock import current_task_of, default_clock, running_loop
+from .._admission.thread_bulkhead import ThreadBulkhead
+from .._clock import MonotonicClock, current_task_of, default_clock, running_loop
 from .._clock import now as _now
 from .._context import get_current, make_context, reset_current, set_current
 from .._deadline import Deadline, new_deadline
@@ -749,12 +750,14 @@ class EdgePolicy:
             raise raised from None
         return answer
 
-    def express(self, route: ResolvedRoute) -> Express | None:
+    def express(self, route: ResolvedRoute, *, on_thread: bool = False) -> Express | None:
         """The fast path's plan for ``route``, or ``None`` when only `serve` can handle it.
 
         A route qualifies when its requests need nothing `serve` adds beyond admission and
-        degraded-mode bookkeeping: a `Bulkhead` on the loop's clock, no quota hook or slowed
-        refusals, no Envoy header. Each request then still takes `serve` if it carries a
+        degraded-mode bookkeeping: a `Bulkhead` on the loop's clock (``on_thread``, for the
+        blocking edge: a `ThreadBulkhead` on ``time.monotonic()``, the edge's clock on a
+        thread without a loop), no quota hook or slowed refusals, no Envoy header. Each
+        request then still takes `serve` (on a thread: `blocking.begin`) if it carries a
         brownout header (a budget, signed or not, or a priority claim: trust only matters for
         those), runs inside another request's context, or finds the bulkhead contended (see
         `Bulkhead.admit_uncontended`). The classifier, if any, runs on the express path too,
@@ -762,14 +765,18 @@ class EdgePolicy:
         the rest of the policy.
         """
         bulkhead = route.bulkhead
+        if on_thread:
+            fits = isinstance(bulkhead, ThreadBulkhead) and type(bulkhead.clock) is MonotonicClock
+        else:
+            fits = isinstance(bulkhead, Bulkhead) and bulkhead.clock is _LOOP_CLOCK
         if (
-            not isinstance(bulkhead, Bulkhead)
-            or bulkhead.clock is not _LOOP_CLOCK
+            not fits
             or self.quota is not None
             or self.slowed is not None
             or route.deadline.read_envoy
         ):
             return None
+        assert isinstance(bulkhead, Bulkhead)
         return Express(
             bulkhead,
             route.deadline.default,

@@ -37,7 +37,14 @@ from .._edge import (
     one_value,
     refusal_headers,
 )
-from .._edge.blocking import Held, begin, check_blocking
+from .._edge.blocking import (
+    Held,
+    begin,
+    begin_express,
+    check_blocking,
+    claims_nothing,
+)
+from .._edge.express import Express
 from .._propagation import HeaderGetter, Repeated
 
 __all__ = ["RAISED_KEY", "BrownoutMiddleware", "environ_getter", "write_refusal"]
@@ -87,31 +94,40 @@ def write_refusal(refusal: Refusal, start_response: StartResponse) -> list[bytes
     return [refusal.body]
 
 
-class _Answer:
-    """The app's ``start_response``, held until the edge has decided whether the app's answer
-    stands (it may be replaced by a 504 when the handler returned after its deadline)."""
+class _Exchange:
+    """One admitted request's answer: the app's ``start_response``, held until the edge has
+    decided whether the app's answer stands (it is replaced by a 504 when the handler
+    returned after its deadline), then the app's response iterable, passed through and read
+    inside the request context. The body's end settles the request: exhausted, as answered;
+    closed before that, as abandoned by its client (the server stopped reading). The app's
+    ``close()`` is called whatever happens. One object per request for both roles."""
 
     __slots__ = (
+        "body",
         "deferring",
         "exc_info",
         "flight",
         "forwarded",
         "headers",
         "held",
+        "iterator",
         "sent",
         "status",
     )
 
-    def __init__(self, flight: Flight, start_response: StartResponse) -> None:
-        self.flight = flight
+    def __init__(self, held: Held, start_response: StartResponse) -> None:
+        self.held = held
+        self.flight = held.flight
         self.forwarded = start_response
         self.deferring = True
         self.status: str | None = None
         self.headers: list[tuple[str, str]] = []
         self.exc_info: ExcInfo | None = None
-        self.held: Held | None = None
         self.sent: Callable[[bytes], object] | None = None  # the server's write, once sent
+        self.body: Iterable[bytes] = ()
+        self.iterator: Iterator[bytes] | None = None
 
+    # -- the head --------------------------------------------------------------------------
     def start_response(
         self, status: str, headers: list[tuple[str, str]], exc_info: ExcInfo | None = None
     ) -> Callable[[bytes], object]:
@@ -137,9 +153,9 @@ class _Answer:
         self.flight.response_started = True
         headers = self.headers
         held = self.held
-        modes = held.policy.degraded if held is not None else None
+        modes = held.policy.degraded
         if modes is not None:
-            names = announced_modes(modes, held.marks if held is not None else None)
+            names = announced_modes(modes, held.marks)
             if names:
                 headers = [*headers, (DEGRADED_HEADER, ", ".join(names))]
         if self.exc_info is not None:
@@ -148,35 +164,22 @@ class _Answer:
             self.sent = self.forwarded(self.status, headers)
         return self.sent
 
-
-class _Body:
-    """The app's response iterable, passed through; its end (exhausted or closed) settles
-    the request, and its ``close()`` is called whatever happens."""
-
-    __slots__ = ("answer", "body", "held", "iterator")
-
-    def __init__(self, body: Iterable[bytes], held: Held, answer: _Answer) -> None:
-        self.body = body
-        self.held = held
-        self.answer = answer
-        self.iterator: Iterator[bytes] | None = None
-
+    # -- the body --------------------------------------------------------------------------
     def __iter__(self) -> Iterator[bytes]:
         return self
 
     def __next__(self) -> bytes:
-        if self.iterator is None:
-            self.iterator = iter(self.body)
+        iterator = self.iterator
+        if iterator is None:
+            iterator = self.iterator = iter(self.body)
         try:
-            chunk = next(self.iterator)
+            return self.held.advance(iterator)
         except StopIteration:
             self.held.finish()
             raise
         except Exception:
-            self.answer.flight.status = 500  # the body broke mid-way: the service failed
-            self.held.finish()
+            self.held.broke()
             raise
-        return chunk
 
     def close(self) -> None:
         try:
@@ -184,7 +187,7 @@ class _Body:
             if close is not None:
                 close()
         finally:
-            self.held.finish()
+            self.held.abandon()  # (nothing left to settle when it was read to its end)
 
 
 class BrownoutMiddleware:
@@ -207,18 +210,20 @@ class BrownoutMiddleware:
         self.app = app
         self.policy = policy
         self.route_of = route_of
-        self._routes: dict[str | None, ResolvedRoute] = {}
+        self._routes: dict[str | None, tuple[ResolvedRoute, Express | None]] = {}
 
-    def _route(self, environ: Environ, path: str) -> ResolvedRoute:
+    def _route(self, environ: Environ, path: str) -> tuple[ResolvedRoute, Express | None]:
+        """The request's route and its express plan (`EdgePolicy.express`), cached per template."""
         template = self.route_of(environ) if self.route_of is not None else None
         if template is None:
             template = self.policy.match(path)
-        route = self._routes.get(template)
-        if route is None:
+        entry = self._routes.get(template)
+        if entry is None:
             route = self.policy.route(template)
+            entry = (route, self.policy.express(route, on_thread=True))
             if len(self._routes) < _MAX_TEMPLATES:
-                self._routes[template] = route
-        return route
+                self._routes[template] = entry
+        return entry
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         policy = self.policy
@@ -226,12 +231,16 @@ class BrownoutMiddleware:
         if path in policy.exempt_paths:
             return self.app(environ, start_response)
         flight = Flight(now())
-        route = self._route(environ, path)
-        held = begin(policy, environ, flight, route=route, get=environ_getter(environ))
-        if isinstance(held, Refusal):
-            return write_refusal(held, start_response)
-        answer = _Answer(flight, start_response)
-        answer.held = held
+        route, express = self._route(environ, path)
+        held: Held | None = None
+        if express is not None and claims_nothing(environ):
+            held = begin_express(policy, express, environ, flight)
+        if held is None:
+            outcome = begin(policy, environ, flight, route=route, get=environ_getter(environ))
+            if isinstance(outcome, Refusal):
+                return write_refusal(outcome, start_response)
+            held = outcome
+        answer = _Exchange(held, start_response)
         try:
             body = self.app(environ, answer.start_response)
         except BaseException as e:  # settled whatever it is; only an Exception is answered
@@ -256,4 +265,5 @@ class BrownoutMiddleware:
             answer.forward()
         else:
             answer.deferring = False  # a generator app: its head goes when it calls
-        return _Body(body, held, answer)
+        answer.body = body
+        return answer

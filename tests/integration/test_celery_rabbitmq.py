@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import secrets
@@ -125,8 +126,15 @@ def setup() -> Iterator[Setup]:
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=False,
     )
+    # `start_worker` sets the root logger's level to its own loglevel ("error") even without
+    # hijacking the root logger; left so, every later test's warnings would be dropped.
+    root = logging.getLogger()
+    level = root.level
     s = Setup(queue, app, EventHub())
-    yield s
+    try:
+        yield s
+    finally:
+        root.setLevel(level)
     s.recorder.stop()
     if s.installed is not None:
         s.installed.uninstall()

@@ -13,6 +13,7 @@ free the slot (O1).
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import aiohttp
@@ -139,6 +140,7 @@ async def test_degraded_modes_are_named_on_every_response(
     both paths: a returned response, an HTTP error the handler raises, a refusal, and a
     streamed response when `announce_degraded` is on ``app.on_response_prepare`` (without it
     the stream's head has left before the middleware sees it: a warning says so, once)."""
+    caplog.set_level(logging.WARNING, logger="brownout.edge")  # whatever the root's level
     app, _ = build()
     if signal:
         policy = app.middlewares[0].policy  # type: ignore[attr-defined]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import time
 import warnings
 from collections.abc import AsyncIterator
@@ -145,6 +146,7 @@ async def test_aiohttp_cleanup_ctx_runs_the_manager_while_serving() -> None:
 async def test_stop_is_bounded_idempotent_and_reports_a_crashed_task(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="brownout.lifespan")  # whatever the root's level
     released = asyncio.Event()
 
     async def stubborn() -> None:

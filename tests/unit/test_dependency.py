@@ -367,6 +367,30 @@ async def test_a_mutation_cut_off_by_the_request_deadline_is_still_an_unknown_ou
     assert [r.key for r in await ledger.pending()] == ["k-9"]
 
 
+async def test_a_loop_stalled_past_the_reserve_still_records_the_lost_mutation_once() -> None:
+    """D6 when the request's deadline and the attempt's fire in one loop iteration (the loop
+    stalled past the reserve): the request's `DeadlineExceeded` wins, as for any work its
+    deadline cuts, and the mutation sent and unanswered is still one event and one ledger
+    entry (a busy host made this race in the gRPC accounting test)."""
+    hub = brownout.events.EventHub()
+    ledger = InMemoryOutcomeLedger()
+    dep = Dependency("d", reserve=0.05, ledger=ledger, events=hub)
+    loop = asyncio.get_running_loop()
+
+    async def stalls() -> None:
+        await asyncio.sleep(0.4)
+        loop.setup_looptime(start=loop.time() + 1.0)  # past both deadlines before a timer runs
+        await asyncio.sleep(10)
+
+    with brownout.testing.EventRecorder(hub) as recorder:
+        with pytest.raises(brownout.DeadlineExceeded):
+            async with brownout.deadline(0.5):
+                await dep.call(stalls, idempotency_key="k-7")
+    assert [e.idempotency_key for e in recorder.of(brownout.events.OutcomeUnknown)] == ["k-7"]
+    assert [r.key for r in await ledger.pending()] == ["k-7"]
+    assert dep.active == 0
+
+
 async def test_an_attempt_that_expires_in_the_bulkhead_queue_was_never_sent() -> None:
     gate = asyncio.Event()
 

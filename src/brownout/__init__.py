@@ -25,6 +25,7 @@ from ._context import (
     request,
     statement_timeout_ms,
 )
+from ._database import DatabasePolicy, IdempotencyTable
 from ._deadline import Deadline
 from ._degrade import (
     DegradedMode,
@@ -94,6 +95,7 @@ __all__ = [
     "ClientThrottle",
     "Clock",
     "ConfigError",
+    "DatabasePolicy",
     "Deadline",
     "DeadlineExceeded",
     "DecorrelatedJitterBackoff",
@@ -106,6 +108,7 @@ __all__ = [
     "FailClosedGuard",
     "GrpcRetryThrottle",
     "HeaderError",
+    "IdempotencyTable",
     "InMemoryOutcomeLedger",
     "InMemoryQuotaStore",
     "InboundBudget",

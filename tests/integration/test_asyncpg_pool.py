@@ -10,9 +10,12 @@ checked are about a second."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -334,3 +337,21 @@ async def test_a_second_transaction_with_a_committed_key_fails(
     assert await db.reconcile(key) is OutcomeState.APPLIED
     assert await db.reconcile(f"k-{uuid.uuid4().hex}") is OutcomeState.NOT_APPLIED
     assert not await in_table(pool, orders, key + "-again")
+
+
+def test_the_example_of_the_databases_page_runs(postgres_server: services.Service) -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "databases.md").read_text()
+    [example] = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    example = example.replace(
+        'dsn = "postgresql://postgres@127.0.0.1:5432/test"', f"dsn = {dsn(postgres_server)!r}"
+    )
+    assert dsn(postgres_server) in example
+    scope: dict[str, Any] = {}
+    start = time.monotonic()
+    exec(compile(example, "docs/databases.md", "exec"), scope)
+    assert time.monotonic() - start < 5.0
+    assert scope["seen"] == {
+        "one": 1,
+        "slow": "stopped at the deadline",
+        "reconciled": OutcomeState.APPLIED,
+    }

@@ -20,15 +20,15 @@ Adapters (`brownout.integrations.asyncpg`) only translate: they pass the driver'
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TypeVar
 
 from .._admission.bulkhead import Bulkhead
 from .._admission.limits import FixedLimit
+from .._admission.permit import Permit
 from .._admission.queues import FifoQueue
 from .._clock import Clock, default_clock
 from .._context import current, current_deadline
@@ -119,14 +119,12 @@ class DatabasePolicy:
 
     # -- admission --------------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def admit(self) -> AsyncIterator[None]:
+    def admit(self) -> Permit:
         """``async with policy.admit():`` holds one of the pool's places (waiting for it in
         priority order, bounded by the deadline and ``max_wait``), or raises `Rejected`.
-        Too little time left for a statement refuses before waiting (D4)."""
+        Too little time left for a statement refuses here, before waiting (D4)."""
         self.statement_budget()
-        async with self.bulkhead.admit():
-            yield
+        return self.bulkhead.admit()
 
     # -- statements -------------------------------------------------------------------------
 
@@ -150,20 +148,36 @@ class DatabasePolicy:
         The driver's `TimeoutError` (its cancel request sent) becomes `DeadlineExceeded`; a
         cancellation passes through. Both are reported as `StatementCancelled`."""
         budget = self.statement_budget()
-        started = self._clock.now()
+        started = self.started()
         try:
             return await run(budget)
         except asyncio.CancelledError:
-            self._cancelled(started, budget, self._why_cancelled())
+            self.cancelled(budget, started)
             raise
-        except TimeoutError as timed_out:
-            if isinstance(timed_out, DeadlineExceeded):
-                raise
-            self._cancelled(started, budget, "timeout")
-            raise DeadlineExceeded(
-                f"{self.name}: statement stopped at its budget"
-                + ("" if budget is None else f" of {budget * 1000:.0f} ms")
-            ) from timed_out
+        except TimeoutError as error:
+            raise self.timed_out(error, budget, started) from error
+
+    def started(self) -> float:
+        """When a statement starts, for the event of a stopped one (read only when an event
+        will need it)."""
+        return self._clock.now() if self._events.enabled else 0.0
+
+    def cancelled(self, budget: float | None, started: float) -> None:
+        """The task running a statement was cancelled (the driver sent the server its cancel
+        request): reported as `StatementCancelled`, the cancellation goes on."""
+        self._cancelled(started, budget, self._why_cancelled())
+
+    def timed_out(self, error: TimeoutError, budget: float | None, started: float) -> TimeoutError:
+        """What to raise for a statement the driver stopped at its budget (its cancel request
+        sent): `DeadlineExceeded`, reported as `StatementCancelled`. Adapters that call the
+        driver inline (no `statement` frame) raise what this returns."""
+        if isinstance(error, DeadlineExceeded):
+            return error
+        self._cancelled(started, budget, "timeout")
+        return DeadlineExceeded(
+            f"{self.name}: statement stopped at its budget"
+            + ("" if budget is None else f" of {budget * 1000:.0f} ms")
+        )
 
     # -- commits ----------------------------------------------------------------------------
 

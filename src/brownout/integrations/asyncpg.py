@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from types import TracebackType
 from typing import Any
 
 try:
@@ -29,7 +30,7 @@ except ModuleNotFoundError as e:  # the extra is not installed
 
     raise missing_extra(__name__, "postgres", e) from e
 
-from .._admission import Bulkhead
+from .._admission import Bulkhead, Permit
 from .._clock import Clock
 from .._database import DatabasePolicy, IdempotencyTable
 from .._errors import DeadlineExceeded, Rejected
@@ -66,31 +67,58 @@ class BrownoutConnection:
         self.raw = raw
         self._policy = policy
 
+    # Each statement inline (no wrapper coroutine: this is every query's path); what a
+    # stopped statement raises is the policy's decision (`DatabasePolicy.timed_out`).
+
     async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
-        raw = self.raw
-        rows: list[asyncpg.Record] = await self._policy.statement(
-            lambda budget: raw.fetch(query, *args, timeout=budget)
-        )
+        policy = self._policy
+        budget = policy.statement_budget()
+        started = policy.started()
+        try:
+            rows: list[asyncpg.Record] = await self.raw.fetch(query, *args, timeout=budget)
+        except asyncio.CancelledError:
+            policy.cancelled(budget, started)
+            raise
+        except TimeoutError as error:
+            raise policy.timed_out(error, budget, started) from error
         return rows
 
     async def fetchrow(self, query: str, *args: Any) -> asyncpg.Record | None:
-        raw = self.raw
-        row: asyncpg.Record | None = await self._policy.statement(
-            lambda budget: raw.fetchrow(query, *args, timeout=budget)
-        )
+        policy = self._policy
+        budget = policy.statement_budget()
+        started = policy.started()
+        try:
+            row: asyncpg.Record | None = await self.raw.fetchrow(query, *args, timeout=budget)
+        except asyncio.CancelledError:
+            policy.cancelled(budget, started)
+            raise
+        except TimeoutError as error:
+            raise policy.timed_out(error, budget, started) from error
         return row
 
     async def fetchval(self, query: str, *args: Any, column: int = 0) -> Any:
-        raw = self.raw
-        return await self._policy.statement(
-            lambda budget: raw.fetchval(query, *args, column=column, timeout=budget)
-        )
+        policy = self._policy
+        budget = policy.statement_budget()
+        started = policy.started()
+        try:
+            return await self.raw.fetchval(query, *args, column=column, timeout=budget)
+        except asyncio.CancelledError:
+            policy.cancelled(budget, started)
+            raise
+        except TimeoutError as error:
+            raise policy.timed_out(error, budget, started) from error
 
     async def execute(self, query: str, *args: Any) -> str:
-        raw = self.raw
-        status: str = await self._policy.statement(
-            lambda budget: raw.execute(query, *args, timeout=budget)
-        )
+        policy = self._policy
+        budget = policy.statement_budget()
+        started = policy.started()
+        try:
+            status: str = await self.raw.execute(query, *args, timeout=budget)
+        except asyncio.CancelledError:
+            policy.cancelled(budget, started)
+            raise
+        except TimeoutError as error:
+            raise policy.timed_out(error, budget, started) from error
         return status
 
     async def executemany(self, query: str, args: Iterable[Sequence[Any]]) -> None:
@@ -155,24 +183,11 @@ class BrownoutPool:
         """The wrapped asyncpg pool."""
         return self._pool
 
-    @contextlib.asynccontextmanager
-    async def acquire(self) -> AsyncIterator[BrownoutConnection]:
+    def acquire(self) -> _Acquire:
         """``async with db.acquire() as conn:``: admitted, then a connection from the pool
         (taking at most the statement budget, as opening one may). Raises `Rejected` when
         refused, `DeadlineExceeded` when no connection came within the budget."""
-        policy = self.policy
-        async with policy.admit():
-            budget = policy.statement_budget()
-            try:
-                raw = await self._pool.acquire(timeout=budget)
-            except TimeoutError as timed_out:
-                raise DeadlineExceeded(
-                    f"{policy.name}: no connection within the statement budget"
-                ) from timed_out
-            try:
-                yield BrownoutConnection(raw, policy)
-            finally:
-                await self._pool.release(raw)
+        return _Acquire(self._pool, self.policy)
 
     @contextlib.asynccontextmanager
     async def transaction(
@@ -240,7 +255,7 @@ class BrownoutPool:
     async def reconcile(self, key: str, *, wait: float = 5.0) -> OutcomeState:
         """Whether the transaction keyed ``key`` committed: ``APPLIED``, ``NOT_APPLIED``, or
         ``PENDING`` when a transaction still holding the key did not finish within ``wait``
-        ``timeout`` seconds. Outside any request's admission (a reconciler's own work)."""
+        seconds. Outside any request's admission (a reconciler's own work)."""
         async with self._pool.acquire() as raw:
             inserted: bool | None
             try:
@@ -270,6 +285,56 @@ class BrownoutPool:
 
     def __repr__(self) -> str:
         return f"BrownoutPool({self.policy!r})"
+
+
+class _Acquire:
+    """The admission, then a connection; released in the reverse order (a class rather than
+    a generator: it is on every query's path)."""
+
+    __slots__ = ("_conn", "_permit", "_policy", "_pool")
+
+    def __init__(self, pool: asyncpg.Pool, policy: DatabasePolicy) -> None:
+        self._pool = pool
+        self._policy = policy
+        self._conn: asyncpg.Connection | None = None
+        self._permit: Permit | None = None
+
+    async def __aenter__(self) -> BrownoutConnection:
+        policy = self._policy
+        permit = policy.admit()
+        await permit.__aenter__()
+        try:
+            pool = self._pool
+            # asyncpg bounds an acquire with a task of its own: only worth it when a new
+            # connection may have to be opened (an idle one is handed over at once).
+            budget = None if pool.get_idle_size() else policy.statement_budget()
+            try:
+                raw = await pool.acquire(timeout=budget)
+            except TimeoutError as timed_out:
+                raise DeadlineExceeded(
+                    f"{policy.name}: no connection within the statement budget"
+                ) from timed_out
+        except BaseException as error:
+            await permit.__aexit__(type(error), error, error.__traceback__)
+            raise
+        self._permit = permit
+        self._conn = raw
+        return BrownoutConnection(raw, policy)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        permit, raw = self._permit, self._conn
+        self._permit = self._conn = None
+        assert permit is not None
+        assert raw is not None
+        try:
+            await self._pool.release(raw)
+        finally:
+            await permit.__aexit__(exc_type, exc, tb)
 
 
 class _ProbeDone(Exception):

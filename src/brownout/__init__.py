@@ -25,6 +25,7 @@ from ._context import (
     request,
     statement_timeout_ms,
 )
+from ._database import DatabasePolicy, IdempotencyTable
 from ._deadline import Deadline
 from ._degrade import (
     DegradedMode,
@@ -112,6 +113,7 @@ __all__ = [
     "ClientThrottle",
     "Clock",
     "ConfigError",
+    "DatabasePolicy",
     "Deadline",
     "DeadlineExceeded",
     "DecorrelatedJitterBackoff",
@@ -126,6 +128,7 @@ __all__ = [
     "FleetLimit",
     "GrpcRetryThrottle",
     "HeaderError",
+    "IdempotencyTable",
     "InMemoryLeaseStore",
     "InMemoryOutcomeLedger",
     "InMemoryQuotaStore",

@@ -45,6 +45,7 @@ ADAPTER_MODULES = (
     "brownout.integrations.grpc_client",
     "brownout.integrations.lifespan",
     "brownout.integrations.redis_streams",
+    "brownout.integrations.asyncpg",
     "brownout.integrations.aio_pika",
     "brownout.integrations.faststream",
     "brownout.integrations.celery",

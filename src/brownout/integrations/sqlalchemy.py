@@ -49,6 +49,7 @@ from ..events import EventHub, hub
 
 __all__ = ["create_table", "gauges", "policy", "protect", "reconcile", "signals", "transaction"]
 
+_ASYNCPG_RESERVE = 0.05  # the cancel request is sent before the deadline cancels the task
 _POLICIES: weakref.WeakKeyDictionary[Engine, DatabasePolicy] = weakref.WeakKeyDictionary()
 
 
@@ -57,7 +58,7 @@ def protect(
     *,
     name: str,
     max_size: int | None = None,
-    reserve: float = 0.0,
+    reserve: float | None = None,
     timeout: float | None = None,
     min_useful: float = 0.0,
     max_wait: float = 0.5,
@@ -70,7 +71,10 @@ def protect(
 ) -> AsyncEngine:
     """Put ``engine`` under a `DatabasePolicy` named ``name`` and return it.
 
-    ``max_size`` defaults to the pool's ``pool_size``; the rest is `DatabasePolicy`'s. The
+    ``max_size`` defaults to the pool's ``pool_size``; the rest is `DatabasePolicy`'s.
+    ``reserve`` defaults to 50 ms on asyncpg (SQLAlchemy closes a connection whose statement
+    was cancelled; a cancellation at the same instant, the request's deadline, makes that
+    close abort asyncpg's cancel request, so the budget must end first) and 0 on psycopg. The
     engine must use SQLAlchemy's default asyncio pool (``AsyncAdaptedQueuePool``) and the
     ``asyncpg`` or ``psycopg`` driver, without ``async_creator`` (its connections would not
     take the budget): anything else raises `TypeError`, as does protecting it twice."""
@@ -85,6 +89,8 @@ def protect(
     driver = sync_engine.dialect.driver
     if driver not in ("asyncpg", "psycopg"):
         raise TypeError(f"protect() supports the asyncpg and psycopg drivers, not {driver!r}")
+    if reserve is None:
+        reserve = _ASYNCPG_RESERVE if driver == "asyncpg" else 0.0
     db = DatabasePolicy(
         name,
         max_size=pool.size() if max_size is None else max_size,

@@ -51,6 +51,12 @@ class _BudgetStatement:
         stmt = self._stmt
         return await self._policy.statement(lambda budget: stmt.executemany(args, timeout=budget))
 
+    def get_statusmsg(self) -> str:  # after every statement: no __getattr__ on the hot path
+        return str(self._stmt.get_statusmsg())
+
+    def get_attributes(self) -> Any:
+        return self._stmt.get_attributes()
+
     def __getattr__(self, name: str) -> Any:  # the rest: attributes, status, cursors
         return getattr(self._stmt, name)
 

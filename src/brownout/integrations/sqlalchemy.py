@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
 import weakref
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -40,7 +41,9 @@ except ModuleNotFoundError as e:  # the extra is not installed
     raise missing_extra(__name__, "sqlalchemy", e) from e
 
 from .._admission import Bulkhead, Permit
+from .._admission.permit import Untracked
 from .._clock import Clock
+from .._context import current
 from .._database import DatabasePolicy, IdempotencyTable
 from .._errors import Rejected
 from .._overload import Signal
@@ -135,13 +138,25 @@ class _AdmittedPool(AsyncAdaptedQueuePool):
     """The engine's pool, its checkouts admitted by the policy's bulkhead first."""
 
     _brownout: DatabasePolicy
-    _brownout_permits: dict[ConnectionPoolEntry, Permit]
+    _brownout_permits: dict[ConnectionPoolEntry, Permit | Untracked]
 
     def _do_get(self) -> ConnectionPoolEntry:
         db = self._brownout
         db.statement_budget()  # too little time left: refused before waiting (D4)
-        permit = db.bulkhead.admit()
-        await_(permit.__aenter__())
+        bulkhead = db.bulkhead
+        ctx = current()
+        left = ctx.remaining()
+        # Room and nobody waiting: admitted without a switch out of SQLAlchemy's greenlet.
+        permit = bulkhead.admit_uncontended(
+            ctx.priority,
+            ctx.caller,
+            ctx.operation,
+            bulkhead.clock.now(),
+            math.inf if left is None else left,
+        )
+        if permit is None:
+            permit = bulkhead.admit()
+            await_(permit.__aenter__())
         try:
             record = super()._do_get()
         except BaseException as error:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -34,8 +35,10 @@ except ModuleNotFoundError as e:  # the extra is not installed
 
     raise missing_extra(__name__, "psycopg", e) from e
 
-from .._admission import Bulkhead
+from .._admission import Bulkhead, Permit
+from .._admission.permit import Untracked
 from .._clock import Clock
+from .._context import current
 from .._database import DatabasePolicy, IdempotencyTable
 from .._errors import DeadlineExceeded, Rejected
 from .._overload import Signal
@@ -237,10 +240,25 @@ class BrownoutPsycopgPool:
         """The wrapped psycopg pool."""
         return self._pool
 
-    @contextlib.asynccontextmanager
-    async def _acquire(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    async def _checkout(self) -> tuple[psycopg.AsyncConnection[Any], Permit | Untracked]:
+        """Admitted (the policy's bulkhead), then a connection from the pool within the
+        statement budget; ``Rejected`` or `DeadlineExceeded` otherwise."""
         policy = self.policy
-        async with policy.admit():
+        policy.statement_budget()  # too little time left: refused before waiting (D4)
+        bulkhead = policy.bulkhead
+        ctx = current()
+        left = ctx.remaining()
+        # Room and nobody waiting: admitted at once (what `policy.admit()` decides, unqueued).
+        permit = bulkhead.admit_uncontended(
+            ctx.priority,
+            ctx.caller,
+            ctx.operation,
+            bulkhead.clock.now(),
+            math.inf if left is None else left,
+        )
+        if permit is None:
+            permit = await bulkhead.admit().__aenter__()
+        try:
             budget = policy.statement_budget()
             try:
                 raw = await self._pool.getconn(timeout=budget)
@@ -248,10 +266,24 @@ class BrownoutPsycopgPool:
                 raise DeadlineExceeded(
                     f"{policy.name}: no connection within the statement budget"
                 ) from timed_out
-            try:
-                yield raw
-            finally:
-                await self._pool.putconn(raw)
+        except BaseException as error:
+            permit.settle_raised(type(error))
+            raise
+        return raw, permit
+
+    async def _checkin(
+        self,
+        raw: psycopg.AsyncConnection[Any],
+        permit: Permit | Untracked,
+        error: type[BaseException] | None,
+    ) -> None:
+        try:
+            await self._pool.putconn(raw)
+        finally:
+            if error is None:
+                permit.success()
+            else:
+                permit.settle_raised(error)
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[BrownoutPsycopgConnection]:
@@ -260,15 +292,19 @@ class BrownoutPsycopgPool:
         `DeadlineExceeded` when no connection came within the budget. A transaction left
         open commits at the end of the block (an unkeyed commit: a lost answer raises
         `UnknownOutcome` with no key) and rolls back if the block raises."""
-        async with self._acquire() as raw:
-            conn = BrownoutPsycopgConnection(raw, self.policy)
+        raw, permit = await self._checkout()
+        try:
             try:
-                yield conn
+                yield BrownoutPsycopgConnection(raw, self.policy)
             except BaseException:
                 await _rollback(raw)
                 raise
             if raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                 await self._commit(raw, None)
+        except BaseException as error:
+            await self._checkin(raw, permit, type(error))
+            raise
+        await self._checkin(raw, permit, None)
 
     @contextlib.asynccontextmanager
     async def transaction(
@@ -283,8 +319,9 @@ class BrownoutPsycopgPool:
         back. A ``COMMIT`` whose answer is lost raises `UnknownOutcome` with the key (the
         connection is closed, not reused); reconcile with `reconcile`."""
         policy = self.policy
-        async with self._acquire() as raw:
-            conn = BrownoutPsycopgConnection(raw, policy)
+        raw, permit = await self._checkout()
+        conn = BrownoutPsycopgConnection(raw, policy)
+        try:
             try:
                 if raw.autocommit:
                     await conn.execute("BEGIN")
@@ -296,6 +333,10 @@ class BrownoutPsycopgPool:
                 await _rollback(raw)
                 raise
             await self._commit(raw, idempotency_key)
+        except BaseException as error:
+            await self._checkin(raw, permit, type(error))
+            raise
+        await self._checkin(raw, permit, None)
 
     async def _commit(self, raw: psycopg.AsyncConnection[Any], key: str | None) -> None:
         try:

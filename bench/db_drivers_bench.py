@@ -94,8 +94,8 @@ async def run(port: int, rounds: int, n: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pg-port", type=int, default=5432)
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--n", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=41)
+    parser.add_argument("--n", type=int, default=250)
     args = parser.parse_args()
     asyncio.run(run(args.pg_port, args.rounds, args.n))
 

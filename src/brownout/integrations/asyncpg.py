@@ -1,0 +1,308 @@
+"""asyncpg: a connection pool under brownout's database policy (`brownout.DatabasePolicy`).
+
+``BrownoutPool(pool, name="orders-db")`` wraps an ``asyncpg.Pool``:
+
+- ``async with db.acquire() as conn:`` waits for one of the pool's connections as admission
+  (priority order, bounded by the deadline and the queue's age; refusals are `Rejected`);
+- every statement on ``conn`` (``fetch``, ``fetchrow``, ``fetchval``, ``execute``,
+  ``executemany``) gets asyncpg's own ``timeout=`` from the statement budget. asyncpg sends
+  the server a cancel request when that timeout fires and when the task running the
+  statement is cancelled (the edge's deadline), so the query stops on the server too;
+- ``async with db.transaction(idempotency_key=key) as conn:`` writes the key's row in the
+  same transaction; a ``COMMIT`` whose answer is lost raises `UnknownOutcome` with the key,
+  and ``await db.reconcile(key)`` tells applied from not applied.
+
+The adapter only translates: the decisions are `DatabasePolicy`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+try:
+    import asyncpg
+except ModuleNotFoundError as e:  # the extra is not installed
+    from .._extras import missing_extra
+
+    raise missing_extra(__name__, "postgres", e) from e
+
+from .._admission import Bulkhead
+from .._clock import Clock
+from .._database import DatabasePolicy, IdempotencyTable
+from .._errors import DeadlineExceeded, Rejected
+from .._overload import Signal
+from .._retry.idempotency import OutcomeLedger, OutcomeRecord, OutcomeState
+from ..events import EventHub, hub
+
+__all__ = ["BrownoutConnection", "BrownoutPool"]
+
+_LOST = (
+    asyncpg.PostgresConnectionError,  # the connection is gone (08xxx, or closed under us)
+    asyncpg.InterfaceError,  # "connection is closed", "another operation is in progress"
+    asyncpg.exceptions.AdminShutdownError,  # terminated by the server: maybe after it committed
+    asyncpg.exceptions.CrashShutdownError,
+    ConnectionError,
+    OSError,
+)
+
+
+def _lost(error: BaseException) -> bool:
+    """Whether a driver error means the connection was lost (the server's answer with it)."""
+    return isinstance(error, _LOST)
+
+
+class BrownoutConnection:
+    """One admitted connection; each statement runs under the statement budget.
+
+    ``raw`` is the asyncpg connection, for what this wrapper does not cover (statements on it
+    get no budget and no cancellation at the deadline beyond the task's own)."""
+
+    __slots__ = ("_policy", "raw")
+
+    def __init__(self, raw: asyncpg.Connection, policy: DatabasePolicy) -> None:
+        self.raw = raw
+        self._policy = policy
+
+    async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        raw = self.raw
+        rows: list[asyncpg.Record] = await self._policy.statement(
+            lambda budget: raw.fetch(query, *args, timeout=budget)
+        )
+        return rows
+
+    async def fetchrow(self, query: str, *args: Any) -> asyncpg.Record | None:
+        raw = self.raw
+        row: asyncpg.Record | None = await self._policy.statement(
+            lambda budget: raw.fetchrow(query, *args, timeout=budget)
+        )
+        return row
+
+    async def fetchval(self, query: str, *args: Any, column: int = 0) -> Any:
+        raw = self.raw
+        return await self._policy.statement(
+            lambda budget: raw.fetchval(query, *args, column=column, timeout=budget)
+        )
+
+    async def execute(self, query: str, *args: Any) -> str:
+        raw = self.raw
+        status: str = await self._policy.statement(
+            lambda budget: raw.execute(query, *args, timeout=budget)
+        )
+        return status
+
+    async def executemany(self, query: str, args: Iterable[Sequence[Any]]) -> None:
+        raw = self.raw
+        await self._policy.statement(lambda budget: raw.executemany(query, args, timeout=budget))
+
+    def __repr__(self) -> str:
+        return f"BrownoutConnection({self._policy.name!r})"
+
+
+class BrownoutPool:
+    """An ``asyncpg.Pool`` whose connections are admitted, whose statements keep to the
+    request's deadline, and whose keyed transactions report lost commits (D4, D5, D6).
+
+    ``max_size`` defaults to the pool's own; the rest is `DatabasePolicy`'s: ``reserve`` kept
+    back from the deadline, ``timeout`` a statement's normal bound, ``min_useful`` the least
+    time worth sending a statement with, ``max_wait``/``max_queue`` the waiters' bounds,
+    ``ledger`` where unknown commits are recorded, ``table`` the idempotency-key table.
+    """
+
+    __slots__ = ("_pool", "policy")
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        name: str,
+        max_size: int | None = None,
+        reserve: float = 0.0,
+        timeout: float | None = None,
+        min_useful: float = 0.0,
+        max_wait: float = 0.5,
+        max_queue: int | None = None,
+        bulkhead: Bulkhead | None = None,
+        ledger: OutcomeLedger | None = None,
+        table: IdempotencyTable | None = None,
+        clock: Clock | None = None,
+        events: EventHub = hub,
+    ) -> None:
+        self._pool = pool
+        self.policy = DatabasePolicy(
+            name,
+            max_size=pool.get_max_size() if max_size is None else max_size,
+            max_wait=max_wait,
+            max_queue=max_queue,
+            timeout=timeout,
+            reserve=reserve,
+            min_useful=min_useful,
+            bulkhead=bulkhead,
+            ledger=ledger,
+            table=table,
+            clock=clock,
+            events=events,
+        )
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        """The wrapped asyncpg pool."""
+        return self._pool
+
+    @contextlib.asynccontextmanager
+    async def acquire(self) -> AsyncIterator[BrownoutConnection]:
+        """``async with db.acquire() as conn:``: admitted, then a connection from the pool
+        (taking at most the statement budget, as opening one may). Raises `Rejected` when
+        refused, `DeadlineExceeded` when no connection came within the budget."""
+        policy = self.policy
+        async with policy.admit():
+            budget = policy.statement_budget()
+            try:
+                raw = await self._pool.acquire(timeout=budget)
+            except TimeoutError as timed_out:
+                raise DeadlineExceeded(
+                    f"{policy.name}: no connection within the statement budget"
+                ) from timed_out
+            try:
+                yield BrownoutConnection(raw, policy)
+            finally:
+                await self._pool.release(raw)
+
+    @contextlib.asynccontextmanager
+    async def transaction(
+        self, *, idempotency_key: str | None = None, isolation: str | None = None
+    ) -> AsyncIterator[BrownoutConnection]:
+        """``async with db.transaction(idempotency_key=key) as conn:`` runs the block in one
+        transaction on an admitted connection.
+
+        With a key, its row is written first (`IdempotencyTable.claim`): a second transaction
+        with the same key waits for the first and fails on the key's primary key
+        (``asyncpg.UniqueViolationError``) if it committed. An error in the block rolls back.
+        A ``COMMIT`` whose answer is lost raises `UnknownOutcome` with the key (the
+        connection is closed, not reused); reconcile with `reconcile`."""
+        policy = self.policy
+        begin = "BEGIN" if isolation is None else f"BEGIN ISOLATION LEVEL {_isolation(isolation)}"
+        async with self.acquire() as conn:
+            raw = conn.raw
+            await conn.execute(begin)
+            try:
+                if idempotency_key is not None:
+                    await conn.execute(policy.table.claim, idempotency_key)
+                yield conn
+            except BaseException:
+                await _rollback(raw)
+                raise
+            try:
+                await policy.commit(
+                    lambda budget: raw.execute("COMMIT", timeout=budget),
+                    idempotency_key,
+                    lost=_lost,
+                )
+            except Rejected:  # the deadline passed before COMMIT was sent: nothing committed
+                await _rollback(raw)
+                raise
+            except BaseException:
+                # The answer is lost or the task cancelled mid-COMMIT: the connection's
+                # state is unknown, so it is closed rather than handed to the next caller.
+                _close(raw)
+                raise
+
+    async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        """Acquire (admitted), run ``query`` under the statement budget, release."""
+        async with self.acquire() as conn:
+            return await conn.fetch(query, *args)
+
+    async def fetchrow(self, query: str, *args: Any) -> asyncpg.Record | None:
+        async with self.acquire() as conn:
+            return await conn.fetchrow(query, *args)
+
+    async def fetchval(self, query: str, *args: Any, column: int = 0) -> Any:
+        async with self.acquire() as conn:
+            return await conn.fetchval(query, *args, column=column)
+
+    async def execute(self, query: str, *args: Any) -> str:
+        async with self.acquire() as conn:
+            return await conn.execute(query, *args)
+
+    # -- unknown commits ----------------------------------------------------------------------
+
+    async def create_table(self) -> None:
+        """Create the idempotency-key table if it is missing (`IdempotencyTable.ddl`)."""
+        async with self._pool.acquire() as raw:
+            await raw.execute(self.policy.table.ddl)
+
+    async def reconcile(self, key: str, *, wait: float = 5.0) -> OutcomeState:
+        """Whether the transaction keyed ``key`` committed: ``APPLIED``, ``NOT_APPLIED``, or
+        ``PENDING`` when a transaction still holding the key did not finish within ``wait``
+        ``timeout`` seconds. Outside any request's admission (a reconciler's own work)."""
+        async with self._pool.acquire() as raw:
+            inserted: bool | None
+            try:
+                async with raw.transaction():
+                    found = await raw.fetchval(self.policy.table.probe, key, timeout=wait)
+                    inserted = found is not None
+                    raise _ProbeDone
+            except _ProbeDone:
+                pass
+            except TimeoutError:
+                inserted = None
+        return IdempotencyTable.outcome(inserted)
+
+    async def check(self, record: OutcomeRecord) -> OutcomeState:
+        """`reconcile` as a `brownout.Reconciler` check: ``Reconciler(ledger, db.check)``."""
+        return await self.reconcile(record.key)
+
+    # -- observability ------------------------------------------------------------------------
+
+    def gauges(self) -> Iterator[tuple[str, Mapping[str, str], float]]:
+        """Connections in use, the pool's size, waiters and the oldest wait."""
+        return self.policy.gauges()
+
+    def signals(self, *, max_wait: float | None = None) -> list[Signal]:
+        """Pool saturation and pool wait, for an `OverloadManager`."""
+        return self.policy.signals(max_wait=max_wait)
+
+    def __repr__(self) -> str:
+        return f"BrownoutPool({self.policy!r})"
+
+
+class _ProbeDone(Exception):
+    """Leaves the probe's transaction by rolling it back (the probe writes nothing)."""
+
+
+_ISOLATION = {
+    "serializable": "SERIALIZABLE",
+    "repeatable_read": "REPEATABLE READ",
+    "read_committed": "READ COMMITTED",
+}
+
+
+def _isolation(level: str) -> str:
+    try:
+        return _ISOLATION[level]
+    except KeyError:
+        raise ValueError(f"isolation must be one of {sorted(_ISOLATION)}, not {level!r}") from None
+
+
+async def _rollback(raw: asyncpg.Connection) -> None:
+    """Roll back, shielded from a cancellation; a connection that cannot is closed (the
+    pool's reset would otherwise meet a transaction in an unknown state)."""
+    if raw.is_closed():
+        return
+    try:
+        await asyncio.shield(raw.execute("ROLLBACK", timeout=5.0))
+    except BaseException:  # the caller re-raises what made it roll back
+        _close(raw)
+
+
+def _close(raw: asyncpg.Connection) -> None:
+    """Close ``raw`` at once (a connection lost under us is already detached from its pool)."""
+    with contextlib.suppress(asyncpg.InterfaceError):
+        if not raw.is_closed():
+            raw.terminate()

@@ -50,6 +50,8 @@ ADAPTER_MODULES = (
     "brownout.integrations.faststream",
     "brownout.integrations.celery",
     "brownout.integrations.gunicorn",
+    "brownout.integrations.psycopg",
+    "brownout.integrations.sqlalchemy",
     "brownout.export.prometheus",
     "brownout.export.otel",
     "brownout.export.logging",

@@ -119,6 +119,8 @@ DEFERRED: dict[tuple[str, str], str] = {
     ("_lab.payments_service", "idempotency"): "the service process loads brownout after the fork",
     ("_lab.payments_service", "integrations"): "starlette, httpx, asyncpg only in the process",
     ("integrations.gunicorn", "export.prometheus"): "prometheus_client only in multiprocess mode",
+    ("integrations.sqlalchemy", "integrations._asyncpg_budget"): "asyncpg only for its dialect",
+    ("integrations.sqlalchemy", "integrations.psycopg"): "psycopg only for its dialect",
 }
 
 # Third-party imports in the core inside functions, by (importer, package).

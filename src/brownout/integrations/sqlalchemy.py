@@ -1,0 +1,287 @@
+"""SQLAlchemy asyncio: an ``AsyncEngine`` under brownout's database policy (`DatabasePolicy`).
+
+``engine = protect(create_async_engine(url, pool_size=10), name="orders-db")`` instruments
+the engine in place (``postgresql+asyncpg://`` or ``postgresql+psycopg://``), so
+``engine.connect()``, ``engine.begin()`` and sessions bound to it all keep to it:
+
+- **Checkout is admission**: the engine's pool waits for a connection through the policy's
+  bulkhead (priority order, bounded by the deadline and the queue's age; refusals are
+  `Rejected`), never in SQLAlchemy's own FIFO queue (its overflow is not used);
+- **Each statement runs under the statement budget**, set where the driver takes it: a
+  connection class whose prepared statements get asyncpg's ``timeout=`` (asyncpg sends the
+  server a cancel request), or a psycopg cursor class whose ``execute`` sends a cancel
+  request at the budget. Set through the documented ``do_connect`` event, so connections
+  opened before `protect` keep no budget (call it before the first checkout);
+- ``async with transaction(engine, idempotency_key=key) as conn:`` writes the key's row
+  in the same transaction and raises `UnknownOutcome` with the key when the answer to
+  ``COMMIT`` is lost; ``await reconcile(engine, key)`` tells applied from not applied.
+
+The adapter only translates: the decisions are `DatabasePolicy`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import re
+import weakref
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any
+
+try:
+    from sqlalchemy import event, exc, text
+    from sqlalchemy.engine import Engine
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+    from sqlalchemy.pool import AsyncAdaptedQueuePool, ConnectionPoolEntry
+    from sqlalchemy.util import await_
+except ModuleNotFoundError as e:  # the extra is not installed
+    from .._extras import missing_extra
+
+    raise missing_extra(__name__, "sqlalchemy", e) from e
+
+from .._admission import Bulkhead, Permit
+from .._admission.permit import Untracked
+from .._clock import Clock
+from .._context import current
+from .._database import DatabasePolicy, IdempotencyTable
+from .._errors import Rejected
+from .._overload import Signal
+from .._retry.idempotency import OutcomeLedger, OutcomeState
+from ..events import EventHub, hub
+
+__all__ = ["create_table", "gauges", "policy", "protect", "reconcile", "signals", "transaction"]
+
+_ASYNCPG_RESERVE = 0.05  # the cancel request is sent before the deadline cancels the task
+_POLICIES: weakref.WeakKeyDictionary[Engine, DatabasePolicy] = weakref.WeakKeyDictionary()
+
+
+def protect(
+    engine: AsyncEngine,
+    *,
+    name: str,
+    max_size: int | None = None,
+    reserve: float | None = None,
+    timeout: float | None = None,
+    min_useful: float = 0.0,
+    max_wait: float = 0.5,
+    max_queue: int | None = None,
+    bulkhead: Bulkhead | None = None,
+    ledger: OutcomeLedger | None = None,
+    table: IdempotencyTable | None = None,
+    clock: Clock | None = None,
+    events: EventHub = hub,
+) -> AsyncEngine:
+    """Put ``engine`` under a `DatabasePolicy` named ``name`` and return it.
+
+    ``max_size`` defaults to the pool's ``pool_size``; the rest is `DatabasePolicy`'s.
+    ``reserve`` defaults to 50 ms on asyncpg (SQLAlchemy closes a connection whose statement
+    was cancelled; a cancellation at the same instant, the request's deadline, makes that
+    close abort asyncpg's cancel request, so the budget must end first) and 0 on psycopg. The
+    engine must use SQLAlchemy's default asyncio pool (``AsyncAdaptedQueuePool``) and the
+    ``asyncpg`` or ``psycopg`` driver, without ``async_creator`` (its connections would not
+    take the budget): anything else raises `TypeError`, as does protecting it twice."""
+    sync_engine = engine.sync_engine
+    pool = sync_engine.pool
+    if sync_engine in _POLICIES:
+        raise TypeError(f"{engine!r} is already protected")
+    if type(pool) is not AsyncAdaptedQueuePool:
+        raise TypeError(
+            f"protect() needs the engine's default AsyncAdaptedQueuePool, not {type(pool).__name__}"
+        )
+    driver = sync_engine.dialect.driver
+    if driver not in ("asyncpg", "psycopg"):
+        raise TypeError(f"protect() supports the asyncpg and psycopg drivers, not {driver!r}")
+    if reserve is None:
+        reserve = _ASYNCPG_RESERVE if driver == "asyncpg" else 0.0
+    db = DatabasePolicy(
+        name,
+        max_size=pool.size() if max_size is None else max_size,
+        max_wait=max_wait,
+        max_queue=max_queue,
+        timeout=timeout,
+        reserve=reserve,
+        min_useful=min_useful,
+        bulkhead=bulkhead,
+        ledger=ledger,
+        table=table,
+        clock=clock,
+        events=events,
+    )
+    _POLICIES[sync_engine] = db
+    pool.__class__ = _AdmittedPool  # same layout: the subclass only overrides methods
+    pool._brownout = db  # type: ignore[attr-defined]
+    pool._brownout_permits = {}  # type: ignore[attr-defined]
+    if driver == "asyncpg":
+        from ._asyncpg_budget import budget_connection_class
+
+        def on_connect(dialect: Any, rec: Any, cargs: Any, cparams: dict[str, Any]) -> None:
+            cparams["connection_class"] = budget_connection_class(
+                db, cparams.get("connection_class")
+            )
+    else:
+        from .psycopg import budget_cursor_factory
+
+        def on_connect(dialect: Any, rec: Any, cargs: Any, cparams: dict[str, Any]) -> None:
+            cparams["cursor_factory"] = budget_cursor_factory(db, cparams.get("cursor_factory"))
+
+    event.listen(sync_engine, "do_connect", on_connect)
+    return engine
+
+
+def policy(engine: AsyncEngine) -> DatabasePolicy:
+    """The `DatabasePolicy` `protect` put ``engine`` under (`KeyError` if none)."""
+    return _POLICIES[engine.sync_engine]
+
+
+class _AdmittedPool(AsyncAdaptedQueuePool):
+    """The engine's pool, its checkouts admitted by the policy's bulkhead first."""
+
+    _brownout: DatabasePolicy
+    _brownout_permits: dict[ConnectionPoolEntry, Permit | Untracked]
+
+    def _do_get(self) -> ConnectionPoolEntry:
+        db = self._brownout
+        db.statement_budget()  # too little time left: refused before waiting (D4)
+        bulkhead = db.bulkhead
+        ctx = current()
+        left = ctx.remaining()
+        # Room and nobody waiting: admitted without a switch out of SQLAlchemy's greenlet.
+        permit = bulkhead.admit_uncontended(
+            ctx.priority,
+            ctx.caller,
+            ctx.operation,
+            bulkhead.clock.now(),
+            math.inf if left is None else left,
+        )
+        if permit is None:
+            permit = bulkhead.admit()
+            await_(permit.__aenter__())
+        try:
+            record = super()._do_get()
+        except BaseException as error:
+            permit.settle_raised(type(error))
+            raise
+        self._brownout_permits[record] = permit
+        return record
+
+    def _do_return_conn(self, record: ConnectionPoolEntry) -> None:
+        permit = self._brownout_permits.pop(record, None)
+        super()._do_return_conn(record)
+        if permit is not None:
+            permit.success()
+
+    def recreate(self) -> _AdmittedPool:
+        fresh = super().recreate()
+        assert isinstance(fresh, _AdmittedPool)
+        fresh._brownout = self._brownout
+        fresh._brownout_permits = {}
+        return fresh
+
+
+# -- unknown commits --------------------------------------------------------------------------
+
+
+def _lost(error: BaseException) -> bool:
+    """Whether an error from ``COMMIT`` means the connection was lost with the answer."""
+    if isinstance(error, exc.DBAPIError):
+        return bool(error.connection_invalidated)
+    return isinstance(error, (ConnectionError, OSError))
+
+
+async def _within(work: Any, budget: float | None) -> None:
+    """Await ``work`` for at most ``budget`` seconds; the driver answers the cancellation
+    with a cancel request to the server."""
+    if budget is None:
+        await work
+        return
+    async with asyncio.timeout(budget):
+        await work
+
+
+def _named(sql: str) -> str:
+    """The key table's SQL with ``$1`` written as SQLAlchemy's ``:key``."""
+    return re.sub(r"\$1\b", ":key", sql)
+
+
+@contextlib.asynccontextmanager
+async def transaction(
+    engine: AsyncEngine, *, idempotency_key: str | None = None
+) -> AsyncIterator[AsyncConnection]:
+    """``async with transaction(engine, idempotency_key=key) as conn:`` runs the block in
+    one transaction on an admitted connection (D6).
+
+    With a key, its row is written first (`IdempotencyTable.claim`): a second transaction
+    with the same key waits for the first and fails on the key's primary key
+    (``sqlalchemy.exc.IntegrityError``) if it committed. An error in the block rolls back.
+    A ``COMMIT`` whose answer is lost raises `UnknownOutcome` with the key (the connection
+    is invalidated, not reused); reconcile with `reconcile`."""
+    db = policy(engine)
+    async with engine.connect() as conn:
+        await conn.begin()
+        try:
+            if idempotency_key is not None:
+                await conn.execute(text(_named(db.table.claim)), {"key": idempotency_key})
+            yield conn
+        except BaseException:
+            await _rollback(conn)
+            raise
+        try:
+            await db.commit(
+                lambda budget: _within(conn.commit(), budget), idempotency_key, lost=_lost
+            )
+        except Rejected:  # the deadline passed before COMMIT was sent: nothing committed
+            await _rollback(conn)
+            raise
+        except BaseException:
+            # The answer is lost: the connection's state is unknown; it is not reused.
+            if not conn.invalidated:
+                await asyncio.shield(conn.invalidate())
+            raise
+
+
+async def _rollback(conn: AsyncConnection) -> None:
+    """Roll back, shielded from a cancellation; a connection that cannot is invalidated."""
+    if conn.invalidated:
+        return
+    try:
+        await asyncio.shield(conn.rollback())
+    except BaseException:  # the caller re-raises what made it roll back
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(conn.invalidate())
+
+
+async def create_table(engine: AsyncEngine) -> None:
+    """Create the idempotency-key table if it is missing (`IdempotencyTable.ddl`)."""
+    async with engine.begin() as conn:
+        await conn.execute(text(policy(engine).table.ddl))
+
+
+async def reconcile(engine: AsyncEngine, key: str, *, timeout: float = 5.0) -> OutcomeState:  # noqa: ASYNC109
+    """Whether the transaction keyed ``key`` committed: ``APPLIED``, ``NOT_APPLIED``, or
+    ``PENDING`` when a transaction still holding the key did not finish within ``timeout``
+    seconds. On a connection of the engine (a reconciler's own work: no request scope)."""
+    probe = text(_named(policy(engine).table.probe))
+    inserted: bool | None
+    async with engine.connect() as conn:
+        try:
+            async with asyncio.timeout(timeout):
+                found = (await conn.execute(probe, {"key": key})).first()
+            inserted = found is not None
+        except TimeoutError:
+            inserted = None
+        await _rollback(conn)  # the probe writes nothing
+    return IdempotencyTable.outcome(inserted)
+
+
+# -- observability ----------------------------------------------------------------------------
+
+
+def gauges(engine: AsyncEngine) -> Iterator[tuple[str, Mapping[str, str], float]]:
+    """Connections in use, the pool's size, waiters and the oldest wait."""
+    return policy(engine).gauges()
+
+
+def signals(engine: AsyncEngine, *, max_wait: float | None = None) -> list[Signal]:
+    """Pool saturation and pool wait, for an `OverloadManager`."""
+    return policy(engine).signals(max_wait=max_wait)

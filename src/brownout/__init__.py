@@ -25,6 +25,7 @@ from ._context import (
     request,
     statement_timeout_ms,
 )
+from ._database import DatabasePolicy, IdempotencyTable
 from ._deadline import Deadline
 from ._degrade import (
     DegradedMode,
@@ -103,6 +104,7 @@ __all__ = [
     "ClientThrottle",
     "Clock",
     "ConfigError",
+    "DatabasePolicy",
     "Deadline",
     "DeadlineExceeded",
     "DecorrelatedJitterBackoff",
@@ -117,6 +119,7 @@ __all__ = [
     "FleetLimit",
     "GrpcRetryThrottle",
     "HeaderError",
+    "IdempotencyTable",
     "InMemoryLeaseStore",
     "InMemoryOutcomeLedger",
     "InMemoryQuotaStore",

@@ -60,6 +60,7 @@ __all__ = [
     "RetryBudgetExhausted",
     "Sink",
     "StaleServed",
+    "StatementCancelled",
     "hub",
 ]
 
@@ -200,6 +201,18 @@ class OutcomeUnknown(RequestEvent):
     """A mutation was sent but its result is unknown; reconcile by ``idempotency_key`` (D6)."""
 
     idempotency_key: str | None
+
+
+@_event
+class StatementCancelled(RequestEvent):
+    """A database statement was stopped before it answered and a cancel request sent to the
+    server (D5): ``stage`` is ``timeout`` (it ran out the budget it was given), ``deadline``
+    (the request's deadline cancelled it) or ``cancelled`` (its caller went away);
+    ``budget`` is the time it was given (``None``: none), ``latency`` how long it ran."""
+
+    stage: str
+    budget: float | None
+    latency: float
 
 
 @_event

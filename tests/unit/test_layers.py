@@ -59,10 +59,10 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "composition",
-        ("_dependency", "_edge", "_durable", "_idempotency", "_testkit"),
-        "one outbound (Dependency), one inbound (EdgePolicy) and one queued (durable) path"
-        " built from primitives; the idempotency layer on the edge's problem bodies; the"
-        " testing kit that drives them",
+        ("_dependency", "_edge", "_durable", "_idempotency", "_database", "_testkit"),
+        "one outbound (Dependency), one inbound (EdgePolicy), one queued (durable) and one"
+        " database (DatabasePolicy) path built from primitives; the idempotency layer on the"
+        " edge's problem bodies; the testing kit that drives them",
     ),
     (
         "facades",

@@ -62,6 +62,7 @@ from ..events import (
     RequestsTallied,
     RetryBudgetExhausted,
     StaleServed,
+    StatementCancelled,
 )
 from .gauges import BREAKER_STATES, Gauge, GaugeFn, Observable
 from .labels import OTHER, LabelCap, TopKLabels
@@ -86,6 +87,7 @@ COUNTER_KINDS = (
     "retried",
     "budget_exhausted",
     "outcome_unknown",
+    "statement_cancelled",
     "msg_published",
     "msg_refused",
     "msg_started",
@@ -225,6 +227,7 @@ class Stats:
             AttemptRetried: self._retried,
             RetryBudgetExhausted: self._budget_exhausted,
             OutcomeUnknown: self._outcome_unknown,
+            StatementCancelled: self._statement_cancelled,
             LimitChanged: self._limit,
             BreakerStateChanged: self._breaker,
             OverloadLevelChanged: self._overload,
@@ -464,6 +467,9 @@ class Stats:
 
     def _outcome_unknown(self, e: OutcomeUnknown) -> None:
         self._count("outcome_unknown", e)
+
+    def _statement_cancelled(self, e: StatementCancelled) -> None:
+        self._count("statement_cancelled", e, e.stage)
 
     def _limit(self, e: LimitChanged) -> None:
         self.limits[self.sources(e.source)] = e.new

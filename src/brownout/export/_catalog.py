@@ -151,6 +151,13 @@ COUNTERS: tuple[CounterSpec, ...] = (
         "Mutations whose outcome is unknown; reconcile by idempotency key (D6).",
     ),
     CounterSpec(
+        "statement_cancelled",
+        "brownout_db_statements_cancelled",
+        "brownout.db.statements.cancelled",
+        "Database statements stopped and cancelled on the server, by stage (D5).",
+        "stage",
+    ),
+    CounterSpec(
         "msg_published",
         "brownout_messages_published",
         "brownout.messages.published",

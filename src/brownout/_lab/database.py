@@ -50,6 +50,7 @@ __all__ = [
     "DATABASE_TITLE",
     "DatabaseSettings",
     "DatabaseUnavailable",
+    "Outcome",
     "Sample",
     "database_checks",
     "database_description",
@@ -157,7 +158,7 @@ def sample_queries(queries: Sequence[str], run: str, now: float, start: float) -
 
 
 @dataclass
-class _Outcome:
+class Outcome:
     sent: float
     """Seconds since the run's start."""
     kind: str
@@ -177,7 +178,7 @@ def _ms(value: float | None) -> float | None:
 
 
 def summarize_seconds(
-    outcomes: Sequence[_Outcome],
+    outcomes: Sequence[Outcome],
     waits: Sequence[tuple[float, float]],
     samples: Sequence[Sample],
     seconds: int,
@@ -341,13 +342,13 @@ async def _reason(response: Any) -> str:
     return reason.rsplit("/", 1)[-1].rsplit(":", 1)[-1] or f"http_{response.status}"
 
 
-async def _drive(s: DatabaseSettings, url: str, start: float) -> list[_Outcome]:
+async def _drive(s: DatabaseSettings, url: str, start: float) -> list[Outcome]:
     import aiohttp
 
     from brownout.wire import BUDGET_HEADER
 
     n = int(s.rate * (s.before + s.slow + s.after))
-    outcomes: list[_Outcome] = []
+    outcomes: list[Outcome] = []
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=s.deadline)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
@@ -372,7 +373,7 @@ async def _drive(s: DatabaseSettings, url: str, start: float) -> list[_Outcome]:
                 kind, took = "timeout", time.monotonic() - sent
             except aiohttp.ClientError:
                 kind, took = "error", time.monotonic() - sent
-            outcomes.append(_Outcome(round(at, 4), kind, took))
+            outcomes.append(Outcome(round(at, 4), kind, took))
 
         tasks = []
         for i in range(n):
@@ -656,12 +657,13 @@ def plot_database(lab: dict[str, Any], out: Any, plt: Any) -> str:
     per second, both configurations; the slowdown shaded. Returns the file's name."""
     st = (lab.get(DATABASE) or {}).get("settings") or {}
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for run in database_runs(lab):
+    for i, run in enumerate(database_runs(lab)):
         xs = [x["at"] for x in run["samples"]]
         (line,) = top.step(
             xs,
             [x["running"] for x in run["samples"]],
             where="post",
+            linewidth=3.0 if i == 0 else 1.5,  # the first stays visible under the second
             label=f"{run['configuration']}: running",
         )
         top.step(

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from brownout._lab.database import (
+    DATABASE_COLUMNS,
+    DATABASE_SECONDS_COLUMNS,
     DatabaseSettings,
     DatabaseUnavailable,
     Outcome,
@@ -195,3 +197,10 @@ def test_a_postgresql_that_does_not_answer_says_how_to_start_it() -> None:
     # Port 1 on loopback: nothing listens, the connection is refused at once.
     with pytest.raises(DatabaseUnavailable, match="service postgresql start"):
         run_database(DatabaseSettings(dsn="postgresql://postgres@127.0.0.1:1/test"))
+
+
+def test_the_docs_page_shows_the_command_and_the_reports_table() -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "lab-database.md").read_text()
+    assert "$ brownout lab --scenarios database" in page
+    assert "| " + " | ".join(DATABASE_COLUMNS) + " |" in page
+    assert "| " + " | ".join(DATABASE_SECONDS_COLUMNS) + " |" in page

@@ -77,7 +77,7 @@ class DatabaseUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class DatabaseSettings:
-    """Timing of the scenario. The defaults take about 75 s in all (two configurations)."""
+    """Timing of the scenario. The defaults take about 65 s in all (two configurations)."""
 
     dsn: str = "postgresql://postgres@127.0.0.1:5432/test"
     pool_size: int = 8

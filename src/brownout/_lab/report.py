@@ -786,7 +786,7 @@ PostgreSQL. The table gives requested, applied once, applied twice or more, unkn
 outcomes recorded, reconciled as applied, replays served. Pass/fail: brownout applies no
 order twice and leaves no unknown outcome unreconciled.
 
-**Slow database** (`database`, opt-in, about 75 s; needs PostgreSQL at `--postgres`, and
+**Slow database** (`database`, opt-in, about 65 s; needs PostgreSQL at `--postgres`, and
 says so, exit 3, when it does not answer; figures from a run:
 [the slow-database lab](lab-database.md)):
 

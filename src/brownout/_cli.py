@@ -127,9 +127,9 @@ def _lab_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentPa
     p.add_argument(
         "--scenarios",
         help=f"comma-separated scenarios (default: {','.join(DEFAULT_SCENARIOS)}; "
-        f"opt-in: {','.join(OPT_IN_SCENARIOS)},backlog,payments; known: "
-        f"{','.join(SCENARIOS)},backlog,payments; backlog runs on Redis Streams, see --redis; "
-        "payments on PostgreSQL and Redis, see --postgres)",
+        f"opt-in: {','.join(OPT_IN_SCENARIOS)},backlog,payments,database; known: "
+        f"{','.join(SCENARIOS)},backlog,payments,database; backlog runs on Redis Streams, see "
+        "--redis; payments on PostgreSQL and Redis, database on PostgreSQL, see --postgres)",
     )
     p.add_argument(
         "--redis",
@@ -140,7 +140,8 @@ def _lab_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentPa
     p.add_argument(
         "--postgres",
         default="postgresql://postgres@127.0.0.1:5432/test",
-        help="the PostgreSQL the payments scenario uses (it creates and drops its own tables)",
+        help="the PostgreSQL the payments and database scenarios use (payments creates and drops "
+        "its own tables; database only runs queries and takes advisory locks)",
     )
     p.add_argument(
         "--drill",
@@ -184,6 +185,8 @@ def lab_main(argv: list[str]) -> int:
         quick_settings,
         run_backlog,
     )
+    from ._lab.database import DATABASE, DatabaseSettings, run_database
+    from ._lab.database import quick_settings as quick_database
     from ._lab.payments import PAYMENTS, PaymentsSettings, run_payments
     from ._lab.payments import quick_settings as quick_payments
     from ._lab.report import print_tables, write_markdown, write_report
@@ -235,7 +238,8 @@ def lab_main(argv: list[str]) -> int:
             names = args.scenarios.split(",") if args.scenarios else list(default)
         backlog = BACKLOG in names
         payments = PAYMENTS in names
-        names = [n for n in names if n not in (BACKLOG, PAYMENTS)]
+        database = DATABASE in names
+        names = [n for n in names if n not in (BACKLOG, PAYMENTS, DATABASE)]
         scenarios = [SCENARIOS[n] for n in names]
         if args.quick:
             scenarios = [quick_variant(s) for s in scenarios]
@@ -280,7 +284,7 @@ def lab_main(argv: list[str]) -> int:
                     on_progress=on_progress,
                     on_stage=on_stage,
                 )
-            else:  # the backlog or payments alone need no HTTP demo and no calibration
+            else:  # backlog, payments, database alone need no HTTP demo and no calibration
                 lab = {
                     "settings": asdict(settings),
                     "target": None,
@@ -309,6 +313,15 @@ def lab_main(argv: list[str]) -> int:
                 console.print(f"[yellow]payments scenario not measured:[/] {e}")
                 lab["payments"] = {"skipped": str(e)}
                 if not scenarios and not backlog:
+                    return EXIT_UNREACHABLE
+        if database:
+            db = DatabaseSettings(dsn=args.postgres)
+            try:
+                lab["database"] = run_database(quick_database(db) if args.quick else db, on_stage)
+            except RuntimeError as e:  # DatabaseUnavailable, or a front that did not start
+                console.print(f"[yellow]database scenario not measured:[/] {e}")
+                lab["database"] = {"skipped": str(e)}
+                if not scenarios and not backlog and not payments:
                     return EXIT_UNREACHABLE
         for task in tasks.values():
             t = progress.tasks[task]

@@ -14,6 +14,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from .database import (
+    DATABASE_COLUMNS,
+    DATABASE_SECONDS_COLUMNS,
+    DATABASE_TITLE,
+    database_description,
+    database_rows,
+    database_runs,
+    database_seconds,
+    plot_database,
+)
 from .payments import (
     PAYMENTS_COLUMNS,
     PAYMENTS_TITLE,
@@ -303,6 +313,20 @@ def backlog_seconds(lab: dict[str, Any], before: int = 2) -> tuple[list[str], li
     return cols, rows
 
 
+def _database_markdown(lab: dict[str, Any]) -> list[str]:
+    """The database scenario's section: the summary table, then the per-second table."""
+    out = [f"## {DATABASE_TITLE}", "", database_description(lab), ""]
+    for cols, rows in (
+        (DATABASE_COLUMNS, database_rows(lab)),
+        (DATABASE_SECONDS_COLUMNS, database_seconds(lab)),
+    ):
+        out.append("| " + " | ".join(cols) + " |")
+        out.append("|" + "---|" * len(cols))
+        out += ["| " + " | ".join(row) + " |" for row in rows]
+        out.append("")
+    return out
+
+
 def _backlog_markdown(lab: dict[str, Any]) -> list[str]:
     if not (lab.get("backlog") or {}).get("runs"):
         return []
@@ -343,6 +367,13 @@ def print_tables(lab: dict[str, Any], console: Any) -> None:
         for col in PAYMENTS_COLUMNS:
             table.add_column(col, overflow="fold")
         for row in payments_rows(lab):
+            table.add_row(*row)
+        console.print(table)
+    if database_runs(lab):
+        table = Table(title=f"{DATABASE_TITLE}: {database_description(lab)}", title_justify="left")
+        for col in DATABASE_COLUMNS:
+            table.add_column(col, overflow="fold")
+        for row in database_rows(lab):
             table.add_row(*row)
         console.print(table)
     for sc in _scenarios(lab):
@@ -431,6 +462,8 @@ def _plot(lab: dict[str, Any], out: Path) -> list[str]:
     written: list[str] = []
     if _backlog_runs(lab):
         written.append(_plot_backlog(lab, out, plt))
+    if database_runs(lab):
+        written.append(plot_database(lab, out, plt))
     if not lab["calibration"]:
         return written
     capacity = float(lab["calibration"]["capacity"])
@@ -753,6 +786,27 @@ PostgreSQL. The table gives requested, applied once, applied twice or more, unkn
 outcomes recorded, reconciled as applied, replays served. Pass/fail: brownout applies no
 order twice and leaves no unknown outcome unreconciled.
 
+**Slow database** (`database`, opt-in, about 65 s; needs PostgreSQL at `--postgres`, and
+says so, exit 3, when it does not answer; figures from a run:
+[the slow-database lab](lab-database.md)):
+
+```console
+$ brownout lab --scenarios database
+```
+
+A front (uvicorn) whose handler runs one query through a pool of 8 asyncpg connections
+(100 ms each: 80 queries/s), offered 56 requests/s open loop with a 1 s client deadline.
+From 8 s for 10 s the lab holds an advisory lock every query takes in shared mode, 1.5 s at
+a time with 0.5 s free between. Unprotected: a plain pool, an unbounded wait for a
+connection, no statement timeout. Brownout: `BrownoutMiddleware` and `BrownoutPool` (the
+pool as admission with a 250 ms queue age bound, the statement timeout from the budget, a
+cancel request to the server at the deadline). Each query's SQL comment carries its caller's
+give-up time, and `pg_stat_activity`, sampled every 200 ms, tells the queries still running
+for a caller who is gone. Pass/fail (brownout): no query runs on the server more than 1 s
+past its caller's deadline; the pool wait's p99 within 350 ms; goodput back to 90% of its
+level within 3 s of the slowdown's end; during the slowdown, at least the unprotected
+front's goodput.
+
 The three-layer chain (front -> mid -> backend) is not a lab scenario: it is measured by
 counts in `tests/integration/test_retry_chain.py` (20 originals: 23 attempts at the bottom
 with brownout, 540 with naive 3-attempt retries at every layer).
@@ -780,6 +834,9 @@ def markdown(
         out += ["|" + "---|" * len(PAYMENTS_COLUMNS)]
         out += ["| " + " | ".join(row) + " |" for row in payments_rows(lab)]
         out += [""]
+    if database_runs(lab):
+        out += _database_markdown(lab)
+        out += [f"![timeline-database.png]({image_prefix}timeline-database.png)", ""]
     if not cal:
         return "\n".join([*out, "## Verdict", "", *_verdict_lines(lab), ""])
     out += [
@@ -855,6 +912,17 @@ def _html(lab: dict[str, Any], images: list[str]) -> str:
         for row in payments_rows(lab):
             parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
         parts.append("</table>")
+    if database_runs(lab):
+        parts.append(f"<h2>{DATABASE_TITLE}</h2><p>{html.escape(database_description(lab))}</p>")
+        for cols, rows in (
+            (DATABASE_COLUMNS, database_rows(lab)),
+            (DATABASE_SECONDS_COLUMNS, database_seconds(lab)),
+        ):
+            parts.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in cols))
+            for row in rows:
+                parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
+            parts.append("</table>")
+        parts.append("<p><img src='timeline-database.png'></p>")
     for sc in _scenarios(lab):
         parts.append(f"<h2>{html.escape(sc['title'])}</h2><p>{html.escape(sc['description'])}</p>")
         parts.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS))

@@ -31,13 +31,17 @@ saturated) does not pass even when its value would: its ``status`` is ``host-bou
 step was host-bound (``host_bound`` lists why it was, for the reader to weigh).
 
 In the payments scenario (opt-in, on PostgreSQL and Redis: `brownout._lab.payments`),
-brownout applies no payment twice and leaves no unknown outcome unreconciled.
+brownout applies no payment twice and leaves no unknown outcome unreconciled. In the database
+scenario (opt-in, on PostgreSQL: `brownout._lab.database`), no query outlives its caller's
+deadline on the server, the pool wait stays within its bound, goodput recovers after the
+slowdown, and brownout serves at least what the unprotected front serves while it lasts.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .database import database_checks
 from .payments import payments_checks
 
 __all__ = [
@@ -152,7 +156,7 @@ def judged_runs(lab: dict[str, Any]) -> list[dict[str, Any]]:
 def evaluate(lab: dict[str, Any]) -> list[Check]:
     """Every invariant check of a lab result; the lab fails if any has ``passed`` false."""
     checks = _http_checks(lab) if lab.get("calibration") else []
-    return checks + backlog_checks(lab) + payments_checks(lab)
+    return checks + backlog_checks(lab) + payments_checks(lab) + database_checks(lab)
 
 
 def _http_checks(lab: dict[str, Any]) -> list[Check]:

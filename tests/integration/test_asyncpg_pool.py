@@ -331,7 +331,7 @@ async def test_a_second_transaction_with_a_committed_key_fails(
     key = f"k-{uuid.uuid4().hex}"
     async with db.transaction(idempotency_key=key) as conn:
         await conn.execute(f"INSERT INTO {orders} VALUES ($1)", key)
-    with pytest.raises(asyncpg.UniqueViolationError):
+    with pytest.raises(brownout.AlreadyApplied):
         async with db.transaction(idempotency_key=key) as conn:
             await conn.execute(f"INSERT INTO {orders} VALUES ($1)", key + "-again")
     assert await db.reconcile(key) is OutcomeState.APPLIED

@@ -19,6 +19,7 @@ from brownout import (
     UnknownOutcome,
 )
 from brownout.events import EventHub, OutcomeUnknown, RequestShed, StatementCancelled
+from brownout.idempotency import MAX_KEY_LENGTH, IdempotencyKeyInvalid
 from brownout.testing import EventRecorder, VirtualTime
 
 
@@ -219,3 +220,16 @@ def test_the_key_table_accepts_only_identifiers() -> None:
 def test_bad_settings_are_refused(kw: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         DatabasePolicy("db", **kw)  # type: ignore[arg-type]
+
+
+def test_a_key_is_checked_before_it_reaches_the_table() -> None:
+    longest = "k" * MAX_KEY_LENGTH
+    assert IdempotencyTable.key(longest) == longest
+    assert IdempotencyTable.key("order-7 é") == "order-7 é"
+    for bad in ("", "a\x00b", longest + "k", None, b"bytes", 7):
+        with pytest.raises(IdempotencyKeyInvalid) as refused:
+            IdempotencyTable.key(bad)
+        assert isinstance(refused.value, ValueError)
+    with pytest.raises(IdempotencyKeyInvalid) as long_one:
+        IdempotencyTable.key("x" * 10_000)
+    assert len(str(long_one.value)) < 200  # the message quotes only the key's start

@@ -45,7 +45,7 @@ from .._admission.permit import Untracked
 from .._clock import Clock
 from .._context import current
 from .._database import DatabasePolicy, IdempotencyTable
-from .._errors import Rejected
+from .._errors import AlreadyApplied, Rejected
 from .._overload import Signal
 from .._retry.idempotency import OutcomeLedger, OutcomeState
 from ..events import EventHub, hub
@@ -212,16 +212,22 @@ async def transaction(
     one transaction on an admitted connection (D6).
 
     With a key, its row is written first (`IdempotencyTable.claim`): a second transaction
-    with the same key waits for the first and fails on the key's primary key
-    (``sqlalchemy.exc.IntegrityError``) if it committed. An error in the block rolls back.
+    with the same key waits for the first and, if it committed, raises `AlreadyApplied`
+    before the block runs. A key that is empty, too long or holds NUL raises
+    `IdempotencyKeyInvalid` before admission. An error in the block rolls back.
     A ``COMMIT`` whose answer is lost raises `UnknownOutcome` with the key (the connection
     is invalidated, not reused); reconcile with `reconcile`."""
     db = policy(engine)
+    if idempotency_key is not None:
+        IdempotencyTable.key(idempotency_key)
     async with engine.connect() as conn:
         await conn.begin()
         try:
             if idempotency_key is not None:
-                await conn.execute(text(_named(db.table.claim)), {"key": idempotency_key})
+                try:
+                    await conn.execute(text(_named(db.table.claim)), {"key": idempotency_key})
+                except exc.IntegrityError as applied:  # the claim's only constraint: the key
+                    raise AlreadyApplied(idempotency_key) from applied
             yield conn
         except BaseException:
             await _rollback(conn)
@@ -260,7 +266,9 @@ async def create_table(engine: AsyncEngine) -> None:
 async def reconcile(engine: AsyncEngine, key: str, *, timeout: float = 5.0) -> OutcomeState:  # noqa: ASYNC109
     """Whether the transaction keyed ``key`` committed: ``APPLIED``, ``NOT_APPLIED``, or
     ``PENDING`` when a transaction still holding the key did not finish within ``timeout``
-    seconds. On a connection of the engine (a reconciler's own work: no request scope)."""
+    seconds. On a connection of the engine (a reconciler's own work: no request scope). A
+    malformed key raises `IdempotencyKeyInvalid` (no transaction can have used it)."""
+    IdempotencyTable.key(key)
     probe = text(_named(policy(engine).table.probe))
     inserted: bool | None
     async with engine.connect() as conn:

@@ -119,11 +119,19 @@ def protect(
             cparams["connection_class"] = budget_connection_class(
                 db, cparams.get("connection_class")
             )
+            budget = db.statement_budget()  # a connect is bounded like the checkout it serves
+            if budget is not None and budget < cparams.get("timeout", math.inf):
+                cparams["timeout"] = budget
     else:
         from .psycopg import budget_cursor_factory
 
         def on_connect(dialect: Any, rec: Any, cargs: Any, cparams: dict[str, Any]) -> None:
             cparams["cursor_factory"] = budget_cursor_factory(db, cparams.get("cursor_factory"))
+            budget = db.statement_budget()  # libpq's connect_timeout: whole seconds, 2 at least
+            if budget is not None:
+                seconds = max(2, math.ceil(budget))
+                if seconds < float(cparams.get("connect_timeout") or math.inf):
+                    cparams["connect_timeout"] = seconds
 
     event.listen(sync_engine, "do_connect", on_connect)
     return engine

@@ -36,7 +36,14 @@ from .._errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
 from .._overload.signals import InFlight, QueueAge, Signal
 from .._retry.idempotency import OutcomeLedger
 from .._retry.outbound import attempt_budget
-from ..events import EventHub, LedgerWriteFailed, OutcomeUnknown, RequestShed, StatementCancelled
+from ..events import (
+    EventHub,
+    LedgerWriteFailed,
+    OutcomeUnknown,
+    RequestOffered,
+    RequestShed,
+    StatementCancelled,
+)
 from ..events import hub as default_hub
 from .keys import IdempotencyTable
 
@@ -91,6 +98,11 @@ class DatabasePolicy:
     ) -> None:
         if not isinstance(max_size, int) or max_size < 1:
             raise ValueError("max_size must be an int >= 1 (the connection pool's size)")
+        if max_queue is not None and (not isinstance(max_queue, int) or max_queue < 1):
+            # The bulkhead's queues hold one at least; a short max_wait is how not to wait.
+            raise ValueError(
+                "max_queue must be an int >= 1 (the waiters; or None: 4 per connection)"
+            )
         if not 0.0 < max_wait < math.inf:  # NaN too: a queue is bounded in age (A3)
             raise ValueError("max_wait must be positive and finite")
         if timeout is not None and not 0.0 < timeout < math.inf:
@@ -123,15 +135,30 @@ class DatabasePolicy:
         """``async with policy.admit():`` holds one of the pool's places (waiting for it in
         priority order, bounded by the deadline and ``max_wait``), or raises `Rejected`.
         Too little time left for a statement refuses here, before waiting (D4)."""
-        self.statement_budget()
+        self.check_time_left()
         return self.bulkhead.admit()
+
+    def check_time_left(self) -> None:
+        """Before admission: too little time left for a statement raises `Rejected`
+        (``deadline_too_short`` or ``deadline_expired``) before the request waits (D4),
+        reported as offered and shed (the bulkhead never saw it)."""
+        deadline = current_deadline()
+        if deadline is None:
+            return
+        try:
+            attempt_budget(
+                self.timeout, reserve=self.reserve, min_useful=self.min_useful, deadline=deadline
+            )
+        except Rejected as refused:
+            raise self._refuse(refused.reason, f"{self.name}: {refused.detail}") from None
 
     # -- statements -------------------------------------------------------------------------
 
     def statement_budget(self) -> float | None:
         """How long the next statement may run (D4): ``timeout`` capped at the remaining
         deadline less the reserve; ``None`` for no bound. Too little left raises `Rejected`
-        (``deadline_too_short`` or ``deadline_expired``) before anything is sent."""
+        (``deadline_too_short`` or ``deadline_expired``) before anything is sent, with no
+        event of its own: the admission holding the connection reports how the request ended."""
         deadline = current_deadline()
         if deadline is None:
             return self.timeout
@@ -140,7 +167,7 @@ class DatabasePolicy:
                 self.timeout, reserve=self.reserve, min_useful=self.min_useful, deadline=deadline
             )
         except Rejected as refused:
-            raise self._refuse(refused.reason, f"{self.name}: {refused.detail}") from None
+            raise Rejected(refused.reason, f"{self.name}: {refused.detail}") from None
 
     async def statement(self, run: Callable[[float | None], Awaitable[T]]) -> T:
         """Await ``run(budget)``, the driver's statement with its timeout set to the budget.
@@ -191,8 +218,8 @@ class DatabasePolicy:
             return attempt_budget(
                 self.timeout, reserve=self.reserve, min_useful=0.0, deadline=deadline
             )
-        except Rejected as refused:
-            raise self._refuse(refused.reason, f"{self.name}: {refused.detail}") from None
+        except Rejected as refused:  # admitted: the admission reports how it ended
+            raise Rejected(refused.reason, f"{self.name}: {refused.detail}") from None
 
     async def commit(
         self,
@@ -317,18 +344,18 @@ class DatabasePolicy:
             )
 
     def _refuse(self, reason: Reason, detail: str) -> Rejected:
+        """A request refused before the bulkhead saw it: offered and shed, as the bulkhead
+        reports its own refusals (offered = admitted + shed + left the queue)."""
         if self._events.enabled:
             ctx = current()
+            now = self._clock.now()
+            remaining = ctx.remaining()
+            self._events.emit(
+                RequestOffered(now, self.name, ctx.operation, ctx.priority, ctx.caller, remaining)
+            )
             self._events.emit(
                 RequestShed(
-                    self._clock.now(),
-                    self.name,
-                    ctx.operation,
-                    ctx.priority,
-                    ctx.caller,
-                    reason,
-                    ctx.remaining(),
-                    0.0,
+                    now, self.name, ctx.operation, ctx.priority, ctx.caller, reason, remaining, 0.0
                 )
             )
         return Rejected(reason, detail)

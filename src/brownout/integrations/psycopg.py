@@ -244,7 +244,7 @@ class BrownoutPsycopgPool:
         """Admitted (the policy's bulkhead), then a connection from the pool within the
         statement budget; ``Rejected`` or `DeadlineExceeded` otherwise."""
         policy = self.policy
-        policy.statement_budget()  # too little time left: refused before waiting (D4)
+        policy.check_time_left()  # too little time left: refused before waiting (D4)
         bulkhead = policy.bulkhead
         ctx = current()
         left = ctx.remaining()

@@ -150,7 +150,7 @@ class _AdmittedPool(AsyncAdaptedQueuePool):
 
     def _do_get(self) -> ConnectionPoolEntry:
         db = self._brownout
-        db.statement_budget()  # too little time left: refused before waiting (D4)
+        db.check_time_left()  # too little time left: refused before waiting (D4)
         bulkhead = db.bulkhead
         ctx = current()
         left = ctx.remaining()

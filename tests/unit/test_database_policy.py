@@ -20,6 +20,7 @@ from brownout import (
 )
 from brownout.events import (
     EventHub,
+    LedgerWriteFailed,
     OutcomeUnknown,
     RequestOffered,
     RequestShed,
@@ -179,6 +180,34 @@ async def test_a_lost_commit_is_an_unknown_outcome_recorded_in_the_ledger() -> N
     record = await ledger.get("order-7")
     assert record is not None and record.dependency == "orders-db"
     assert [e.idempotency_key for e in seen.of(OutcomeUnknown)] == ["order-7"]
+
+
+async def test_a_failed_ledger_write_is_reported_once_and_the_caller_keeps_the_key(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    vt = VirtualTime()
+    hub = EventHub()
+
+    class BrokenLedger(InMemoryOutcomeLedger):
+        name = "broken"
+
+        async def record_unknown(self, key: str, *, dependency: str, detail: str = "") -> None:
+            raise ConnectionError("ledger down")
+
+    db = policy(vt, hub, ledger=BrokenLedger(clock=vt.clock))
+
+    async def dropped(budget: float | None) -> None:
+        raise ConnectionResetError("connection lost mid-COMMIT")
+
+    with EventRecorder(hub) as seen, vt.deadline(1.0):
+        with pytest.raises(UnknownOutcome) as unknown:
+            await db.commit(dropped, "order-8", lost=lambda e: isinstance(e, ConnectionError))
+        await asyncio.sleep(0)  # the write's callback
+    assert unknown.value.recorded is False
+    assert any("order-8" in note for note in unknown.value.__notes__)
+    [failed] = seen.of(LedgerWriteFailed)
+    assert (failed.source, failed.ledger, failed.key) == ("orders-db", "broken", "order-8")
+    assert "unknown commit of idempotency key 'order-8'" in caplog.text
 
 
 async def test_a_commit_timeout_is_unknown_and_a_server_answer_is_not() -> None:

@@ -20,7 +20,6 @@ Adapters (`brownout.integrations.asyncpg`) only translate: they pass the driver'
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -34,7 +33,7 @@ from .._clock import Clock, default_clock
 from .._context import current, current_deadline
 from .._errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
 from .._overload.signals import InFlight, QueueAge, Signal
-from .._retry.idempotency import OutcomeLedger
+from .._retry.idempotency import OutcomeLedger, ledger_name, record_shielded
 from .._retry.outbound import attempt_budget
 from ..events import (
     EventHub,
@@ -52,7 +51,6 @@ __all__ = ["DatabasePolicy"]
 T = TypeVar("T")
 
 _log = logging.getLogger("brownout.database")
-_LEDGER_WRITES: set[asyncio.Future[None]] = set()  # shielded writes still running (strong refs)
 
 
 class DatabasePolicy:
@@ -265,34 +263,14 @@ class DatabasePolicy:
                 )
             )
         if self.ledger is not None and key is not None:
-            await self._record(self.ledger, key, unknown)
+            # Shielded: a cancelled caller must not cut off the only record of the commit.
+            await record_shielded(
+                self.ledger, key, unknown, source=self.name, failed=self._ledger_failed
+            )
         return unknown
 
-    async def _record(self, ledger: OutcomeLedger, key: str, unknown: UnknownOutcome) -> None:
-        """Write the unknown commit to the ledger, shielded: a cancelled caller must not cut
-        off the only record of the transaction. A failed write is logged and emitted."""
-        write = asyncio.ensure_future(
-            ledger.record_unknown(key, dependency=self.name, detail=repr(unknown.__cause__))
-        )
-        _LEDGER_WRITES.add(write)
-        write.add_done_callback(functools.partial(self._written, ledger, key))
-        try:
-            await asyncio.shield(write)
-        except Exception as error:  # logged and emitted by _written
-            unknown.recorded = False
-            unknown.add_note(
-                f"not recorded in the outcome ledger ({type(error).__name__}): keep idempotency"
-                f" key {key!r} and reconcile it yourself"
-            )
-        else:
-            unknown.recorded = True
-
-    def _written(self, ledger: OutcomeLedger, key: str, write: asyncio.Future[None]) -> None:
-        _LEDGER_WRITES.discard(write)
-        if write.cancelled() or (error := write.exception()) is None:
-            return
-        name = getattr(ledger, "name", None)
-        name = name if isinstance(name, str) else type(ledger).__name__
+    def _ledger_failed(self, ledger: OutcomeLedger, key: str, error: BaseException) -> None:
+        name = ledger_name(ledger)
         _log.error(
             "%s: could not record the unknown commit of idempotency key %r in ledger %s",
             self.name,

@@ -45,7 +45,7 @@ from .._admission.permit import Untracked
 from .._clock import Clock
 from .._context import current
 from .._database import DatabasePolicy, IdempotencyTable
-from .._errors import AlreadyApplied, Rejected
+from .._errors import AlreadyApplied, DeadlineExceeded, Rejected
 from .._overload import Signal
 from .._retry.idempotency import OutcomeLedger, OutcomeState
 from ..events import EventHub, hub
@@ -166,7 +166,14 @@ class _AdmittedPool(AsyncAdaptedQueuePool):
             permit = bulkhead.admit()
             await_(permit.__aenter__())
         try:
-            record = super()._do_get()
+            try:
+                record = super()._do_get()
+            except TimeoutError as timed_out:  # the connect, cut at the budget (on_connect)
+                if isinstance(timed_out, DeadlineExceeded):
+                    raise
+                raise DeadlineExceeded(
+                    f"{db.name}: no connection within the statement budget"
+                ) from timed_out
         except BaseException as error:
             permit.settle_raised(type(error))
             raise

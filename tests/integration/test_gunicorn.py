@@ -1,7 +1,7 @@
 """docs/gunicorn.md's gunicorn.conf.py files and app.py, run as they are on the page by real
 gunicorn (gthread and sync workers) over loopback: a burst above a worker's threads is
-refused 503 quickly while /health is answered; the adaptive limit moves and stays within
-the threads; a scrape of either of two workers shows both workers' counts, and a worker
+refused 503 quickly while /health is answered; the adaptive limit stays within the threads
+the bulkhead may hold; a scrape of either of two workers shows both workers' counts, and a worker
 killed with SIGKILL keeps its counts (child_exit)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "gunicorn.md"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-CAPACITY = 6  # the page's threads = 8, less a quarter kept spare
+CAPACITY = 6  # the page's threads = 16: 8 kept spare, 2 for the queue
 NAMED = """
 import os
 from app import app as inner
@@ -120,15 +120,15 @@ def limit_now(base: str) -> float:
     return total(r.text, "brownout_concurrency_limit")
 
 
-def test_gthread_refuses_a_burst_quickly_and_adapts_within_its_threads(gunicorn) -> None:
+def test_gthread_refuses_a_burst_quickly_within_its_threads(gunicorn) -> None:
     base = gunicorn("gthread", 1)
-    assert limit_now(base) == CAPACITY // 2  # worker_limit starts at half the capacity
+    assert limit_now(base) == CAPACITY  # worker_bulkhead starts at what the threads may run
     limits: list[float] = []
     refused: list[tuple[float, requests.Response]] = []
     served = 0
-    with ThreadPoolExecutor(40) as pool:
-        for _ in range(8):  # bursts of 30 slow requests, far above 8 threads, until it moved
-            burst = [pool.submit(get, f"{base}/work?seconds=0.4") for _ in range(30)]
+    with ThreadPoolExecutor(60) as pool:
+        for _ in range(8):  # bursts of 50 slow requests, far above 16 threads
+            burst = [pool.submit(get, f"{base}/work?seconds=0.4") for _ in range(50)]
             time.sleep(0.1)
             health = [pool.submit(get, f"{base}/health") for _ in range(3)]
             for f in health:
@@ -143,14 +143,14 @@ def test_gthread_refuses_a_burst_quickly_and_adapts_within_its_threads(gunicorn)
                     assert status == 200, status
                     served += 1
             limits.append(limit_now(base))
-            if max(limits) > CAPACITY // 2 and len(refused) >= 30:
+            if len(refused) >= 60:
                 break
-    assert served > 0 and len(refused) >= 30, (served, len(refused))
+    assert served > 0 and len(refused) >= 60, (served, len(refused))
     assert all(1 <= v <= CAPACITY for v in limits), limits
-    assert max(limits) > CAPACITY // 2, limits  # it grew under load, up to the cap at most
     for _, r in refused:
         assert r.headers["content-type"].startswith("application/problem+json")
         assert r.json()["status"] == 503
+        assert r.json()["reason"] in ("queue_full", "queue_timeout"), r.text
         assert int(r.headers.get("retry-after", "0")) >= 0  # sent when the policy estimates
     took = sorted(t for t, _ in refused)
     # A refusal does not wait for the work ahead of it (each slow request takes 0.4 s).
@@ -172,13 +172,15 @@ def workers_that_served(base: str, n: int) -> tuple[set[str], int]:
     """Send ``n`` requests, 8 at a time; the workers that answered 200, and how many did.
 
     A worker given more of the 8 than its limit and queue hold refuses the rest 503
-    ``queue_full`` (the kernel picks the worker, and a busy host slows each request): the
-    bulkhead working, counted as offered and not admitted."""
+    (``queue_full``, or ``queue_timeout`` past the queue's short bound: the kernel picks the
+    worker, and a busy host slows each request): the bulkhead working, counted as offered
+    and not admitted."""
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(get, [f"{base}/work"] * n, timeout=120))
     refused = [r for s, _, r in results if s != 200]
     for r in refused:
-        assert r.status_code == 503 and r.json()["reason"] == "queue_full", r.text
+        assert r.status_code == 503, r.text
+        assert r.json()["reason"] in ("queue_full", "queue_timeout"), r.text
     return {r.headers["x-pid"] for s, _, r in results if s == 200}, n - len(refused)
 
 

@@ -12,6 +12,7 @@ from gunicorn.config import Config
 from gunicorn.workers.gthread import ThreadWorker
 from gunicorn.workers.sync import SyncWorker
 
+from brownout import ThreadBulkhead
 from brownout.integrations import gunicorn as hooks
 from brownout.limits import Gradient2Limit
 
@@ -33,18 +34,32 @@ def fresh() -> Iterator[None]:
 def test_outside_a_worker_the_thread_count_is_asked_for() -> None:
     with pytest.raises(RuntimeError, match="post_fork"):
         hooks.worker_threads()
-    assert hooks.worker_capacity(threads=8) == 6
+    with pytest.raises(RuntimeError, match="post_fork"):
+        hooks.worker_bulkhead("api")
+    assert hooks.worker_capacity(threads=8) == 3  # 4 spare, 1 queued
+    assert hooks.worker_bulkhead("api", threads=8)._limit.max_limit == 3
 
 
 def test_a_gthread_worker_records_its_threads() -> None:
     w = worker(ThreadWorker, 16)
     hooks.post_fork(None, w)
     assert hooks.worker_threads() == 16
-    assert hooks.worker_capacity() == 12  # a quarter kept to refuse
-    assert hooks.worker_capacity(spare=2) == 14
+    assert hooks.worker_capacity() == 6  # half kept to refuse, a quarter of the rest queued
+    assert hooks.worker_capacity(spare=2) == 11
+    assert hooks.worker_capacity(spare=2, queued=0) == 14
     limit = hooks.worker_limit()
     assert isinstance(limit, Gradient2Limit)
-    assert limit.limit == 6 and limit.max_limit == 12
+    assert limit.limit == 3 and limit.max_limit == 6
+
+
+def test_the_worker_bulkhead_leaves_half_the_threads_free_to_refuse() -> None:
+    hooks.post_fork(None, worker(ThreadWorker, 16))
+    b = hooks.worker_bulkhead("api")
+    assert isinstance(b, ThreadBulkhead) and b.name == "api"
+    assert b._limit.max_limit == 6 and b._queue.max_size == 2  # 8 threads never held
+    assert b._queue.max_wait == 0.1
+    b = hooks.worker_bulkhead("api", 4, queued=4, max_wait=0.05, initial=8)
+    assert (b._limit.limit, b._limit.max_limit, b._queue.max_size) == (8, 8, 4)
 
 
 def test_a_sync_worker_runs_one_request_whatever_threads_says() -> None:
@@ -52,10 +67,11 @@ def test_a_sync_worker_runs_one_request_whatever_threads_says() -> None:
     assert hooks.worker_threads() == 1
     assert hooks.worker_capacity() == 1
     assert hooks.worker_limit().limit == 1
+    assert hooks.worker_bulkhead("api")._limit.max_limit == 1
 
 
 def test_the_limit_stays_within_the_threads_however_it_is_fed() -> None:
-    limit = hooks.worker_limit(spare=1, threads=5)
+    limit = hooks.worker_limit(spare=1, threads=5, queued=0)
     start = 0.0
     for i in range(5_000):  # fast, fully used: the limit grows as far as it may
         limit.on_sample(start, 0.001, limit.limit, False)

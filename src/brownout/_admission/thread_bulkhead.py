@@ -30,9 +30,10 @@ from .._priority import Priority
 from ..events import EventHub, RequestQueued
 from .bulkhead import Bulkhead, OverloadState
 from .estimator import LatencyEstimator
-from .limits import Limit
+from .limits import Gradient2Limit, Limit
 from .permit import ADMITTED, QUEUED, Permit, Untracked
-from .queues import WaitQueue
+from .queues import FifoQueue, WaitQueue
+from .thread_split import split_threads
 
 __all__ = ["ThreadBulkhead", "ThreadPermit"]
 
@@ -130,8 +131,45 @@ class ThreadBulkhead(Bulkhead):
     - ``@bulkhead`` on a plain function: each call runs under a permit.
     - ``async with bulkhead.admit():`` from an event loop waits without blocking the loop.
 
-    Every wait is bounded by the queue's age bound and the waiter's deadline.
+    Every wait is bounded by the queue's age bound and the waiter's deadline. A request
+    served by a pool of threads holds its thread while it waits: `for_threads` sizes the
+    limit and the queue to leave threads free to refuse.
     """
+
+    @classmethod
+    def for_threads(
+        cls,
+        name: str,
+        threads: int,
+        *,
+        spare: int | None = None,
+        queued: int | None = None,
+        max_wait: float = 0.1,
+        initial: int | None = None,
+        clock: Clock | None = None,
+        events: EventHub | None = None,
+    ) -> ThreadBulkhead:
+        """A bulkhead for requests each served on one of ``threads`` threads.
+
+        Its limit is a `Gradient2Limit` capped at the threads left running, starting at
+        ``initial`` (default: that cap, which the threads bound anyway; lower, the limit
+        refuses load the threads could serve until it has grown); its queue a `FifoQueue` of the
+        threads left queued, each waiting at most ``max_wait`` seconds; ``spare`` threads are
+        never held, so the excess is refused at once (sizes: `split_threads`; defaults: half
+        the threads spare, a quarter of the rest queued). A queue holds at least one place:
+        with ``queued`` 0 (fewer than 4 threads left) one spare thread may wait ``max_wait``.
+        """
+        split = split_threads(threads, spare, queued)
+        start = split.running if initial is None else initial
+        if not 1 <= start <= split.running:
+            raise ValueError(f"initial must be in [1, {split.running}]: got {start}")
+        return cls(
+            name,
+            Gradient2Limit(start, min_limit=1, max_limit=split.running),
+            FifoQueue(max_size=max(1, split.queued), max_wait=max_wait),
+            clock=clock,
+            events=events,
+        )
 
     def __init__(
         self,

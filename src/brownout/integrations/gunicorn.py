@@ -4,20 +4,23 @@
     from brownout.integrations.gunicorn import child_exit, post_fork  # noqa: F401
 
     # the application module, loaded in each worker after the fork
-    bulkhead = ThreadBulkhead("api", worker_limit())
+    bulkhead = worker_bulkhead("api")
 
 - `post_fork` records the worker's thread count (``threads``; 1 for the ``sync`` worker),
   so the application can size its bulkhead from it;
-- `worker_capacity` is how many requests may run at once in this worker: its threads less
-  ``spare`` ones kept free to refuse the excess quickly (a refusal needs a thread too);
-- `worker_limit` is `brownout.limits.Gradient2Limit` capped at that capacity: the limit
-  adapts to the latency it sees and never admits more than the threads can run;
+- `worker_bulkhead` is the `brownout.ThreadBulkhead` sized to those threads
+  (`ThreadBulkhead.for_threads`): an adaptive limit and a short queue that together hold at
+  most half of them, the other half kept free to refuse the excess at once (a refusal needs
+  a thread too, and a request gunicorn has accepted waits for one where nothing refuses it);
+- `worker_capacity` is how many requests may run at once in this worker, and
+  `worker_limit` a `brownout.limits.Gradient2Limit` capped at it, for a bulkhead of your own;
 - `child_exit` keeps an exited worker's brownout counts and drops its gauges in
   prometheus_client's multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``; without it, it
   does nothing).
 
-These functions only read gunicorn's settings: the limit is the core's, the decisions the
-bulkhead's. See docs/gunicorn.md for the settings that make overload reach the middleware.
+These functions only read gunicorn's settings: the sizes are the core's
+(`brownout._admission.thread_split`), the decisions the bulkhead's. See docs/gunicorn.md for
+the settings that make overload reach the middleware.
 """
 
 from __future__ import annotations
@@ -26,8 +29,17 @@ import os
 from typing import Any
 
 from .._admission.limits import Gradient2Limit
+from .._admission.thread_bulkhead import ThreadBulkhead
+from .._admission.thread_split import split_threads
 
-__all__ = ["child_exit", "post_fork", "worker_capacity", "worker_limit", "worker_threads"]
+__all__ = [
+    "child_exit",
+    "post_fork",
+    "worker_bulkhead",
+    "worker_capacity",
+    "worker_limit",
+    "worker_threads",
+]
 
 _threads: int | None = None
 
@@ -56,26 +68,47 @@ def worker_threads() -> int:
     return _threads
 
 
-def worker_capacity(spare: int | None = None, *, threads: int | None = None) -> int:
-    """How many requests this worker should run at once: ``threads`` (default: the worker's,
-    see `worker_threads`) less ``spare`` threads kept free to answer refusals (default: a
-    quarter of the threads, at least 1 when there are 2 or more). At least 1."""
+def worker_bulkhead(
+    name: str,
+    spare: int | None = None,
+    *,
+    threads: int | None = None,
+    queued: int | None = None,
+    max_wait: float = 0.1,
+    initial: int | None = None,
+) -> ThreadBulkhead:
+    """The `ThreadBulkhead` for this worker: `ThreadBulkhead.for_threads` with ``threads``
+    (default: the worker's, see `worker_threads`); ``spare``, ``queued``, ``max_wait`` and
+    ``initial`` as there (defaults: half the threads spare, a quarter of the rest queued,
+    at most 0.1 s each)."""
     n = worker_threads() if threads is None else threads
-    if n < 1:
-        raise ValueError("threads must be >= 1")
-    if spare is None:
-        spare = max(1, n // 4) if n > 1 else 0
-    if not 0 <= spare < n:
-        raise ValueError(f"spare must be in [0, threads): got {spare} with {n} threads")
-    return n - spare
+    return ThreadBulkhead.for_threads(
+        name, n, spare=spare, queued=queued, max_wait=max_wait, initial=initial
+    )
+
+
+def worker_capacity(
+    spare: int | None = None, *, threads: int | None = None, queued: int | None = None
+) -> int:
+    """How many requests this worker should run at once: ``threads`` (default: the worker's,
+    see `worker_threads`) less ``spare`` threads kept free to answer refusals (default: half
+    the threads, at least 1 when there are 2 or more) and ``queued`` ones the bulkhead's
+    queue may hold (default: a quarter of the rest). At least 1."""
+    n = worker_threads() if threads is None else threads
+    return split_threads(n, spare, queued).running
 
 
 def worker_limit(
-    spare: int | None = None, *, threads: int | None = None, initial: int | None = None
+    spare: int | None = None,
+    *,
+    threads: int | None = None,
+    queued: int | None = None,
+    initial: int | None = None,
 ) -> Gradient2Limit:
-    """A `Gradient2Limit` that never exceeds `worker_capacity` (``spare`` and ``threads`` as
-    there); it starts at ``initial`` (default: half the capacity, at least 1)."""
-    cap = worker_capacity(spare, threads=threads)
+    """A `Gradient2Limit` that never exceeds `worker_capacity` (``spare``, ``threads`` and
+    ``queued`` as there); it starts at ``initial`` (default: half the capacity, at least 1).
+    Give its bulkhead a queue of at most ``queued`` places, or use `worker_bulkhead`."""
+    cap = worker_capacity(spare, threads=threads, queued=queued)
     start = max(1, cap // 2) if initial is None else initial
     if not 1 <= start <= cap:
         raise ValueError(f"initial must be in [1, {cap}]")

@@ -86,10 +86,6 @@ class FixedLimit:
         return f"FixedLimit({self._limit})"
 
 
-def _clamp(value: float, low: float, high: float) -> float:
-    return low if value < low else high if value > high else value
-
-
 def _median(ordered: list[float]) -> float:
     """The median of an already sorted, non-empty list."""
     n = len(ordered)
@@ -254,9 +250,7 @@ class _ProbingLimit:
                 "need short_window, probe_samples >= 1; probe_interval finite and > 0; "
                 "probe_jitter in [0, 1); drop_backoff in (0, 1); early_probe_gap finite, >= 0"
             )
-        self.early_probe_cut = early_probe_cut
-        """Probe at once (not at the next scheduled probe) when the limit has been cut by
-        this share since the last probe; ``None``: only scheduled probes."""
+        self._early_probe_cut = early_probe_cut
         self.early_probe_gap = early_probe_gap
         """Round trips (of the no-load rtt) after a probe before an early one may start."""
         self._early_from = math.inf
@@ -284,6 +278,7 @@ class _ProbingLimit:
         self._decreased_at = -math.inf
         self._slow_start = True
         self._value_before_probe = float(initial)
+        self._cut_below = self._cut_from(self._value_before_probe)
         self._used = 0  # the most requests in flight at once since the last anchor
         self._warmup = 0
         self._warm_rtts: list[float] = []  # kept sorted
@@ -295,6 +290,22 @@ class _ProbingLimit:
         """Slow start ends once the smoothed rtt exceeds the baseline by this factor (or the
         fastest of the last 8 samples by 1.25x); a probe
         that finds the baseline slower by more scales the limit (see the class docstring)."""
+
+    @property
+    def early_probe_cut(self) -> float | None:
+        """Probe at once (not at the next scheduled probe) when the limit has been cut by
+        this share since the last probe; ``None``: only scheduled probes."""
+        return self._early_probe_cut
+
+    @early_probe_cut.setter
+    def early_probe_cut(self, cut: float | None) -> None:
+        self._early_probe_cut = cut
+        self._cut_below = self._cut_from(self._value_before_probe)
+
+    def _cut_from(self, held: float) -> float:
+        """The limit below which a cut from ``held`` is deep enough to probe early."""
+        cut = self._early_probe_cut
+        return -math.inf if cut is None else (1.0 - cut) * held
 
     @property
     def probing(self) -> bool:
@@ -314,87 +325,71 @@ class _ProbingLimit:
     def adaptive(self) -> bool:
         return True
 
-    def _schedule_probe(self, now: float) -> None:
+    def _schedule_probe(self, now: float) -> float:
         jitter = 1.0 + self.probe_jitter * (2.0 * self._rng.random() - 1.0)
-        self._next_probe = now + self.probe_interval * jitter
+        at = self._next_probe = now + self.probe_interval * jitter
+        return at
 
     def on_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
-        if self._next_probe is None:
-            self._schedule_probe(start_time)
+        # The hot path of every adaptive limit: attributes read once into locals, clamps
+        # inline, the probe's own path in a method of its own.
         if self._probe_limit:
-            if not dropped and in_flight <= self._probe_limit:
-                probe = self._probe_rtts
-                probe.append(rtt)
-                n = len(probe)
-                confirmed = n == max(self.probe_samples // 2, 2 * self._probe_limit) and (
-                    self._confirms(probe)
-                )
-                if confirmed or n >= max(self.probe_samples, 2 * self._probe_limit):
-                    probe.sort()
-                    old = self.no_load_rtt
-                    new = _median(probe)
-                    if confirmed and old is not None:
-                        # A short probe's median is noisier: it moves the baseline halfway.
-                        new = (old + new) / 2.0
-                    self.no_load_rtt = new
-                    self.short_rtt = self.long_rtt = new
-                    self._recent.clear()  # the short window starts again from the baseline
-                    self._fresh = 0
-                    self._probe_limit = 0
-                    self._warmup = self._warmup_samples  # a probe completes any warm-up
-                    if old is not None and new > 1.5 * old:
-                        # The service got slower, and the stale baseline read the slowdown as
-                        # queueing and squeezed the limit. Return to the limit held before
-                        # (when the baseline was right); if the knee really moved, the
-                        # gradient takes it down again within a few round trips.
-                        self._value = max(self._value, self._value_before_probe)
-                    elif old is not None and new > self.slow_start_exit * old:
-                        # Slower, but not much: Little's law says the throughput the limit
-                        # held before carried now needs ``new / old`` times as many in
-                        # flight (a host lagging every request, say). Scale it once, and let
-                        # the gradient take it from there. Not a new slow start: a probe's
-                        # median is itself noisy, and a search restarted on that noise
-                        # overshoots far past the knee before its feedback comes back.
-                        scaled = self._value_before_probe * new / old
-                        self._value = min(self.max_limit, max(self._value, scaled))
-                    # An early probe that found the baseline where it was says the cut was
-                    # queueing: the next early one waits twice as long (up to 8x), so a
-                    # limit settling onto its knee is not pinned low again and again.
-                    if self._probe_early and old is not None and new <= self.slow_start_exit * old:
-                        self._early_backoff = min(8.0, self._early_backoff * 2.0)
-                    else:
-                        self._early_backoff = 1.0
-                    self._anchored(start_time + rtt, new)
-                    self._schedule_probe(start_time + rtt)
-            return self.limit
+            return self._probe_sample(start_time, rtt, in_flight, dropped)
+        next_probe = self._next_probe
+        if next_probe is None:
+            next_probe = self._schedule_probe(start_time)
         if in_flight > self._used:
             self._used = in_flight
-        scheduled = start_time >= self._next_probe  # type: ignore[operator]
-        if scheduled or self._cut_deeply(start_time):
+        value = self._value
+        scheduled = start_time >= next_probe
+        # A deep cut since the last probe (`_cut_below`, -inf without early probes) is
+        # either queueing (the probe confirms the baseline, nothing changes) or a slowdown
+        # that queueing did not cause: the host's CPU contended, a pause, a slower
+        # dependency. Only a probe tells them apart, and waiting for the scheduled one (5 s
+        # by default) leaves the limit squeezed below the knee all that time.
+        if scheduled or (start_time >= self._early_from and value < self._cut_below):
             self._probe_early = not scheduled
-            self._probe_limit = max(self.min_limit, int(self._value * self.probe_ratio))
+            self._probe_limit = max(self.min_limit, int(value * self.probe_ratio))
             self._probe_rtts = []
             return self._probe_limit
         if dropped:  # never feeds rtt; back off at most once per round trip
             self._slow_start = False
             if start_time >= self._decreased_at:
-                self._value = max(self.min_limit, self._value * self.drop_backoff)
+                self._value = max(self.min_limit, value * self.drop_backoff)
                 self._decreased_at = start_time + rtt
             return int(self._value)
         recent = self._recent
         recent.append(rtt)
         short = self.short_rtt
         if short is None:
-            short = self.long_rtt = rtt
+            short = long_rtt = rtt
         else:
-            self.long_rtt += self._long_alpha * (rtt - self.long_rtt)
+            long_rtt = self.long_rtt
+            long_rtt += self._long_alpha * (rtt - long_rtt)
             n = len(recent)
-            if n >= self._short_window:
-                self._fresh += 1
-                w = min(n, max(self._short_window, 2 * int(self._value)))
-                if self._fresh * 8 >= w:
+            window = self._short_window
+            if n >= window:
+                fresh = self._fresh + 1
+                w = 2 * int(value)
+                if w < window:
+                    w = window
+                if w > n:
+                    w = n
+                if fresh * 8 >= w:
                     self._fresh = 0
-                    short = _median(sorted(islice(recent, n - w, n)))
+                    if w == n:
+                        ordered = sorted(recent)
+                    else:
+                        # The newest w samples, taken from the newest end (a deque walks from
+                        # its oldest end to an index) and put back in arrival order, so
+                        # the sort sees what it always saw, NaN and all.
+                        ordered = list(islice(reversed(recent), w))
+                        ordered.reverse()
+                        ordered.sort()
+                    short = (ordered[(w - 1) // 2] + ordered[w // 2]) / 2.0
+                else:
+                    self._fresh = fresh
+        self.long_rtt = long_rtt
         self.short_rtt = short
         base = self.no_load_rtt
         if self._warmup < self._warmup_samples:
@@ -404,34 +399,93 @@ class _ProbingLimit:
             base = self.no_load_rtt = _median(self._warm_rtts)
             if self._warmup == self._warmup_samples:  # the warm-up counts as the first probe
                 self._anchored(start_time + rtt, base)
-        elif base is None or self.long_rtt < 0.9 * base:
+        elif base is None or long_rtt < 0.9 * base:
             # Follow a clearly faster service down at once, on the slow average and only past
             # a 10% margin: tracking every dip (a running minimum) would drag the baseline
             # below the true no-load rtt by the noise, and read that noise as queueing.
-            base = self.no_load_rtt = self.long_rtt
-        value = self._value
-        if self._slow_start:
+            base = self.no_load_rtt = long_rtt
+        slow_start = self._slow_start
+        if slow_start:
             # HyStart (RFC 9406): the fastest of the last few samples, not the median of two
             # round trips, ends slow start; the median lags while the limit grows by half per
-            # round trip, and lets in a burst far past the knee.
-            fresh = self._fresh_rtts
-            fresh.append(rtt)
-            if len(fresh) == _SLOW_START_ROUND and min(fresh) > base * _SLOW_START_QUEUED:
-                self._slow_start = False
-                fresh.clear()
+            # round trip, and lets in a burst far past the knee. The newest is among them: when
+            # it is not slow, their fastest is not either (no need to look at all 8).
+            fresh_rtts = self._fresh_rtts
+            fresh_rtts.append(rtt)
+            queued = base * _SLOW_START_QUEUED
+            if (
+                not rtt <= queued
+                and len(fresh_rtts) == _SLOW_START_ROUND
+                and min(fresh_rtts) > queued
+            ):
+                slow_start = self._slow_start = False
+                fresh_rtts.clear()
         delta = self._update(value, short, base)
         if delta > 0:
             if in_flight * 2 < value:  # app-limited: no evidence for a higher limit
                 return int(value)
-            if self._slow_start and short < base * self.slow_start_exit:
+            if slow_start and short < base * self.slow_start_exit:
                 # Slow start (TCP's): grow by half per round trip until latency first rises.
-                delta = max(delta, value * 0.5)
+                half = value * 0.5
+                if half > delta:
+                    delta = half
         else:
             self._slow_start = False
         # The change is per round trip; a round trip brings about `limit` samples, so each
         # applies 1/limit of it. Per-sample full steps overreact before the feedback arrives.
-        self._value = _clamp(value + delta / value, self.min_limit, self.max_limit)
-        return int(self._value)
+        value += delta / value
+        low = self.min_limit
+        high = self.max_limit
+        self._value = value = low if value < low else high if value > high else value
+        return int(value)
+
+    def _probe_sample(self, start_time: float, rtt: float, in_flight: int, dropped: bool) -> int:
+        """One sample while the limit is pinned low: the probe's rtt, until it ends."""
+        if not dropped and in_flight <= self._probe_limit:
+            probe = self._probe_rtts
+            probe.append(rtt)
+            n = len(probe)
+            confirmed = n == max(self.probe_samples // 2, 2 * self._probe_limit) and (
+                self._confirms(probe)
+            )
+            if confirmed or n >= max(self.probe_samples, 2 * self._probe_limit):
+                probe.sort()
+                old = self.no_load_rtt
+                new = _median(probe)
+                if confirmed and old is not None:
+                    # A short probe's median is noisier: it moves the baseline halfway.
+                    new = (old + new) / 2.0
+                self.no_load_rtt = new
+                self.short_rtt = self.long_rtt = new
+                self._recent.clear()  # the short window starts again from the baseline
+                self._fresh = 0
+                self._probe_limit = 0
+                self._warmup = self._warmup_samples  # a probe completes any warm-up
+                if old is not None and new > 1.5 * old:
+                    # The service got slower, and the stale baseline read the slowdown as
+                    # queueing and squeezed the limit. Return to the limit held before
+                    # (when the baseline was right); if the knee really moved, the
+                    # gradient takes it down again within a few round trips.
+                    self._value = max(self._value, self._value_before_probe)
+                elif old is not None and new > self.slow_start_exit * old:
+                    # Slower, but not much: Little's law says the throughput the limit
+                    # held before carried now needs ``new / old`` times as many in
+                    # flight (a host lagging every request, say). Scale it once, and let
+                    # the gradient take it from there. Not a new slow start: a probe's
+                    # median is itself noisy, and a search restarted on that noise
+                    # overshoots far past the knee before its feedback comes back.
+                    scaled = self._value_before_probe * new / old
+                    self._value = min(self.max_limit, max(self._value, scaled))
+                # An early probe that found the baseline where it was says the cut was
+                # queueing: the next early one waits twice as long (up to 8x), so a
+                # limit settling onto its knee is not pinned low again and again.
+                if self._probe_early and old is not None and new <= self.slow_start_exit * old:
+                    self._early_backoff = min(8.0, self._early_backoff * 2.0)
+                else:
+                    self._early_backoff = 1.0
+                self._anchored(start_time + rtt, new)
+                self._schedule_probe(start_time + rtt)
+        return self.limit
 
     def _confirms(self, probe: list[float]) -> bool:
         """Half a probe's samples already put the baseline where it was (within the slow
@@ -450,21 +504,10 @@ class _ProbingLimit:
         # The limit in use, not a value no load has reached (a limit held through a quiet
         # spell): a cut from one never used is no sign of a slowdown.
         used = float(max(self.min_limit, self._used))
-        self._value_before_probe = min(self._value, used)
+        self._value_before_probe = held = min(self._value, used)
+        self._cut_below = self._cut_from(held)
         self._used = 0
         self._early_from = at + self.early_probe_gap * self._early_backoff * base
-
-    def _cut_deeply(self, start_time: float) -> bool:
-        # A deep cut is either queueing (the probe confirms the baseline, nothing changes) or
-        # a slowdown that queueing did not cause: the host's CPU contended, a pause, a slower
-        # dependency. Only a probe tells them apart, and waiting for the scheduled one (5 s
-        # by default) leaves the limit squeezed below the knee all that time.
-        cut = self.early_probe_cut
-        return (
-            cut is not None
-            and start_time >= self._early_from
-            and self._value < (1.0 - cut) * self._value_before_probe
-        )
 
     def _update(self, limit: float, short_rtt: float, no_load_rtt: float) -> float:
         """The change of the limit over one round trip."""
@@ -540,14 +583,16 @@ class Gradient2Limit(_ProbingLimit):
 
     def _update(self, limit: float, short_rtt: float, no_load_rtt: float) -> float:
         # an rtt of 0.0 (a coarse clock, virtual time) is no queueing, not a division by zero
-        gradient = (
-            _clamp(self.tolerance * no_load_rtt / short_rtt, 0.5, 1.0) if short_rtt > 0 else 1.0
-        )
+        if short_rtt > 0:
+            gradient = self.tolerance * no_load_rtt / short_rtt
+            gradient = 0.5 if gradient < 0.5 else 1.0 if gradient > 1.0 else gradient
+        else:
+            gradient = 1.0
         queue = self.queue_size
         if queue is None:
-            queue = _clamp(limit * 0.1, 1.0, 4.0)
-        new = limit * gradient + queue
-        return self.smoothing * (new - limit)
+            queue = limit * 0.1
+            queue = 1.0 if queue < 1.0 else 4.0 if queue > 4.0 else queue
+        return self.smoothing * (limit * gradient + queue - limit)
 
     def __repr__(self) -> str:
         return f"Gradient2Limit(limit={self.limit})"

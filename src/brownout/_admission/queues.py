@@ -667,19 +667,25 @@ class PriorityCoDelQueue(WaitQueue):
         # default), so no waiter that could be served in turn is refused; the stale ones
         # still go at that bound, not the interval. Both measured, not configured; the
         # interval at least the target.
+        # (Run on every timed release: comparisons, not min/max calls, written to pick as
+        # min/max would.)
         short = 2.0 * self.release_gap
         if short < self.service_time:
             short = self.service_time
         if short < self.target:
             short = self.target
-        self._short = min(short, self.max_wait)
+        max_wait = self.max_wait
+        interval = self.interval
+        self._short = max_wait if max_wait < short else short
         self._memory = short
-        self._long = min(max(self.interval, short), self.max_wait)
+        long = short if short > interval else interval
+        self._long = max_wait if max_wait < long else long
         # Standing means not caught up for several round trips of the work, not for 100 ms
         # of it: in front of 40 ms work, an adaptive limit's probe (its limit pinned at half
         # for two round trips) kept a critical class from emptying for ~130 ms, flipped it
         # to the short bound and LIFO, and refused its oldest waiters.
-        self._standing = max(self.interval, _STANDING_ROUND_TRIPS * short)
+        standing = _STANDING_ROUND_TRIPS * short
+        self._standing = standing if standing > interval else interval
 
     @property
     def short_bound(self) -> float:

@@ -4,7 +4,7 @@ Prints, in one run:
 
 1. served: the endpoint under gunicorn (``gthread``, 1 worker, 8 threads), with and without
    `brownout.integrations.flask.protect` (an `EdgePolicy` whose bulkhead is a
-   `ThreadBulkhead` under `worker_limit`, as docs/gunicorn.md recommends): server CPU per
+   `ThreadBulkhead` from `worker_bulkhead`, as docs/gunicorn.md recommends): server CPU per
    request of the worker process (all threads, ``/proc/<pid>/task/*/schedstat``), the two
    servers driven alternately by 2 keep-alive clients (threads of this process, so their
    CPU is not counted). Target <= 1.15x;
@@ -33,9 +33,9 @@ from typing import Any
 
 from flask import Flask
 
-from brownout import EdgePolicy, ThreadBulkhead
+from brownout import EdgePolicy
 from brownout.integrations.flask import protect
-from brownout.integrations.gunicorn import worker_limit
+from brownout.integrations.gunicorn import worker_bulkhead
 
 REPS = 9
 N = 4_000
@@ -53,8 +53,8 @@ def flask_app(protected: bool) -> Flask:
         return {"hello": "world"}
 
     if protected:
-        # Adaptive as the docs have it; started at its cap so the clients are not refused.
-        bulkhead = ThreadBulkhead("api", worker_limit(threads=THREADS, initial=THREADS - 2))
+        # As docs/gunicorn.md has it: adaptive, started at its cap, threads kept to refuse.
+        bulkhead = worker_bulkhead("api", threads=THREADS)
         protect(app, EdgePolicy(bulkhead=bulkhead))
     return app
 

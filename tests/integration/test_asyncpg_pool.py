@@ -341,7 +341,8 @@ async def test_a_second_transaction_with_a_committed_key_fails(
 
 def test_the_example_of_the_databases_page_runs(postgres_server: services.Service) -> None:
     text = (Path(__file__).resolve().parents[2] / "docs" / "databases.md").read_text()
-    [example] = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    # The page's runnable example is its first Python block (later ones are fragments).
+    example = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)[0]
     example = example.replace(
         'dsn = "postgresql://postgres@127.0.0.1:5432/test"', f"dsn = {dsn(postgres_server)!r}"
     )

@@ -28,14 +28,14 @@ from typing import TypeVar
 
 from .._admission.bulkhead import Bulkhead
 from .._admission.limits import FixedLimit
-from .._admission.permit import Permit
+from .._admission.permit import Permit, Untracked
 from .._admission.queues import FifoQueue
 from .._clock import Clock, default_clock
 from .._context import current, current_deadline
 from .._errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
 from .._overload.signals import InFlight, QueueAge, Signal
 from .._retry.idempotency import OutcomeLedger
-from .._retry.outbound import attempt_budget
+from .._retry.outbound import ATTEMPT_EDGE, attempt_budget
 from ..events import EventHub, LedgerWriteFailed, OutcomeUnknown, RequestShed, StatementCancelled
 from ..events import hub as default_hub
 from .keys import IdempotencyTable
@@ -61,7 +61,9 @@ class DatabasePolicy:
     """
 
     __slots__ = (
+        "_cap",
         "_clock",
+        "_edge",
         "_events",
         "bulkhead",
         "ledger",
@@ -104,6 +106,9 @@ class DatabasePolicy:
         self.timeout = timeout
         self.reserve = reserve
         self.min_useful = min_useful
+        # `attempt_budget`'s bounds, worked out once: every statement reads them.
+        self._cap = math.inf if timeout is None else timeout
+        self._edge = reserve if reserve > ATTEMPT_EDGE else ATTEMPT_EDGE
         self.max_wait = max_wait
         self.ledger = ledger
         self.table = table if table is not None else IdempotencyTable()
@@ -126,6 +131,27 @@ class DatabasePolicy:
         self.statement_budget()
         return self.bulkhead.admit()
 
+    def admit_now(self) -> tuple[Permit | Untracked, float | None] | None:
+        """Admission at once and the first statement's budget, when nothing stands in the way
+        (`Bulkhead.admit_uncontended`: room, nobody waiting, no shedding); else ``None`` with
+        nothing counted, and the caller takes `admit`. One read of the deadline for both.
+        Too little time left raises `Rejected` as `admit` does (D4). The permit is settled
+        exactly once (``success`` or ``settle_raised``)."""
+        ctx = current()
+        deadline = ctx.deadline
+        bulkhead = self.bulkhead
+        if deadline is None:
+            budget = self.timeout
+            left = math.inf
+            now = bulkhead.clock.now()
+        else:
+            clock = bulkhead.clock
+            now = clock.now()
+            left = deadline.at - (now if deadline.clock is clock else deadline.clock.now())
+            budget = self._budget(left)
+        permit = bulkhead.admit_uncontended(ctx.priority, ctx.caller, ctx.operation, now, left)
+        return None if permit is None else (permit, budget)
+
     # -- statements -------------------------------------------------------------------------
 
     def statement_budget(self) -> float | None:
@@ -135,9 +161,22 @@ class DatabasePolicy:
         deadline = current_deadline()
         if deadline is None:
             return self.timeout
+        return self._budget(deadline.at - deadline.clock.now())
+
+    def _budget(self, left: float) -> float | None:
+        """`statement_budget` with ``left`` seconds to the deadline: `attempt_budget`'s
+        answer, inline while the statement fits; a refusal takes `attempt_budget` itself."""
+        budget = left - self._edge
+        if budget > self._cap:
+            budget = self._cap
+        if left > 0.0 and budget > 0.0 and budget >= self.min_useful:
+            return None if budget == math.inf else budget
         try:
             return attempt_budget(
-                self.timeout, reserve=self.reserve, min_useful=self.min_useful, deadline=deadline
+                self.timeout,
+                reserve=self.reserve,
+                min_useful=self.min_useful,
+                deadline=current_deadline(),
             )
         except Rejected as refused:
             raise self._refuse(refused.reason, f"{self.name}: {refused.detail}") from None
@@ -187,6 +226,12 @@ class DatabasePolicy:
         deadline = current_deadline()
         if deadline is None:
             return self.timeout
+        left = deadline.at - deadline.clock.now()
+        budget = left - self._edge
+        if budget > self._cap:
+            budget = self._cap
+        if left > 0.0 and budget > 0.0:  # `attempt_budget`'s answer, inline while it fits
+            return None if budget == math.inf else budget
         try:
             return attempt_budget(
                 self.timeout, reserve=self.reserve, min_useful=0.0, deadline=deadline
@@ -209,7 +254,7 @@ class DatabasePolicy:
         `UnknownOutcome` with ``key`` (a cancellation is re-raised after it is recorded).
         Any other error is the server's answer (not committed) and passes through."""
         budget = self.commit_budget()
-        started = self._clock.now()
+        started = self.started()
         try:
             return await run(budget)
         except asyncio.CancelledError as cancelled:

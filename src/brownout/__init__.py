@@ -39,6 +39,7 @@ from ._degrade import (
 from ._dependency import Dependency
 from ._edge import Classification, EdgePolicy, Route, SlowedRejections
 from ._errors import (
+    AlreadyApplied,
     BrownoutError,
     DeadlineExceeded,
     FailClosed,
@@ -100,6 +101,7 @@ from ._stats import Stats
 from ._version import VERSION as __version__
 
 __all__ = [
+    "AlreadyApplied",
     "Backoff",
     "BlockingInMemoryLeaseStore",
     "BlockingLeaseStore",

@@ -39,7 +39,7 @@ from ._context import DeadlineScope, current_deadline
 from ._degrade.drill import dependency_call, fallback_scope
 from ._errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
 from ._retry.breaker import CircuitBreaker
-from ._retry.idempotency import OutcomeLedger
+from ._retry.idempotency import OutcomeLedger, ledger_name, not_recorded, record_shielded
 from ._retry.outbound import ATTEMPT_EDGE, attempt_budget
 from ._retry.policy import RetryPolicy, RetrySlots, enter_attempt, exit_attempt
 from ._retry.settings import breaker_from, retry_from, throttle_from
@@ -52,7 +52,6 @@ __all__ = ["Dependency"]
 T = TypeVar("T")
 
 _log = logging.getLogger("brownout.dependency")
-_LEDGER_WRITES: set[asyncio.Future[None]] = set()  # shielded writes still running (strong refs)
 
 
 class Dependency:
@@ -325,42 +324,19 @@ class Dependency:
             )
         except Exception as error:
             self._ledger_failed(ledger, key, error)
-            _not_recorded(unknown, key, error)
+            not_recorded(unknown, key, error)
         else:
             unknown.recorded = True
 
     async def _record_unknown(
         self, ledger: OutcomeLedger, key: str, unknown: UnknownOutcome
     ) -> None:
-        """Write an unknown outcome to the ledger (D6), whatever happens to this call.
-
-        The write is shielded: the request's deadline (or its caller) may cancel the call while
-        the write is on the wire, and a cut-off write loses the only record of the mutation. A
-        failing write is logged and emitted as `LedgerWriteFailed`; the caller still gets
-        `UnknownOutcome`, not the store's error (which an upper layer could mistake for a
-        transient failure and retry), with ``recorded=False`` and a note saying why.
-        """
-        write = asyncio.ensure_future(
-            ledger.record_unknown(key, dependency=self.name, detail=repr(unknown.__cause__))
-        )
-        _LEDGER_WRITES.add(write)
-        write.add_done_callback(functools.partial(self._ledger_written, ledger, key))
-        try:
-            await asyncio.shield(write)
-        except Exception as error:  # logged and emitted by _ledger_written
-            _not_recorded(unknown, key, error)
-        else:
-            unknown.recorded = True
-
-    def _ledger_written(self, ledger: OutcomeLedger, key: str, write: asyncio.Future[None]) -> None:
-        _LEDGER_WRITES.discard(write)
-        if write.cancelled() or (error := write.exception()) is None:
-            return
-        self._ledger_failed(ledger, key, error)
+        """Write an unknown outcome to the ledger (D6), whatever happens to this call
+        (`record_shielded`); a failing write is logged and emitted as `LedgerWriteFailed`."""
+        await record_shielded(ledger, key, unknown, source=self.name, failed=self._ledger_failed)
 
     def _ledger_failed(self, ledger: OutcomeLedger, key: str, error: BaseException) -> None:
-        name = getattr(ledger, "name", None)
-        name = name if isinstance(name, str) else type(ledger).__name__
+        name = ledger_name(ledger)
         _log.error(
             "%s: could not record the unknown outcome of idempotency key %r in ledger %s",
             self.name,
@@ -603,14 +579,6 @@ class Dependency:
 
     def __repr__(self) -> str:
         return f"Dependency({self.name!r}, timeout={self.timeout}, retry={self.retry!r})"
-
-
-def _not_recorded(unknown: UnknownOutcome, key: str, error: BaseException) -> None:
-    unknown.recorded = False
-    unknown.add_note(
-        f"not recorded in the outcome ledger ({type(error).__name__}): no reconciler "
-        f"will find idempotency key {key!r}; keep it and reconcile it yourself"
-    )
 
 
 def _run_to_end(awaitable: Awaitable[T]) -> T:

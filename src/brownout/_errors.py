@@ -11,6 +11,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 __all__ = [
+    "AlreadyApplied",
     "BrownoutError",
     "DeadlineExceeded",
     "FailClosed",
@@ -110,6 +111,16 @@ class UnknownOutcome(BrownoutError):
         """Whether a `Dependency` recorded it in its outcome ledger: ``True`` (a `Reconciler`
         will find it), ``False`` (the ledger write failed, see `LedgerWriteFailed`: only the
         caller holds the key now) or ``None`` (no ledger)."""
+
+
+class AlreadyApplied(BrownoutError):
+    """A keyed transaction found its idempotency key already committed: the work it would do
+    was applied before (by an earlier attempt whose answer may have been lost), so nothing
+    ran now (D6). Treat it as success: answer what the first attempt answered."""
+
+    def __init__(self, idempotency_key: str, detail: str = "") -> None:
+        super().__init__(detail or f"idempotency key {idempotency_key!r} was already applied")
+        self.idempotency_key = idempotency_key
 
 
 class HeaderError(BrownoutError, ValueError):

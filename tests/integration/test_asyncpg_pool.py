@@ -370,7 +370,7 @@ async def test_a_second_transaction_with_a_committed_key_fails(
     key = f"k-{uuid.uuid4().hex}"
     async with db.transaction(idempotency_key=key) as conn:
         await conn.execute(f"INSERT INTO {orders} VALUES ($1)", key)
-    with pytest.raises(asyncpg.UniqueViolationError):
+    with pytest.raises(brownout.AlreadyApplied):
         async with db.transaction(idempotency_key=key) as conn:
             await conn.execute(f"INSERT INTO {orders} VALUES ($1)", key + "-again")
     assert await db.reconcile(key) is OutcomeState.APPLIED
@@ -380,8 +380,8 @@ async def test_a_second_transaction_with_a_committed_key_fails(
 
 def test_the_example_of_the_databases_page_runs(postgres_server: services.Service) -> None:
     text = (Path(__file__).resolve().parents[2] / "docs" / "databases.md").read_text()
-    # The page's runnable example is its first Python block (later ones are fragments).
-    example = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)[0]
+    blocks = re.findall(r"^(<!-- no-run -->\n)?```python\n(.*?)^```", text, re.S | re.M)
+    [example] = [code for no_run, code in blocks if not no_run]
     example = example.replace(
         'dsn = "postgresql://postgres@127.0.0.1:5432/test"', f"dsn = {dsn(postgres_server)!r}"
     )
@@ -393,5 +393,6 @@ def test_the_example_of_the_databases_page_runs(postgres_server: services.Servic
     assert scope["seen"] == {
         "one": 1,
         "slow": "stopped at the deadline",
+        "again": "already applied",
         "reconciled": OutcomeState.APPLIED,
     }

@@ -27,6 +27,7 @@ from tests import services
 from brownout import (
     FleetLimit,
     LeaseExpired,
+    LeaseStoreUnavailable,
     LeaseUnfenced,
     Reason,
     RedisLeaseStore,
@@ -286,4 +287,46 @@ async def test_the_limit_runs_on_a_redis_cluster(
     finally:
         for name in names:
             await c.delete(*store.key_names(name))
+        await c.aclose()
+
+
+async def test_a_lease_outlives_its_connection_killed_and_is_released_once(
+    private_port: int,
+) -> None:
+    c = redis_asyncio.Redis(host="127.0.0.1", port=private_port)
+    admin = redis_asyncio.Redis(host="127.0.0.1", port=private_port)
+    fleet = FleetLimit("db", 1, redis=c, lease=5.0, on_store_failure="closed", timeout=0.5)
+    try:
+        async with fleet.acquire() as lease:
+            await admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            await lease.renew()  # the client reconnects: the lease is still the store's
+            await lease.release()
+            await lease.release()  # twice, and again on leaving the block: no-ops
+            assert fleet.holders == 0
+        assert lease.token is not None
+        async with fleet.acquire() as again:  # the one slot came back now, not at expiry
+            assert again.token is not None and again.token > lease.token
+        assert fleet.store_failures == 0 and not fleet.fallback_active
+    finally:
+        await admin.aclose()
+        await c.aclose()
+
+
+async def test_a_stalled_redis_bounds_renew_and_release_by_the_store_timeout(
+    private_port: int,
+) -> None:
+    c = redis_asyncio.Redis(host="127.0.0.1", port=private_port)
+    admin = redis_asyncio.Redis(host="127.0.0.1", port=private_port)
+    fleet = FleetLimit("db", 2, redis=c, lease=5.0, on_store_failure="closed", timeout=0.3)
+    try:
+        lease = await fleet.acquire().__aenter__()
+        await admin.execute_command("CLIENT", "PAUSE", "3000", "ALL")
+        started = time.monotonic()
+        with pytest.raises(LeaseStoreUnavailable):
+            await lease.renew()
+        await lease.release()  # the store does not answer: the lease is left to expire
+        assert time.monotonic() - started < 2.0  # two calls, each cut at 0.3 s
+        assert fleet.holders == 0 and fleet.store_failures == 2
+    finally:
+        await admin.aclose()
         await c.aclose()

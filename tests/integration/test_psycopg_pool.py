@@ -309,7 +309,7 @@ async def test_a_second_transaction_with_a_committed_key_fails(pool: Any, orders
     key = f"k-{uuid.uuid4().hex}"
     async with db.transaction(idempotency_key=key) as conn:
         await conn.execute(f"INSERT INTO {orders} VALUES (%s)", (key,))
-    with pytest.raises(psycopg.errors.UniqueViolation):
+    with pytest.raises(brownout.AlreadyApplied):
         async with db.transaction(idempotency_key=key) as conn:
             await conn.execute(f"INSERT INTO {orders} VALUES (%s)", (key + "-again",))
     assert await db.reconcile(key) is OutcomeState.APPLIED

@@ -310,7 +310,7 @@ async def test_a_second_transaction_with_a_committed_key_fails(
     key = f"k-{uuid.uuid4().hex}"
     async with bsa.transaction(engine, idempotency_key=key) as conn:
         await conn.execute(text(f"INSERT INTO {orders} VALUES (:id)"), {"id": key})
-    with pytest.raises(sqlalchemy.exc.IntegrityError):
+    with pytest.raises(brownout.AlreadyApplied):
         async with bsa.transaction(engine, idempotency_key=key) as conn:
             await conn.execute(text(f"INSERT INTO {orders} VALUES (:id)"), {"id": key + "-b"})
     assert await bsa.reconcile(engine, key) is OutcomeState.APPLIED

@@ -20,7 +20,15 @@ from brownout import (
 )
 from brownout._context import current_deadline
 from brownout._retry.outbound import attempt_budget
-from brownout.events import EventHub, OutcomeUnknown, RequestShed, StatementCancelled
+from brownout.events import (
+    EventHub,
+    LedgerWriteFailed,
+    OutcomeUnknown,
+    RequestOffered,
+    RequestShed,
+    StatementCancelled,
+)
+from brownout.idempotency import MAX_KEY_LENGTH, IdempotencyKeyInvalid
 from brownout.testing import EventRecorder, VirtualTime
 
 
@@ -51,10 +59,55 @@ def test_too_little_time_refuses_before_sending_and_says_so() -> None:
     db = policy(vt, hub, min_useful=0.2)
     with EventRecorder(hub) as seen, vt.deadline(0.1):
         with pytest.raises(Rejected) as refused:
-            db.statement_budget()
-    assert refused.value.reason is Reason.DEADLINE_TOO_SHORT
+            db.check_time_left()
+        with pytest.raises(Rejected) as stopped:
+            db.statement_budget()  # a statement of an admitted request: its permit reports it
+    assert refused.value.reason is stopped.value.reason is Reason.DEADLINE_TOO_SHORT
+    [offered] = seen.of(RequestOffered)
     [shed] = seen.of(RequestShed)
-    assert shed.source == "orders-db" and shed.reason is Reason.DEADLINE_TOO_SHORT
+    assert shed.source == offered.source == "orders-db"
+    assert shed.reason is Reason.DEADLINE_TOO_SHORT
+
+
+async def test_each_request_is_counted_once_however_it_ends() -> None:
+    """offered = admitted + shed, and each admitted request ends once: refused before the
+    bulkhead, refused by it, or admitted and then stopped at a statement or its COMMIT."""
+    vt = VirtualTime()
+    hub = EventHub()
+    stats = Stats()
+    hub.subscribe(stats)
+    db = policy(vt, hub, min_useful=0.05, max_queue=1)
+
+    async def never(budget: float | None) -> None:
+        pytest.fail("sent with no time left")
+
+    with vt.deadline(0.01), pytest.raises(Rejected):  # refused before the bulkhead
+        async with db.admit():
+            pass
+
+    async def waiter() -> None:
+        with vt.deadline(1.0):
+            async with db.admit():
+                pass
+
+    with vt.deadline(1.0):
+        async with db.admit(), db.admit():  # the pool's two places
+            queued = asyncio.create_task(waiter())
+            await asyncio.sleep(0)
+            with pytest.raises(Rejected):  # the queue holds one: refused by the bulkhead
+                async with db.admit():
+                    pass
+    await queued
+    for budgeted in (db.statement, lambda run: db.commit(run, "k", lost=lambda e: False)):
+        with vt.deadline(1.0), pytest.raises(Rejected):
+            async with db.admit():
+                vt.advance(1.0)  # the deadline passes while the connection is held
+                await budgeted(never)
+    offered, admitted, shed = (stats.count(k) for k in ("offered", "admitted", "shed"))
+    assert (offered, admitted, shed) == (7, 5, 2)
+    ended = sum(stats.count(k) for k in ("completed", "completed_late", "failed", "expired"))
+    assert ended == admitted
+    assert db.bulkhead.in_flight == 0
 
 
 async def test_admission_refuses_a_short_deadline_before_taking_a_place() -> None:
@@ -129,6 +182,34 @@ async def test_a_lost_commit_is_an_unknown_outcome_recorded_in_the_ledger() -> N
     record = await ledger.get("order-7")
     assert record is not None and record.dependency == "orders-db"
     assert [e.idempotency_key for e in seen.of(OutcomeUnknown)] == ["order-7"]
+
+
+async def test_a_failed_ledger_write_is_reported_once_and_the_caller_keeps_the_key(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    vt = VirtualTime()
+    hub = EventHub()
+
+    class BrokenLedger(InMemoryOutcomeLedger):
+        name = "broken"
+
+        async def record_unknown(self, key: str, *, dependency: str, detail: str = "") -> None:
+            raise ConnectionError("ledger down")
+
+    db = policy(vt, hub, ledger=BrokenLedger(clock=vt.clock))
+
+    async def dropped(budget: float | None) -> None:
+        raise ConnectionResetError("connection lost mid-COMMIT")
+
+    with EventRecorder(hub) as seen, vt.deadline(1.0):
+        with pytest.raises(UnknownOutcome) as unknown:
+            await db.commit(dropped, "order-8", lost=lambda e: isinstance(e, ConnectionError))
+        await asyncio.sleep(0)  # the write's callback
+    assert unknown.value.recorded is False
+    assert any("order-8" in note for note in unknown.value.__notes__)
+    [failed] = seen.of(LedgerWriteFailed)
+    assert (failed.source, failed.ledger, failed.key) == ("orders-db", "broken", "order-8")
+    assert "unknown commit of idempotency key 'order-8'" in caplog.text
 
 
 async def test_a_commit_timeout_is_unknown_and_a_server_answer_is_not() -> None:
@@ -216,11 +297,38 @@ def test_the_key_table_accepts_only_identifiers() -> None:
         {"max_size": 2, "max_wait": float("nan")},
         {"max_size": 2, "reserve": -1.0},
         {"max_size": 2, "timeout": 0.1, "min_useful": 0.2},
+        {"max_size": 1, "max_queue": 0},
+        {"max_size": 1, "max_queue": -3},
+        {"max_size": 1, "max_queue": 2.5},
     ],
 )
 def test_bad_settings_are_refused(kw: dict[str, float]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as refused:
         DatabasePolicy("db", **kw)  # type: ignore[arg-type]
+    named = kw.keys() - {"max_size"} or {"max_size"}
+    assert any(name in str(refused.value) for name in named)  # the message names the setting
+
+
+def test_a_reserve_larger_than_the_time_left_refuses_before_sending() -> None:
+    vt = VirtualTime()
+    db = policy(vt, EventHub(), reserve=0.5, timeout=0.1)
+    assert db.statement_budget() == 0.1  # no deadline: the reserve has nothing to keep back
+    with vt.deadline(0.3), pytest.raises(Rejected) as refused:
+        db.check_time_left()
+    assert refused.value.reason in (Reason.DEADLINE_TOO_SHORT, Reason.DEADLINE_EXPIRED)
+
+
+def test_a_key_is_checked_before_it_reaches_the_table() -> None:
+    longest = "k" * MAX_KEY_LENGTH
+    assert IdempotencyTable.key(longest) == longest
+    assert IdempotencyTable.key("order-7 é") == "order-7 é"
+    for bad in ("", "a\x00b", longest + "k", None, b"bytes", 7):
+        with pytest.raises(IdempotencyKeyInvalid) as refused:
+            IdempotencyTable.key(bad)
+        assert isinstance(refused.value, ValueError)
+    with pytest.raises(IdempotencyKeyInvalid) as long_one:
+        IdempotencyTable.key("x" * 10_000)
+    assert len(str(long_one.value)) < 200  # the message quotes only the key's start
 
 
 async def test_admit_now_admits_an_uncontended_request_with_its_budget() -> None:

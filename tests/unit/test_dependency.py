@@ -745,7 +745,7 @@ async def test_bounded_unknown_outcome_writes_leave_no_reference_behind(
     """An outage turns 10,000 mutations (each its own key) into unknown outcomes: the
     shielded ledger writes are held only while they run, and the ledger keeps its bound
     (10,000, not 100,000: each call runs the whole retry and deadline machinery)."""
-    from brownout._dependency import _LEDGER_WRITES
+    from brownout._retry.idempotency import _WRITES as _LEDGER_WRITES
 
     caplog.set_level(logging.ERROR, logger="brownout.retry")  # one warning per dropped key
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+from .._idempotency.model import MAX_KEY_LENGTH, IdempotencyKeyInvalid
 from .._retry.idempotency import OutcomeState
 
 __all__ = ["IdempotencyTable"]
@@ -55,6 +56,19 @@ class IdempotencyTable:
         return (
             f"INSERT INTO {self.name} (key) VALUES ($1) ON CONFLICT (key) DO NOTHING RETURNING key"
         )
+
+    @staticmethod
+    def key(key: object) -> str:
+        """``key`` if it can be a row's key: a `str` of 1 to `MAX_KEY_LENGTH` characters
+        without NUL (PostgreSQL's ``text`` cannot hold one); `IdempotencyKeyInvalid`
+        otherwise, before any statement is sent (a driver would fail on it mid-transaction)."""
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LENGTH or "\x00" in key:
+            shown = key[:40] + "..." if isinstance(key, str) and len(key) > 40 else key
+            raise IdempotencyKeyInvalid(
+                f"an idempotency key is a str of 1 to {MAX_KEY_LENGTH} characters without NUL,"
+                f" not {shown!r}"
+            )
+        return key
 
     @staticmethod
     def outcome(inserted: bool | None) -> OutcomeState:

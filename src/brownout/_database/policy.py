@@ -20,7 +20,6 @@ Adapters (`brownout.integrations.asyncpg`) only translate: they pass the driver'
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -34,9 +33,16 @@ from .._clock import Clock, default_clock
 from .._context import current, current_deadline
 from .._errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
 from .._overload.signals import InFlight, QueueAge, Signal
-from .._retry.idempotency import OutcomeLedger
+from .._retry.idempotency import OutcomeLedger, ledger_name, record_shielded
 from .._retry.outbound import ATTEMPT_EDGE, attempt_budget
-from ..events import EventHub, LedgerWriteFailed, OutcomeUnknown, RequestShed, StatementCancelled
+from ..events import (
+    EventHub,
+    LedgerWriteFailed,
+    OutcomeUnknown,
+    RequestOffered,
+    RequestShed,
+    StatementCancelled,
+)
 from ..events import hub as default_hub
 from .keys import IdempotencyTable
 
@@ -44,8 +50,8 @@ __all__ = ["DatabasePolicy"]
 
 T = TypeVar("T")
 
+_REFUSED = -1.0  # `DatabasePolicy._budget`: refused (a budget is never negative)
 _log = logging.getLogger("brownout.database")
-_LEDGER_WRITES: set[asyncio.Future[None]] = set()  # shielded writes still running (strong refs)
 
 
 class DatabasePolicy:
@@ -93,6 +99,11 @@ class DatabasePolicy:
     ) -> None:
         if not isinstance(max_size, int) or max_size < 1:
             raise ValueError("max_size must be an int >= 1 (the connection pool's size)")
+        if max_queue is not None and (not isinstance(max_queue, int) or max_queue < 1):
+            # The bulkhead's queues hold one at least; a short max_wait is how not to wait.
+            raise ValueError(
+                "max_queue must be an int >= 1 (the waiters; or None: 4 per connection)"
+            )
         if not 0.0 < max_wait < math.inf:  # NaN too: a queue is bounded in age (A3)
             raise ValueError("max_wait must be positive and finite")
         if timeout is not None and not 0.0 < timeout < math.inf:
@@ -128,7 +139,7 @@ class DatabasePolicy:
         """``async with policy.admit():`` holds one of the pool's places (waiting for it in
         priority order, bounded by the deadline and ``max_wait``), or raises `Rejected`.
         Too little time left for a statement refuses here, before waiting (D4)."""
-        self.statement_budget()
+        self.check_time_left()
         return self.bulkhead.admit()
 
     def admit_now(self) -> tuple[Permit | Untracked, float | None] | None:
@@ -148,38 +159,57 @@ class DatabasePolicy:
             clock = bulkhead.clock
             now = clock.now()
             left = deadline.at - (now if deadline.clock is clock else deadline.clock.now())
-            budget = self._budget(left)
+            budget = self._budget(left, self.min_useful)
+            if budget == _REFUSED:
+                self.check_time_left()  # refuses, reported as offered and shed
+                budget = self.statement_budget()
         permit = bulkhead.admit_uncontended(ctx.priority, ctx.caller, ctx.operation, now, left)
         return None if permit is None else (permit, budget)
+
+    def check_time_left(self) -> None:
+        """Before admission: too little time left for a statement raises `Rejected`
+        (``deadline_too_short`` or ``deadline_expired``) before the request waits (D4),
+        reported as offered and shed (the bulkhead never saw it)."""
+        deadline = current_deadline()
+        if deadline is None:
+            return
+        try:
+            attempt_budget(
+                self.timeout, reserve=self.reserve, min_useful=self.min_useful, deadline=deadline
+            )
+        except Rejected as refused:
+            raise self._refuse(refused.reason, f"{self.name}: {refused.detail}") from None
 
     # -- statements -------------------------------------------------------------------------
 
     def statement_budget(self) -> float | None:
         """How long the next statement may run (D4): ``timeout`` capped at the remaining
         deadline less the reserve; ``None`` for no bound. Too little left raises `Rejected`
-        (``deadline_too_short`` or ``deadline_expired``) before anything is sent."""
+        (``deadline_too_short`` or ``deadline_expired``) before anything is sent, with no
+        event of its own: the admission holding the connection reports how the request ended."""
         deadline = current_deadline()
         if deadline is None:
             return self.timeout
-        return self._budget(deadline.at - deadline.clock.now())
+        budget = self._budget(deadline.at - deadline.clock.now(), self.min_useful)
+        if budget != _REFUSED:
+            return budget
+        try:
+            return attempt_budget(
+                self.timeout, reserve=self.reserve, min_useful=self.min_useful, deadline=deadline
+            )
+        except Rejected as refused:
+            raise Rejected(refused.reason, f"{self.name}: {refused.detail}") from None
 
-    def _budget(self, left: float) -> float | None:
-        """`statement_budget` with ``left`` seconds to the deadline: `attempt_budget`'s
-        answer, inline while the statement fits; a refusal takes `attempt_budget` itself."""
+    def _budget(self, left: float, floor: float) -> float | None:
+        """`attempt_budget`'s answer with ``left`` seconds to the deadline, worked out inline
+        while it fits (every statement's path); `_REFUSED` when it refuses, and the caller
+        asks `attempt_budget` itself for the refusal."""
         budget = left - self._edge
         if budget > self._cap:
             budget = self._cap
-        if left > 0.0 and budget > 0.0 and budget >= self.min_useful:
+        if left > 0.0 and budget > 0.0 and budget >= floor:
             return None if budget == math.inf else budget
-        try:
-            return attempt_budget(
-                self.timeout,
-                reserve=self.reserve,
-                min_useful=self.min_useful,
-                deadline=current_deadline(),
-            )
-        except Rejected as refused:
-            raise self._refuse(refused.reason, f"{self.name}: {refused.detail}") from None
+        return _REFUSED
 
     async def statement(self, run: Callable[[float | None], Awaitable[T]]) -> T:
         """Await ``run(budget)``, the driver's statement with its timeout set to the budget.
@@ -226,18 +256,15 @@ class DatabasePolicy:
         deadline = current_deadline()
         if deadline is None:
             return self.timeout
-        left = deadline.at - deadline.clock.now()
-        budget = left - self._edge
-        if budget > self._cap:
-            budget = self._cap
-        if left > 0.0 and budget > 0.0:  # `attempt_budget`'s answer, inline while it fits
-            return None if budget == math.inf else budget
+        budget = self._budget(deadline.at - deadline.clock.now(), 0.0)
+        if budget != _REFUSED:
+            return budget
         try:
             return attempt_budget(
                 self.timeout, reserve=self.reserve, min_useful=0.0, deadline=deadline
             )
-        except Rejected as refused:
-            raise self._refuse(refused.reason, f"{self.name}: {refused.detail}") from None
+        except Rejected as refused:  # admitted: the admission reports how it ended
+            raise Rejected(refused.reason, f"{self.name}: {refused.detail}") from None
 
     async def commit(
         self,
@@ -283,34 +310,14 @@ class DatabasePolicy:
                 )
             )
         if self.ledger is not None and key is not None:
-            await self._record(self.ledger, key, unknown)
+            # Shielded: a cancelled caller must not cut off the only record of the commit.
+            await record_shielded(
+                self.ledger, key, unknown, source=self.name, failed=self._ledger_failed
+            )
         return unknown
 
-    async def _record(self, ledger: OutcomeLedger, key: str, unknown: UnknownOutcome) -> None:
-        """Write the unknown commit to the ledger, shielded: a cancelled caller must not cut
-        off the only record of the transaction. A failed write is logged and emitted."""
-        write = asyncio.ensure_future(
-            ledger.record_unknown(key, dependency=self.name, detail=repr(unknown.__cause__))
-        )
-        _LEDGER_WRITES.add(write)
-        write.add_done_callback(functools.partial(self._written, ledger, key))
-        try:
-            await asyncio.shield(write)
-        except Exception as error:  # logged and emitted by _written
-            unknown.recorded = False
-            unknown.add_note(
-                f"not recorded in the outcome ledger ({type(error).__name__}): keep idempotency"
-                f" key {key!r} and reconcile it yourself"
-            )
-        else:
-            unknown.recorded = True
-
-    def _written(self, ledger: OutcomeLedger, key: str, write: asyncio.Future[None]) -> None:
-        _LEDGER_WRITES.discard(write)
-        if write.cancelled() or (error := write.exception()) is None:
-            return
-        name = getattr(ledger, "name", None)
-        name = name if isinstance(name, str) else type(ledger).__name__
+    def _ledger_failed(self, ledger: OutcomeLedger, key: str, error: BaseException) -> None:
+        name = ledger_name(ledger)
         _log.error(
             "%s: could not record the unknown commit of idempotency key %r in ledger %s",
             self.name,
@@ -362,18 +369,18 @@ class DatabasePolicy:
             )
 
     def _refuse(self, reason: Reason, detail: str) -> Rejected:
+        """A request refused before the bulkhead saw it: offered and shed, as the bulkhead
+        reports its own refusals (offered = admitted + shed + left the queue)."""
         if self._events.enabled:
             ctx = current()
+            now = self._clock.now()
+            remaining = ctx.remaining()
+            self._events.emit(
+                RequestOffered(now, self.name, ctx.operation, ctx.priority, ctx.caller, remaining)
+            )
             self._events.emit(
                 RequestShed(
-                    self._clock.now(),
-                    self.name,
-                    ctx.operation,
-                    ctx.priority,
-                    ctx.caller,
-                    reason,
-                    ctx.remaining(),
-                    0.0,
+                    now, self.name, ctx.operation, ctx.priority, ctx.caller, reason, remaining, 0.0
                 )
             )
         return Rejected(reason, detail)

@@ -40,7 +40,8 @@ class IdempotencyStoreUnavailable(BrownoutError):
 
 class IdempotencyKeyInvalid(BrownoutError, ValueError):
     """An ``Idempotency-Key`` that is not a structured-field string (or bare token) of
-    printable ASCII, 1 to `MAX_KEY_LENGTH` characters; answered 400."""
+    printable ASCII, 1 to `MAX_KEY_LENGTH` characters; answered 400. Also raised for a
+    database transaction's key that is empty, too long or holds NUL (`IdempotencyTable.key`)."""
 
 
 @dataclass(frozen=True, slots=True)

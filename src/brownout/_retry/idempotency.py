@@ -14,6 +14,7 @@ deduplicates by it; the reconciler is how you find out without resending.
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import logging
 import math
@@ -25,7 +26,7 @@ from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from .._clock import Clock, default_clock
-from .._errors import BrownoutError
+from .._errors import BrownoutError, UnknownOutcome
 
 __all__ = [
     "InMemoryOutcomeLedger",
@@ -34,9 +35,13 @@ __all__ = [
     "OutcomeRecord",
     "OutcomeState",
     "Reconciler",
+    "ledger_name",
+    "not_recorded",
+    "record_shielded",
 ]
 
 _log = logging.getLogger("brownout.retry")
+_WRITES: set[asyncio.Future[None]] = set()  # shielded ledger writes still running (strong refs)
 
 
 class OutcomeState(StrEnum):
@@ -115,6 +120,62 @@ class OutcomeLedger(Protocol):
     async def note_check(self, key: str) -> None:
         """Count one inconclusive reconciliation attempt."""
         ...
+
+
+async def record_shielded(
+    ledger: OutcomeLedger,
+    key: str,
+    unknown: UnknownOutcome,
+    *,
+    source: str,
+    failed: Callable[[OutcomeLedger, str, BaseException], None],
+) -> None:
+    """Write ``unknown`` to ``ledger`` under ``key`` (D6), whatever happens to the caller.
+
+    The write is shielded: a deadline (or the caller) may cancel the call while the write is
+    on the wire, and a cut-off write loses the only record of the mutation. A failing write
+    calls ``failed(ledger, key, error)`` once, from the write's own callback (so also when the
+    caller is gone: to log and emit it); the caller's `UnknownOutcome` then gets
+    ``recorded=False`` and a note, not the store's error (which an upper layer could mistake
+    for a transient failure and retry). A write that succeeds sets ``recorded=True``."""
+    write = asyncio.ensure_future(
+        ledger.record_unknown(key, dependency=source, detail=repr(unknown.__cause__))
+    )
+    _WRITES.add(write)
+    write.add_done_callback(functools.partial(_written, ledger, key, failed))
+    try:
+        await asyncio.shield(write)
+    except Exception as error:  # reported by _written
+        not_recorded(unknown, key, error)
+    else:
+        unknown.recorded = True
+
+
+def _written(
+    ledger: OutcomeLedger,
+    key: str,
+    failed: Callable[[OutcomeLedger, str, BaseException], None],
+    write: asyncio.Future[None],
+) -> None:
+    _WRITES.discard(write)
+    if write.cancelled() or (error := write.exception()) is None:
+        return
+    failed(ledger, key, error)
+
+
+def not_recorded(unknown: UnknownOutcome, key: str, error: BaseException) -> None:
+    """Mark ``unknown`` as missing from the ledger, with a note saying what to do."""
+    unknown.recorded = False
+    unknown.add_note(
+        f"not recorded in the outcome ledger ({type(error).__name__}): no reconciler "
+        f"will find idempotency key {key!r}; keep it and reconcile it yourself"
+    )
+
+
+def ledger_name(ledger: object) -> str:
+    """A ledger's ``name`` when it has one, else its type's name (for logs and events)."""
+    name = getattr(ledger, "name", None)
+    return name if isinstance(name, str) else type(ledger).__name__
 
 
 class InMemoryOutcomeLedger:

@@ -34,7 +34,7 @@ from .._admission import Bulkhead, Permit
 from .._admission.permit import Untracked
 from .._clock import Clock
 from .._database import DatabasePolicy, IdempotencyTable
-from .._errors import DeadlineExceeded, Rejected
+from .._errors import AlreadyApplied, DeadlineExceeded, Rejected
 from .._overload import Signal
 from .._retry.idempotency import OutcomeLedger, OutcomeRecord, OutcomeState
 from ..events import EventHub, hub
@@ -200,18 +200,24 @@ class BrownoutPool:
         transaction on an admitted connection.
 
         With a key, its row is written first (`IdempotencyTable.claim`): a second transaction
-        with the same key waits for the first and fails on the key's primary key
-        (``asyncpg.UniqueViolationError``) if it committed. An error in the block rolls back.
+        with the same key waits for the first and, if it committed, raises `AlreadyApplied`
+        before the block runs. A key that is empty, too long or holds NUL raises
+        `IdempotencyKeyInvalid` before admission. An error in the block rolls back.
         A ``COMMIT`` whose answer is lost raises `UnknownOutcome` with the key (the
         connection is closed, not reused); reconcile with `reconcile`."""
         policy = self.policy
+        if idempotency_key is not None:
+            IdempotencyTable.key(idempotency_key)
         begin = "BEGIN" if isolation is None else f"BEGIN ISOLATION LEVEL {_isolation(isolation)}"
         async with self.acquire() as conn:
             raw = conn.raw
             await conn.execute(begin)
             try:
                 if idempotency_key is not None:
-                    await conn.execute(policy.table.claim, idempotency_key)
+                    try:
+                        await conn.execute(policy.table.claim, idempotency_key)
+                    except asyncpg.UniqueViolationError as applied:
+                        raise AlreadyApplied(idempotency_key) from applied
                 yield conn
             except BaseException:
                 await _rollback(raw)
@@ -295,7 +301,9 @@ class BrownoutPool:
     async def reconcile(self, key: str, *, wait: float = 5.0) -> OutcomeState:
         """Whether the transaction keyed ``key`` committed: ``APPLIED``, ``NOT_APPLIED``, or
         ``PENDING`` when a transaction still holding the key did not finish within ``wait``
-        seconds. Outside any request's admission (a reconciler's own work)."""
+        seconds. Outside any request's admission (a reconciler's own work). A malformed key
+        raises `IdempotencyKeyInvalid` (no transaction can have used it)."""
+        IdempotencyTable.key(key)
         async with self._pool.acquire() as raw:
             inserted: bool | None
             try:

@@ -39,7 +39,7 @@ from .._admission import Bulkhead, Permit
 from .._admission.permit import Untracked
 from .._clock import Clock
 from .._database import DatabasePolicy, IdempotencyTable
-from .._errors import DeadlineExceeded, Rejected
+from .._errors import AlreadyApplied, DeadlineExceeded, Rejected
 from .._overload import Signal
 from .._retry.idempotency import OutcomeLedger, OutcomeRecord, OutcomeState
 from ..events import EventHub, hub
@@ -317,11 +317,14 @@ class BrownoutPsycopgPool:
         transaction on an admitted connection.
 
         With a key, its row is written first (`IdempotencyTable.claim`): a second transaction
-        with the same key waits for the first and fails on the key's primary key
-        (``psycopg.errors.UniqueViolation``) if it committed. An error in the block rolls
-        back. A ``COMMIT`` whose answer is lost raises `UnknownOutcome` with the key (the
-        connection is closed, not reused); reconcile with `reconcile`."""
+        with the same key waits for the first and, if it committed, raises `AlreadyApplied`
+        before the block runs. A key that is empty, too long or holds NUL raises
+        `IdempotencyKeyInvalid` before admission. An error in the block rolls back. A
+        ``COMMIT`` whose answer is lost raises `UnknownOutcome` with the key (the connection
+        is closed, not reused); reconcile with `reconcile`."""
         policy = self.policy
+        if idempotency_key is not None:
+            IdempotencyTable.key(idempotency_key)
         raw, permit = await self._checkout()
         conn = BrownoutPsycopgConnection(raw, policy)
         try:
@@ -330,7 +333,10 @@ class BrownoutPsycopgPool:
                     await conn.execute("BEGIN")
                 if idempotency_key is not None:
                     claim = IdempotencyTable.param_style(policy.table.claim)
-                    await conn.execute(claim, (idempotency_key,))
+                    try:
+                        await conn.execute(claim, (idempotency_key,))
+                    except pg_errors.UniqueViolation as applied:
+                        raise AlreadyApplied(idempotency_key) from applied
                 yield conn
             except BaseException:
                 await _rollback(raw)
@@ -365,7 +371,9 @@ class BrownoutPsycopgPool:
     async def reconcile(self, key: str, *, timeout: float = 5.0) -> OutcomeState:  # noqa: ASYNC109
         """Whether the transaction keyed ``key`` committed: ``APPLIED``, ``NOT_APPLIED``, or
         ``PENDING`` when a transaction still holding the key did not finish within
-        ``timeout`` seconds. Outside any request's admission (a reconciler's own work)."""
+        ``timeout`` seconds. Outside any request's admission (a reconciler's own work). A
+        malformed key raises `IdempotencyKeyInvalid` (no transaction can have used it)."""
+        IdempotencyTable.key(key)
         probe = IdempotencyTable.param_style(self.policy.table.probe)
         inserted: bool | None
         async with self._pool.connection() as raw:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
 import weakref
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -43,7 +44,7 @@ from .._admission import Bulkhead, Permit
 from .._admission.permit import Untracked
 from .._clock import Clock
 from .._database import DatabasePolicy, IdempotencyTable
-from .._errors import Rejected
+from .._errors import AlreadyApplied, DeadlineExceeded, Rejected
 from .._overload import Signal
 from .._retry.idempotency import OutcomeLedger, OutcomeState
 from ..events import EventHub, hub
@@ -117,11 +118,19 @@ def protect(
             cparams["connection_class"] = budget_connection_class(
                 db, cparams.get("connection_class")
             )
+            budget = db.statement_budget()  # a connect is bounded like the checkout it serves
+            if budget is not None and budget < cparams.get("timeout", math.inf):
+                cparams["timeout"] = budget
     else:
         from .psycopg import budget_cursor_factory
 
         def on_connect(dialect: Any, rec: Any, cargs: Any, cparams: dict[str, Any]) -> None:
             cparams["cursor_factory"] = budget_cursor_factory(db, cparams.get("cursor_factory"))
+            budget = db.statement_budget()  # libpq's connect_timeout: whole seconds, 2 at least
+            if budget is not None:
+                seconds = max(2, math.ceil(budget))
+                if seconds < float(cparams.get("connect_timeout") or math.inf):
+                    cparams["connect_timeout"] = seconds
 
     event.listen(sync_engine, "do_connect", on_connect)
     return engine
@@ -149,7 +158,14 @@ class _AdmittedPool(AsyncAdaptedQueuePool):
         else:
             permit = admitted[0]
         try:
-            record = super()._do_get()
+            try:
+                record = super()._do_get()
+            except TimeoutError as timed_out:  # the connect, cut at the budget (on_connect)
+                if isinstance(timed_out, DeadlineExceeded):
+                    raise
+                raise DeadlineExceeded(
+                    f"{db.name}: no connection within the statement budget"
+                ) from timed_out
         except BaseException as error:
             permit.settle_raised(type(error))
             raise
@@ -203,16 +219,22 @@ async def transaction(
     one transaction on an admitted connection (D6).
 
     With a key, its row is written first (`IdempotencyTable.claim`): a second transaction
-    with the same key waits for the first and fails on the key's primary key
-    (``sqlalchemy.exc.IntegrityError``) if it committed. An error in the block rolls back.
+    with the same key waits for the first and, if it committed, raises `AlreadyApplied`
+    before the block runs. A key that is empty, too long or holds NUL raises
+    `IdempotencyKeyInvalid` before admission. An error in the block rolls back.
     A ``COMMIT`` whose answer is lost raises `UnknownOutcome` with the key (the connection
     is invalidated, not reused); reconcile with `reconcile`."""
     db = policy(engine)
+    if idempotency_key is not None:
+        IdempotencyTable.key(idempotency_key)
     async with engine.connect() as conn:
         await conn.begin()
         try:
             if idempotency_key is not None:
-                await conn.execute(text(_named(db.table.claim)), {"key": idempotency_key})
+                try:
+                    await conn.execute(text(_named(db.table.claim)), {"key": idempotency_key})
+                except exc.IntegrityError as applied:  # the claim's only constraint: the key
+                    raise AlreadyApplied(idempotency_key) from applied
             yield conn
         except BaseException:
             await _rollback(conn)
@@ -251,7 +273,9 @@ async def create_table(engine: AsyncEngine) -> None:
 async def reconcile(engine: AsyncEngine, key: str, *, timeout: float = 5.0) -> OutcomeState:  # noqa: ASYNC109
     """Whether the transaction keyed ``key`` committed: ``APPLIED``, ``NOT_APPLIED``, or
     ``PENDING`` when a transaction still holding the key did not finish within ``timeout``
-    seconds. On a connection of the engine (a reconciler's own work: no request scope)."""
+    seconds. On a connection of the engine (a reconciler's own work: no request scope). A
+    malformed key raises `IdempotencyKeyInvalid` (no transaction can have used it)."""
+    IdempotencyTable.key(key)
     probe = text(_named(policy(engine).table.probe))
     inserted: bool | None
     async with engine.connect() as conn:

@@ -27,7 +27,16 @@ from tests import services
 from tests.integration.servers import serve
 
 import brownout
-from brownout import EdgePolicy, OutcomeState, Priority, Reason, Rejected, Route, UnknownOutcome
+from brownout import (
+    EdgePolicy,
+    OutcomeState,
+    Priority,
+    Reason,
+    Rejected,
+    Route,
+    Stats,
+    UnknownOutcome,
+)
 from brownout.events import EventHub, RequestShed, StatementCancelled
 from brownout.integrations.asgi import BrownoutMiddleware
 from brownout.integrations.asyncpg import BrownoutPool
@@ -97,6 +106,36 @@ async def test_a_statement_past_its_deadline_is_cancelled_on_the_server(
     assert await gone_within(pool, marker, GONE), "the query still runs on the server"
     assert [e.stage for e in seen.of(StatementCancelled)] == ["timeout"]
     assert await db.fetchval("SELECT 1") == 1  # the connection came back usable
+
+
+@pytest.mark.parametrize("listening", [False, True])
+async def test_the_uncontended_shortcut_keeps_to_the_budget(
+    pool: asyncpg.Pool, listening: bool
+) -> None:
+    """An idle connection and room: the pool's own shortcut under the budget (`admit_now`),
+    with nobody listening (an untracked admission) or a tallying sink (a timed one)."""
+    hub = EventHub()
+    stats = Stats()
+    if listening:
+        hub.subscribe(stats)
+    db = BrownoutPool(pool, name="orders-db", reserve=0.05, events=hub)
+    marker, query = sleeper()
+    start = time.monotonic()
+    with pytest.raises(brownout.DeadlineExceeded):
+        async with brownout.deadline(0.3):
+            probe = db.policy.admit_now()  # what the shortcut will find: room, at once
+            assert pool.get_idle_size() and probe is not None
+            probe[0].success()
+            await db.fetchval(query)
+    assert time.monotonic() - start < BOUND
+    assert await gone_within(pool, marker, GONE), "the query still runs on the server"
+    assert db.policy.bulkhead.in_flight == 0
+    assert stats.count("statement_cancelled") == (1 if listening else 0)
+    async with brownout.deadline(5.0):
+        assert await db.fetchrow("SELECT 1 AS one") == (1,)
+        assert await db.fetch("SELECT 2") == [(2,)]
+        assert await db.execute("SELECT 3") == "SELECT 1"
+    assert db.policy.bulkhead.in_flight == 0
 
 
 async def test_a_cancelled_task_cancels_its_statement_on_the_server(pool: asyncpg.Pool) -> None:

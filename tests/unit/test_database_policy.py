@@ -18,6 +18,8 @@ from brownout import (
     Stats,
     UnknownOutcome,
 )
+from brownout._context import current_deadline
+from brownout._retry.outbound import attempt_budget
 from brownout.events import (
     EventHub,
     LedgerWriteFailed,
@@ -327,3 +329,75 @@ def test_a_key_is_checked_before_it_reaches_the_table() -> None:
     with pytest.raises(IdempotencyKeyInvalid) as long_one:
         IdempotencyTable.key("x" * 10_000)
     assert len(str(long_one.value)) < 200  # the message quotes only the key's start
+
+
+async def test_admit_now_admits_an_uncontended_request_with_its_budget() -> None:
+    vt = VirtualTime()
+    db = policy(vt, EventHub(), reserve=0.05, timeout=2.0)
+    with vt.deadline(0.3):
+        admitted = db.admit_now()
+        assert admitted is not None
+        permit, budget = admitted
+        assert budget == pytest.approx(0.25) == db.statement_budget()
+        assert db.bulkhead.in_flight == 1
+        permit.success()
+    assert db.bulkhead.in_flight == 0
+    admitted = db.admit_now()  # no deadline: the normal timeout
+    assert admitted is not None and admitted[1] == 2.0
+    admitted[0].settle_raised(TimeoutError)
+    assert db.bulkhead.in_flight == 0
+
+
+async def test_admit_now_leaves_a_full_pool_to_admit_and_counts_nothing() -> None:
+    vt = VirtualTime()
+    hub = EventHub()
+    db = policy(vt, hub)
+    held = [db.admit_now(), db.admit_now()]
+    assert all(a is not None for a in held) and db.bulkhead.in_flight == 2
+    with EventRecorder(hub) as seen, vt.deadline(1.0):
+        assert db.admit_now() is None
+    assert db.bulkhead.in_flight == 2 and not seen.events
+
+
+@pytest.mark.parametrize(
+    ("left", "reason"), [(0.1, Reason.DEADLINE_TOO_SHORT), (0.0, Reason.DEADLINE_EXPIRED)]
+)
+async def test_admit_now_refuses_too_little_time_before_taking_a_place(
+    left: float, reason: Reason
+) -> None:
+    vt = VirtualTime()
+    hub = EventHub()
+    db = policy(vt, hub, min_useful=0.2)
+    with EventRecorder(hub) as seen, vt.deadline(1.0):
+        vt.advance(1.0 - left)
+        with pytest.raises(Rejected) as refused:
+            db.admit_now()
+    assert refused.value.reason is reason
+    assert [shed.reason for shed in seen.of(RequestShed)] == [reason]
+    assert db.bulkhead.in_flight == 0
+
+
+@pytest.mark.parametrize("timeout", [None, 0.2, 1.0])
+@pytest.mark.parametrize("reserve", [0.0, 0.0005, 0.05])
+@pytest.mark.parametrize("min_useful", [0.0, 0.1])
+@pytest.mark.parametrize("left", [0.0, 0.0009, 0.05, 0.1505, 0.3, 5.0])
+def test_the_inline_budgets_are_attempt_budgets_answers(
+    timeout: float | None, reserve: float, min_useful: float, left: float
+) -> None:
+    if timeout is not None and timeout < min_useful:
+        return  # refused by the constructor
+    vt = VirtualTime()
+    db = policy(vt, EventHub(), timeout=timeout, reserve=reserve, min_useful=min_useful)
+    with vt.deadline(left):
+        for ours, floor in ((db.statement_budget, min_useful), (db.commit_budget, 0.0)):
+            try:
+                expected: float | Reason | None = attempt_budget(
+                    timeout, reserve=reserve, min_useful=floor, deadline=current_deadline()
+                )
+            except Rejected as refused:
+                expected = refused.reason
+            try:
+                got: float | Reason | None = ours()
+            except Rejected as refused:
+                got = refused.reason
+            assert got == expected

@@ -27,14 +27,14 @@ from typing import TypeVar
 
 from .._admission.bulkhead import Bulkhead
 from .._admission.limits import FixedLimit
-from .._admission.permit import Permit
+from .._admission.permit import Permit, Untracked
 from .._admission.queues import FifoQueue
 from .._clock import Clock, default_clock
 from .._context import current, current_deadline
 from .._errors import DeadlineExceeded, Reason, Rejected, UnknownOutcome
 from .._overload.signals import InFlight, QueueAge, Signal
 from .._retry.idempotency import OutcomeLedger, ledger_name, record_shielded
-from .._retry.outbound import attempt_budget
+from .._retry.outbound import ATTEMPT_EDGE, attempt_budget
 from ..events import (
     EventHub,
     LedgerWriteFailed,
@@ -50,6 +50,7 @@ __all__ = ["DatabasePolicy"]
 
 T = TypeVar("T")
 
+_REFUSED = -1.0  # `DatabasePolicy._budget`: refused (a budget is never negative)
 _log = logging.getLogger("brownout.database")
 
 
@@ -66,7 +67,9 @@ class DatabasePolicy:
     """
 
     __slots__ = (
+        "_cap",
         "_clock",
+        "_edge",
         "_events",
         "bulkhead",
         "ledger",
@@ -114,6 +117,9 @@ class DatabasePolicy:
         self.timeout = timeout
         self.reserve = reserve
         self.min_useful = min_useful
+        # `attempt_budget`'s bounds, worked out once: every statement reads them.
+        self._cap = math.inf if timeout is None else timeout
+        self._edge = reserve if reserve > ATTEMPT_EDGE else ATTEMPT_EDGE
         self.max_wait = max_wait
         self.ledger = ledger
         self.table = table if table is not None else IdempotencyTable()
@@ -135,6 +141,30 @@ class DatabasePolicy:
         Too little time left for a statement refuses here, before waiting (D4)."""
         self.check_time_left()
         return self.bulkhead.admit()
+
+    def admit_now(self) -> tuple[Permit | Untracked, float | None] | None:
+        """Admission at once and the first statement's budget, when nothing stands in the way
+        (`Bulkhead.admit_uncontended`: room, nobody waiting, no shedding); else ``None`` with
+        nothing counted, and the caller takes `admit`. One read of the deadline for both.
+        Too little time left raises `Rejected` as `admit` does (D4). The permit is settled
+        exactly once (``success`` or ``settle_raised``)."""
+        ctx = current()
+        deadline = ctx.deadline
+        bulkhead = self.bulkhead
+        if deadline is None:
+            budget = self.timeout
+            left = math.inf
+            now = bulkhead.clock.now()
+        else:
+            clock = bulkhead.clock
+            now = clock.now()
+            left = deadline.at - (now if deadline.clock is clock else deadline.clock.now())
+            budget = self._budget(left, self.min_useful)
+            if budget == _REFUSED:
+                self.check_time_left()  # refuses, reported as offered and shed
+                budget = self.statement_budget()
+        permit = bulkhead.admit_uncontended(ctx.priority, ctx.caller, ctx.operation, now, left)
+        return None if permit is None else (permit, budget)
 
     def check_time_left(self) -> None:
         """Before admission: too little time left for a statement raises `Rejected`
@@ -160,12 +190,26 @@ class DatabasePolicy:
         deadline = current_deadline()
         if deadline is None:
             return self.timeout
+        budget = self._budget(deadline.at - deadline.clock.now(), self.min_useful)
+        if budget != _REFUSED:
+            return budget
         try:
             return attempt_budget(
                 self.timeout, reserve=self.reserve, min_useful=self.min_useful, deadline=deadline
             )
         except Rejected as refused:
             raise Rejected(refused.reason, f"{self.name}: {refused.detail}") from None
+
+    def _budget(self, left: float, floor: float) -> float | None:
+        """`attempt_budget`'s answer with ``left`` seconds to the deadline, worked out inline
+        while it fits (every statement's path); `_REFUSED` when it refuses, and the caller
+        asks `attempt_budget` itself for the refusal."""
+        budget = left - self._edge
+        if budget > self._cap:
+            budget = self._cap
+        if left > 0.0 and budget > 0.0 and budget >= floor:
+            return None if budget == math.inf else budget
+        return _REFUSED
 
     async def statement(self, run: Callable[[float | None], Awaitable[T]]) -> T:
         """Await ``run(budget)``, the driver's statement with its timeout set to the budget.
@@ -212,6 +256,9 @@ class DatabasePolicy:
         deadline = current_deadline()
         if deadline is None:
             return self.timeout
+        budget = self._budget(deadline.at - deadline.clock.now(), 0.0)
+        if budget != _REFUSED:
+            return budget
         try:
             return attempt_budget(
                 self.timeout, reserve=self.reserve, min_useful=0.0, deadline=deadline
@@ -234,7 +281,7 @@ class DatabasePolicy:
         `UnknownOutcome` with ``key`` (a cancellation is re-raised after it is recorded).
         Any other error is the server's answer (not committed) and passes through."""
         budget = self.commit_budget()
-        started = self._clock.now()
+        started = self.started()
         try:
             return await run(budget)
         except asyncio.CancelledError as cancelled:

@@ -5,6 +5,7 @@ asyncpg sends the server a cancel request when a statement's ``timeout`` runs ou
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -29,8 +30,17 @@ class _BudgetStatement:
         self._policy = policy
 
     async def fetch(self, *args: Any, timeout: float | None = None) -> Any:  # noqa: ASYNC109 (asyncpg's signature)
-        stmt = self._stmt
-        return await self._policy.statement(lambda budget: stmt.fetch(*args, timeout=budget))
+        # `DatabasePolicy.statement`, inline: SQLAlchemy runs every query through here.
+        policy = self._policy
+        budget = policy.statement_budget()
+        started = policy.started()
+        try:
+            return await self._stmt.fetch(*args, timeout=budget)
+        except asyncio.CancelledError:
+            policy.cancelled(budget, started)
+            raise
+        except TimeoutError as error:
+            raise policy.timed_out(error, budget, started) from error
 
     async def fetchrow(self, *args: Any, timeout: float | None = None) -> Any:  # noqa: ASYNC109 (asyncpg's signature)
         stmt = self._stmt

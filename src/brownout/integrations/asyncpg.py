@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 try:
     import asyncpg
@@ -31,6 +31,7 @@ except ModuleNotFoundError as e:  # the extra is not installed
     raise missing_extra(__name__, "postgres", e) from e
 
 from .._admission import Bulkhead, Permit
+from .._admission.permit import Untracked
 from .._clock import Clock
 from .._database import DatabasePolicy, IdempotencyTable
 from .._errors import AlreadyApplied, DeadlineExceeded, Rejected
@@ -39,6 +40,8 @@ from .._retry.idempotency import OutcomeLedger, OutcomeRecord, OutcomeState
 from ..events import EventHub, hub
 
 __all__ = ["BrownoutConnection", "BrownoutPool"]
+
+T = TypeVar("T")
 
 _LOST = (
     asyncpg.PostgresConnectionError,  # the connection is gone (08xxx, or closed under us)
@@ -234,22 +237,59 @@ class BrownoutPool:
                 _close(raw)
                 raise
 
+    # The shortcuts: with an idle connection and room in the bulkhead (`admit_now`), the
+    # pool's own shortcut runs under the budget read at admission; otherwise the full path.
+
     async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
         """Acquire (admitted), run ``query`` under the statement budget, release."""
-        async with self.acquire() as conn:
-            return await conn.fetch(query, *args)
+        pool = self._pool
+        admitted = self.policy.admit_now() if pool.get_idle_size() else None
+        if admitted is None:
+            async with self.acquire() as conn:
+                return await conn.fetch(query, *args)
+        permit, budget = admitted
+        rows: list[asyncpg.Record] = await _admitted(
+            self.policy, permit, budget, pool.fetch(query, *args, timeout=budget)
+        )
+        return rows
 
     async def fetchrow(self, query: str, *args: Any) -> asyncpg.Record | None:
-        async with self.acquire() as conn:
-            return await conn.fetchrow(query, *args)
+        pool = self._pool
+        admitted = self.policy.admit_now() if pool.get_idle_size() else None
+        if admitted is None:
+            async with self.acquire() as conn:
+                return await conn.fetchrow(query, *args)
+        permit, budget = admitted
+        row: asyncpg.Record | None = await _admitted(
+            self.policy, permit, budget, pool.fetchrow(query, *args, timeout=budget)
+        )
+        return row
 
     async def fetchval(self, query: str, *args: Any, column: int = 0) -> Any:
-        async with self.acquire() as conn:
-            return await conn.fetchval(query, *args, column=column)
+        pool = self._pool
+        admitted = self.policy.admit_now() if pool.get_idle_size() else None
+        if admitted is None:
+            async with self.acquire() as conn:
+                return await conn.fetchval(query, *args, column=column)
+        permit, budget = admitted
+        return await _admitted(
+            self.policy,
+            permit,
+            budget,
+            pool.fetchval(query, *args, column=column, timeout=budget),
+        )
 
     async def execute(self, query: str, *args: Any) -> str:
-        async with self.acquire() as conn:
-            return await conn.execute(query, *args)
+        pool = self._pool
+        admitted = self.policy.admit_now() if pool.get_idle_size() else None
+        if admitted is None:
+            async with self.acquire() as conn:
+                return await conn.execute(query, *args)
+        permit, budget = admitted
+        status: str = await _admitted(
+            self.policy, permit, budget, pool.execute(query, *args, timeout=budget)
+        )
+        return status
 
     # -- unknown commits ----------------------------------------------------------------------
 
@@ -305,17 +345,26 @@ class _Acquire:
         self._pool = pool
         self._policy = policy
         self._conn: asyncpg.Connection | None = None
-        self._permit: Permit | None = None
+        self._permit: Permit | Untracked | None = None
 
     async def __aenter__(self) -> BrownoutConnection:
         policy = self._policy
-        permit = policy.admit()
-        await permit.__aenter__()
+        permit: Permit | Untracked
+        admitted = policy.admit_now()
+        if admitted is None:
+            permit = await policy.admit().__aenter__()
+            waited = True
+        else:
+            permit, budget = admitted
+            waited = False
         try:
             pool = self._pool
             # asyncpg bounds an acquire with a task of its own: only worth it when a new
             # connection may have to be opened (an idle one is handed over at once).
-            budget = None if pool.get_idle_size() else policy.statement_budget()
+            if pool.get_idle_size():
+                budget = None
+            elif waited:
+                budget = policy.statement_budget()
             try:
                 raw = await pool.acquire(timeout=budget)
             except TimeoutError as timed_out:
@@ -323,7 +372,7 @@ class _Acquire:
                     f"{policy.name}: no connection within the statement budget"
                 ) from timed_out
         except BaseException as error:
-            await permit.__aexit__(type(error), error, error.__traceback__)
+            permit.settle_raised(type(error))
             raise
         self._permit = permit
         self._conn = raw
@@ -342,7 +391,34 @@ class _Acquire:
         try:
             await self._pool.release(raw)
         finally:
-            await permit.__aexit__(exc_type, exc, tb)
+            if exc_type is None:
+                permit.success()
+            else:
+                permit.settle_raised(exc_type)
+
+
+async def _admitted(
+    policy: DatabasePolicy, permit: Permit | Untracked, budget: float | None, work: Awaitable[T]
+) -> T:
+    """Await ``work``, the pool's own shortcut (acquire, statement under ``budget``,
+    release), then settle ``permit`` by how it ended; a stopped statement is reported and
+    raised as `DatabasePolicy` decides (as `BrownoutConnection`'s statements are)."""
+    started = policy.started()
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        permit.settle_raised(asyncio.CancelledError)
+        policy.cancelled(budget, started)
+        raise
+    except TimeoutError as error:
+        stopped = policy.timed_out(error, budget, started)
+        permit.settle_raised(type(stopped))
+        raise stopped from error
+    except BaseException as error:
+        permit.settle_raised(type(error))
+        raise
+    permit.success()
+    return result
 
 
 class _ProbeDone(Exception):

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
+from types import TracebackType
 from typing import Any, TypeVar
 
 try:
@@ -38,7 +38,6 @@ except ModuleNotFoundError as e:  # the extra is not installed
 from .._admission import Bulkhead, Permit
 from .._admission.permit import Untracked
 from .._clock import Clock
-from .._context import current
 from .._database import DatabasePolicy, IdempotencyTable
 from .._errors import AlreadyApplied, DeadlineExceeded, Rejected
 from .._overload import Signal
@@ -65,7 +64,15 @@ def _lost(error: BaseException) -> bool:
 _CANCELS: set[asyncio.Future[None]] = set()  # cancel requests still on the wire (strong refs)
 
 
-async def _within(raw: psycopg.AsyncConnection[Any], work: Awaitable[T], budget: float | None) -> T:
+def _within(
+    raw: psycopg.AsyncConnection[Any], work: Awaitable[T], budget: float | None
+) -> Awaitable[T]:
+    """``work`` on ``raw`` bounded by ``budget`` seconds: ``work`` itself (no timer, no
+    frame) when there is no bound, else `_timed`."""
+    return work if budget is None else _timed(raw, work, budget)
+
+
+async def _timed(raw: psycopg.AsyncConnection[Any], work: Awaitable[T], budget: float) -> T:
     """Await ``work`` on ``raw`` for at most ``budget`` seconds.
 
     At the budget the server is sent a cancel request (``cancel_safe``) from a task of its
@@ -73,8 +80,6 @@ async def _within(raw: psycopg.AsyncConnection[Any], work: Awaitable[T], budget:
     cancelling its query when a second cancellation (the request's deadline, at the same
     instant) interrupts its own cancel request. The query ends on the server; the caller
     gets `TimeoutError`."""
-    if budget is None:
-        return await work
     fired: list[asyncio.Future[None]] = []
     timer = asyncio.get_running_loop().call_later(budget, _cancel_on_server, raw, fired)
     try:
@@ -116,10 +121,18 @@ def budget_cursor_factory(
 
     class BudgetCursor(cursor):  # type: ignore[valid-type,misc]
         async def execute(self, query: Any, params: Any = None, **kw: Any) -> Any:
-            conn = self.connection
-            return await policy.statement(
-                lambda budget: _within(conn, cursor.execute(self, query, params, **kw), budget)
-            )
+            # `DatabasePolicy.statement`, inline: SQLAlchemy runs every query through here.
+            budget = policy.statement_budget()
+            started = policy.started()
+            try:
+                return await _within(
+                    self.connection, cursor.execute(self, query, params, **kw), budget
+                )
+            except asyncio.CancelledError:
+                policy.cancelled(budget, started)
+                raise
+            except TimeoutError as error:
+                raise policy.timed_out(error, budget, started) from error
 
         async def executemany(self, query: Any, params_seq: Any, **kw: Any) -> None:
             conn = self.connection
@@ -153,10 +166,18 @@ class BrownoutPsycopgConnection:
         self, query: Query, params: Params = None, *, prepare: bool | None = None
     ) -> psycopg.AsyncCursor[Any]:
         """``conn.execute`` under the statement budget; the cursor holds the rows."""
+        # `DatabasePolicy.statement`, inline (one frame less on every query's path).
+        policy = self._policy
         raw = self.raw
-        return await self._policy.statement(
-            lambda budget: _within(raw, raw.execute(query, params, prepare=prepare), budget)
-        )
+        budget = policy.statement_budget()
+        started = policy.started()
+        try:
+            return await _within(raw, raw.execute(query, params, prepare=prepare), budget)
+        except asyncio.CancelledError:
+            policy.cancelled(budget, started)
+            raise
+        except TimeoutError as error:
+            raise policy.timed_out(error, budget, started) from error
 
     async def executemany(
         self, query: Query, params_seq: Iterable[Sequence[Any] | Mapping[str, Any]]
@@ -244,22 +265,17 @@ class BrownoutPsycopgPool:
         """Admitted (the policy's bulkhead), then a connection from the pool within the
         statement budget; ``Rejected`` or `DeadlineExceeded` otherwise."""
         policy = self.policy
-        policy.check_time_left()  # too little time left: refused before waiting (D4)
-        bulkhead = policy.bulkhead
-        ctx = current()
-        left = ctx.remaining()
-        # Room and nobody waiting: admitted at once (what `policy.admit()` decides, unqueued).
-        permit = bulkhead.admit_uncontended(
-            ctx.priority,
-            ctx.caller,
-            ctx.operation,
-            bulkhead.clock.now(),
-            math.inf if left is None else left,
-        )
-        if permit is None:
-            permit = await bulkhead.admit().__aenter__()
+        permit: Permit | Untracked
+        # Room and nobody waiting: admitted at once, with the budget read once for both.
+        admitted = policy.admit_now()
+        if admitted is None:
+            permit = await policy.admit().__aenter__()  # refuses too short a deadline (D4)
+            budget = None
+        else:
+            permit, budget = admitted
         try:
-            budget = policy.statement_budget()
+            if admitted is None:
+                budget = policy.statement_budget()  # what is left after the wait
             try:
                 raw = await self._pool.getconn(timeout=budget)
             except PoolTimeout as timed_out:
@@ -285,26 +301,13 @@ class BrownoutPsycopgPool:
             else:
                 permit.settle_raised(error)
 
-    @contextlib.asynccontextmanager
-    async def connection(self) -> AsyncIterator[BrownoutPsycopgConnection]:
+    def connection(self) -> _Connection:
         """``async with db.connection() as conn:``: admitted, then a connection from the
         pool (taking at most the statement budget). Raises `Rejected` when refused,
         `DeadlineExceeded` when no connection came within the budget. A transaction left
         open commits at the end of the block (an unkeyed commit: a lost answer raises
         `UnknownOutcome` with no key) and rolls back if the block raises."""
-        raw, permit = await self._checkout()
-        try:
-            try:
-                yield BrownoutPsycopgConnection(raw, self.policy)
-            except BaseException:
-                await _rollback(raw)
-                raise
-            if raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-                await self._commit(raw, None)
-        except BaseException as error:
-            await self._checkin(raw, permit, type(error))
-            raise
-        await self._checkin(raw, permit, None)
+        return _Connection(self)
 
     @contextlib.asynccontextmanager
     async def transaction(
@@ -398,6 +401,51 @@ class BrownoutPsycopgPool:
 
     def __repr__(self) -> str:
         return f"BrownoutPsycopgPool({self.policy!r})"
+
+
+class _Connection:
+    """`BrownoutPsycopgPool.connection`'s block (a class rather than a generator: it is on
+    every query's path)."""
+
+    __slots__ = ("_db", "_permit", "_raw")
+
+    def __init__(self, db: BrownoutPsycopgPool) -> None:
+        self._db = db
+        self._raw: psycopg.AsyncConnection[Any] | None = None
+        self._permit: Permit | Untracked | None = None
+
+    async def __aenter__(self) -> BrownoutPsycopgConnection:
+        db = self._db
+        raw, self._permit = await db._checkout()
+        self._raw = raw
+        return BrownoutPsycopgConnection(raw, db.policy)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        db, raw, permit = self._db, self._raw, self._permit
+        self._raw = self._permit = None
+        assert raw is not None
+        assert permit is not None
+        if exc_type is not None:
+            try:
+                await _rollback(raw)
+            finally:
+                await db._checkin(raw, permit, exc_type)
+            return
+        try:
+            if raw.info.transaction_status != _IDLE:
+                await db._commit(raw, None)
+        except BaseException as error:
+            await db._checkin(raw, permit, type(error))
+            raise
+        await db._checkin(raw, permit, None)
+
+
+_IDLE = psycopg.pq.TransactionStatus.IDLE
 
 
 async def _rollback(raw: psycopg.AsyncConnection[Any]) -> None:

@@ -43,7 +43,6 @@ except ModuleNotFoundError as e:  # the extra is not installed
 from .._admission import Bulkhead, Permit
 from .._admission.permit import Untracked
 from .._clock import Clock
-from .._context import current
 from .._database import DatabasePolicy, IdempotencyTable
 from .._errors import AlreadyApplied, DeadlineExceeded, Rejected
 from .._overload import Signal
@@ -150,21 +149,14 @@ class _AdmittedPool(AsyncAdaptedQueuePool):
 
     def _do_get(self) -> ConnectionPoolEntry:
         db = self._brownout
-        db.check_time_left()  # too little time left: refused before waiting (D4)
-        bulkhead = db.bulkhead
-        ctx = current()
-        left = ctx.remaining()
+        permit: Permit | Untracked
         # Room and nobody waiting: admitted without a switch out of SQLAlchemy's greenlet.
-        permit = bulkhead.admit_uncontended(
-            ctx.priority,
-            ctx.caller,
-            ctx.operation,
-            bulkhead.clock.now(),
-            math.inf if left is None else left,
-        )
-        if permit is None:
-            permit = bulkhead.admit()
+        admitted = db.admit_now()
+        if admitted is None:
+            permit = db.admit()  # refuses too short a deadline before waiting (D4)
             await_(permit.__aenter__())
+        else:
+            permit = admitted[0]
         try:
             try:
                 record = super()._do_get()

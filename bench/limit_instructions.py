@@ -13,7 +13,7 @@ virtual time.
 
 Workloads:
 
-- ``idle-gradient2``: `worker_limit(threads=8)`'s `Gradient2Limit` (limit 6) fed one request
+- ``idle-gradient2``: `worker_limit(threads=16)`'s `Gradient2Limit` (limit 6) fed one request
   at a time (app-limited, as the in-process WSGI bench drives it), rtt 50 us +/- 20%;
 - ``knee-gradient2``, ``knee-vegas``, ``knee-aimd``: each limit's own samples at saturation
   against the knee model (`run_saturated`, knee 20, 20 ms, +/-20% noise, a 4x slowdown
@@ -113,14 +113,14 @@ def _child(workload: str, n: int) -> None:
     kind, _, name = workload.partition("-")
     if kind == "idle":
         stream = _idle_stream(N)
-        _replay(lambda: worker_limit(threads=8, initial=6), stream, n)
+        _replay(lambda: worker_limit(threads=16, initial=6), stream, n)
     elif kind == "knee":
         make = LIMITS[name]
         _replay(make, _knee_stream(make, N), n)
     elif name == "fixed":
         _release(FixedLimit(6), n)
     else:
-        _release(worker_limit(threads=8, initial=6), n)
+        _release(worker_limit(threads=16, initial=6), n)
 
 
 def _instructions(workload: str, n: int) -> int:

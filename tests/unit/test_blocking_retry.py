@@ -280,14 +280,21 @@ def test_the_throttle_and_ledger_count_every_thread(racy: None) -> None:
     throttle = ClientThrottle(clock=clock)
     ledger = InMemoryOutcomeLedger(clock=clock)
     counter = iter(range(10**6))
+    accepted: list[None] = []  # list.append is atomic: counts the accepts the threads make
 
     def work() -> None:
         for _ in range(100):
-            throttle.check()
+            try:
+                throttle.check()
+            except Rejected:
+                # early on, requests counted but not yet accepted make the throttle refuse
+                # by design; the refused request is still counted
+                continue
             throttle.record_accept()
+            accepted.append(None)
         asyncio.run(ledger.record_unknown(f"k{next(counter)}", dependency="svc"))
 
     _together(work)
     assert throttle.requests == THREADS * 100
-    assert throttle.accepts == THREADS * 100
+    assert throttle.accepts == len(accepted)
     assert len(ledger) == THREADS

@@ -160,6 +160,10 @@ class _AdmittedPool(AsyncAdaptedQueuePool):
         try:
             try:
                 record = super()._do_get()
+                if record.dbapi_connection is None:
+                    # invalidated (a statement was cancelled on it): reconnect here, where a
+                    # connect cut at the budget becomes DeadlineExceeded, not in the checkout
+                    record.get_connection()  # type: ignore[attr-defined]  # _ConnectionRecord
             except TimeoutError as timed_out:  # the connect, cut at the budget (on_connect)
                 if isinstance(timed_out, DeadlineExceeded):
                     raise

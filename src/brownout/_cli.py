@@ -409,6 +409,7 @@ commands:
   lab    the overload lab: protected vs unprotected past the breaking point
   top    live view of a service's brownout metrics
   queue  list, show, replay or purge the messages a durable queue parked
+  sim    run a simulated system (a TOML model) on virtual time
 
 'brownout COMMAND --help' describes a command's options.
 
@@ -429,6 +430,9 @@ def _completion_parser() -> argparse.ArgumentParser:
     from ._queue_cli import add_arguments as queue_arguments
 
     queue_arguments(commands.add_parser("queue", formatter_class=HelpFormatter))
+    from ._sim_cli import add_arguments as sim_arguments
+
+    sim_arguments(commands.add_parser("sim", formatter_class=HelpFormatter))
     return p
 
 
@@ -469,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
         return _top_main(rest)
     if command == "queue":
         return _queue_main(rest)
+    if command == "sim":
+        from ._sim_cli import main as sim_main
+
+        return sim_main(rest)
     print(f"brownout: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return EXIT_USAGE
 

@@ -21,7 +21,14 @@ from tests import services
 
 import brownout
 from brownout import OutcomeState, Priority, Reason, Rejected, UnknownOutcome
-from brownout.events import EventHub, RequestShed, StatementCancelled
+from brownout.events import (
+    EventHub,
+    RequestCompleted,
+    RequestExpired,
+    RequestFailed,
+    RequestShed,
+    StatementCancelled,
+)
 from brownout.testing import EventRecorder
 
 sqlalchemy = pytest.importorskip("sqlalchemy")
@@ -221,6 +228,128 @@ def test_protect_refuses_what_it_cannot_instrument(postgres_server: services.Ser
     unpooled = create_async_engine(dsn(postgres_server, "asyncpg"), poolclass=NullPool)
     with pytest.raises(TypeError, match="AsyncAdaptedQueuePool"):
         bsa.protect(unpooled, name="orders-db")
+
+
+# -- reconnects past the budget ----------------------------------------------------------------
+
+
+class Relay:
+    """A TCP relay to PostgreSQL that can go silent: `silence` drops every relayed connection
+    and holds new ones without a word, so a reconnect waits until its connect timeout."""
+
+    def __init__(self, pg: services.Service) -> None:
+        self._pg = pg
+        self._silent = False
+        self._writers: list[asyncio.StreamWriter] = []
+        self._pipes: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Relay:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.url = f"postgresql+asyncpg://postgres@127.0.0.1:{port}/test"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        self.silence()
+        for pipe in self._pipes:
+            pipe.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+
+    def silence(self) -> None:
+        self._silent = True
+        for writer in self._writers:
+            writer.close()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.append(writer)
+        if self._silent:
+            return
+        up_reader, up_writer = await asyncio.open_connection(self._pg.host, self._pg.port)
+        self._writers.append(up_writer)
+        for a, b in ((reader, up_writer), (up_reader, writer)):
+            pipe = asyncio.create_task(self._pipe(a, b))
+            self._pipes.add(pipe)
+            pipe.add_done_callback(self._pipes.discard)
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.mark.parametrize("how", ["invalidated", "pre_ping", "pool_invalidated"])
+async def test_a_reconnect_past_the_budget_is_deadline_exceeded(
+    postgres_server: services.Service, how: str
+) -> None:
+    """Wherever SQLAlchemy reconnects a pooled connection (in the checkout: an invalidated
+    record, a pool invalidated by a lost connection; after it: a failed pre-ping), a connect
+    cut at the statement budget reaches the caller as `DeadlineExceeded`, settles the
+    admission by that error, and leaves the record in the pool."""
+    hub = EventHub()
+    async with Relay(postgres_server) as relay:
+        engine = create_async_engine(relay.url, pool_size=2, pool_pre_ping=how == "pre_ping")
+        protect(engine, events=hub)
+        try:
+
+            async def one() -> Any:
+                async with engine.connect() as conn:
+                    return (await conn.execute(text("SELECT 1"))).scalar()
+
+            async with engine.connect() as first, engine.connect() as second:
+                for conn in (first, second):  # two pooled connections, both used
+                    await conn.execute(text("SELECT 1"))
+                if how == "invalidated":
+                    await first.invalidate()
+                    await second.invalidate()
+            relay.silence()
+            await asyncio.sleep(0.2)  # asyncpg sees its connections closed
+            if how == "pool_invalidated":
+                with pytest.raises(sqlalchemy.exc.DBAPIError) as lost:
+                    async with brownout.deadline(5.0):
+                        await one()
+                assert lost.value.connection_invalidated
+            start = time.monotonic()
+            with EventRecorder(hub) as seen, pytest.raises(brownout.DeadlineExceeded):
+                async with brownout.deadline(0.5):
+                    await one()
+            assert time.monotonic() - start < 0.5 + BOUND
+            assert not seen.of(RequestCompleted)
+            assert len(seen.of(RequestFailed)) + len(seen.of(RequestExpired)) == 1
+            assert bsa.policy(engine).bulkhead.in_flight == 0
+            assert engine.sync_engine.pool.checkedout() == 0
+        finally:
+            await engine.dispose()
+
+
+async def test_a_connect_timeout_of_its_own_stays_the_drivers(
+    postgres_server: services.Service,
+) -> None:
+    """A connect timeout the caller set, shorter than the budget, is not the deadline's: its
+    `TimeoutError` reaches the caller as it is."""
+    async with Relay(postgres_server) as relay:
+        relay.silence()
+        engine = create_async_engine(relay.url, pool_size=2, connect_args={"timeout": 0.3})
+        protect(engine)
+        try:
+            start = time.monotonic()
+            with pytest.raises(TimeoutError) as timed_out:
+                async with brownout.deadline(10.0), engine.connect():
+                    pass
+            assert not isinstance(timed_out.value, brownout.DeadlineExceeded)
+            assert time.monotonic() - start < 0.3 + BOUND
+            assert bsa.policy(engine).bulkhead.in_flight == 0
+            assert engine.sync_engine.pool.checkedout() == 0
+        finally:
+            await engine.dispose()
 
 
 # -- unknown commits --------------------------------------------------------------------------

@@ -145,6 +145,21 @@ async def test_a_statement_gets_its_budget_and_a_timeout_becomes_deadline_exceed
     assert cancelled.latency == pytest.approx(0.28)
 
 
+def test_a_connect_timed_out_at_the_budget_is_the_deadlines_and_any_other_is_not() -> None:
+    vt = VirtualTime()
+    hub = EventHub()
+    db = policy(vt, hub)
+    timed_out = TimeoutError("connect")
+    with EventRecorder(hub) as seen:
+        exceeded = db.connect_timed_out(timed_out, 0.25)  # the bound the adapter set
+        assert db.connect_timed_out(timed_out, None) is timed_out  # the caller's own bound
+        assert db.connect_timed_out(exceeded, 0.25) is exceeded  # translated once
+    assert isinstance(exceeded, DeadlineExceeded) and exceeded.__cause__ is timed_out
+    assert "250 ms" in str(exceeded)
+    assert timed_out.__cause__ is None  # left as it is
+    assert seen.events == []  # the admission holding the place reports how it ended
+
+
 async def test_a_cancelled_statement_is_reported_by_why() -> None:
     vt = VirtualTime()
     hub = EventHub()

@@ -49,6 +49,7 @@ from .keys import IdempotencyTable
 __all__ = ["DatabasePolicy"]
 
 T = TypeVar("T")
+E = TypeVar("E", bound=Exception)
 
 _REFUSED = -1.0  # `DatabasePolicy._budget`: refused (a budget is never negative)
 _log = logging.getLogger("brownout.database")
@@ -247,6 +248,20 @@ class DatabasePolicy:
             f"{self.name}: statement stopped at its budget"
             + ("" if budget is None else f" of {budget * 1000:.0f} ms")
         )
+
+    def connect_timed_out(self, error: E, budget: float | None) -> E | DeadlineExceeded:
+        """What to raise when no connection came in time (a pool's wait or a connect that
+        timed out): with ``budget`` the bound the adapter set from `statement_budget`, the
+        deadline's: `DeadlineExceeded`, caused by ``error`` (the admission holding the place
+        reports how the request ended). With ``None`` the bound was the driver's or the
+        caller's own, and ``error`` is raised as it is."""
+        if budget is None or isinstance(error, DeadlineExceeded):
+            return error
+        exceeded = DeadlineExceeded(
+            f"{self.name}: no connection within the statement budget of {budget * 1000:.0f} ms"
+        )
+        exceeded.__cause__ = error
+        return exceeded
 
     # -- commits ----------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from .._admission import Bulkhead, Permit
 from .._admission.permit import Untracked
 from .._clock import Clock
 from .._database import DatabasePolicy, IdempotencyTable
-from .._errors import AlreadyApplied, DeadlineExceeded, Rejected
+from .._errors import AlreadyApplied, Rejected
 from .._overload import Signal
 from .._retry.idempotency import OutcomeLedger, OutcomeRecord, OutcomeState
 from ..events import EventHub, hub
@@ -368,9 +368,7 @@ class _Acquire:
             try:
                 raw = await pool.acquire(timeout=budget)
             except TimeoutError as timed_out:
-                raise DeadlineExceeded(
-                    f"{policy.name}: no connection within the statement budget"
-                ) from timed_out
+                raise policy.connect_timed_out(timed_out, budget)  # noqa: B904 (chained there)
         except BaseException as error:
             permit.settle_raised(type(error))
             raise

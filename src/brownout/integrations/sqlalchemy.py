@@ -26,12 +26,13 @@ import contextlib
 import math
 import re
 import weakref
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 try:
     from sqlalchemy import event, exc, text
     from sqlalchemy.engine import Engine
+    from sqlalchemy.engine.interfaces import DBAPIConnection
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
     from sqlalchemy.pool import AsyncAdaptedQueuePool, ConnectionPoolEntry
     from sqlalchemy.util import await_
@@ -44,7 +45,7 @@ from .._admission import Bulkhead, Permit
 from .._admission.permit import Untracked
 from .._clock import Clock
 from .._database import DatabasePolicy, IdempotencyTable
-from .._errors import AlreadyApplied, DeadlineExceeded, Rejected
+from .._errors import AlreadyApplied, Rejected
 from .._overload import Signal
 from .._retry.idempotency import OutcomeLedger, OutcomeState
 from ..events import EventHub, hub
@@ -52,6 +53,7 @@ from ..events import EventHub, hub
 __all__ = ["create_table", "gauges", "policy", "protect", "reconcile", "signals", "transaction"]
 
 _ASYNCPG_RESERVE = 0.05  # the cancel request is sent before the deadline cancels the task
+_CONNECT_BUDGET = "brownout.connect_budget"  # a record's info: its connect's timeout was ours
 _POLICIES: weakref.WeakKeyDictionary[Engine, DatabasePolicy] = weakref.WeakKeyDictionary()
 
 
@@ -109,8 +111,8 @@ def protect(
     )
     _POLICIES[sync_engine] = db
     pool.__class__ = _AdmittedPool  # same layout: the subclass only overrides methods
-    pool._brownout = db  # type: ignore[attr-defined]
-    pool._brownout_permits = {}  # type: ignore[attr-defined]
+    assert isinstance(pool, _AdmittedPool)
+    pool._brownout_setup(db)
     if driver == "asyncpg":
         from ._asyncpg_budget import budget_connection_class
 
@@ -121,6 +123,8 @@ def protect(
             budget = db.statement_budget()  # a connect is bounded like the checkout it serves
             if budget is not None and budget < cparams.get("timeout", math.inf):
                 cparams["timeout"] = budget
+                if rec is not None:  # for `_AdmittedPool._connect`: this timeout is the deadline's
+                    rec.info[_CONNECT_BUDGET] = budget
     else:
         from .psycopg import budget_cursor_factory
 
@@ -142,10 +146,34 @@ def policy(engine: AsyncEngine) -> DatabasePolicy:
 
 
 class _AdmittedPool(AsyncAdaptedQueuePool):
-    """The engine's pool, its checkouts admitted by the policy's bulkhead first."""
+    """The engine's pool, its checkouts admitted by the policy's bulkhead first, and every
+    connect it makes translated (`DatabasePolicy.connect_timed_out`)."""
 
     _brownout: DatabasePolicy
     _brownout_permits: dict[ConnectionPoolEntry, Permit | Untracked]
+    _brownout_creator: Callable[[ConnectionPoolEntry], DBAPIConnection]
+
+    def _brownout_setup(self, db: DatabasePolicy) -> None:
+        self._brownout = db
+        self._brownout_permits = {}
+        # Every connect goes through here: the checkout's, and those SQLAlchemy makes after
+        # `_do_get` (a failed pre-ping's reconnect).
+        self._brownout_creator = self._invoke_creator
+        self._invoke_creator = self._connect
+
+    def _connect(self, rec: ConnectionPoolEntry) -> DBAPIConnection:
+        try:
+            return self._brownout_creator(rec)
+        except BaseException as error:
+            failed = error
+            if isinstance(error, TimeoutError):
+                failed = self._brownout.connect_timed_out(error, rec.info.get(_CONNECT_BUDGET))
+            permit = self._brownout_permits.pop(rec, None)
+            if permit is not None:  # checked out already: the checkout fails with this
+                permit.settle_raised(type(failed))
+            raise failed  # noqa: B904 (chained there)
+        finally:
+            rec.info.pop(_CONNECT_BUDGET, None)
 
     def _do_get(self) -> ConnectionPoolEntry:
         db = self._brownout
@@ -158,19 +186,17 @@ class _AdmittedPool(AsyncAdaptedQueuePool):
         else:
             permit = admitted[0]
         try:
-            try:
-                record = super()._do_get()
-                if record.dbapi_connection is None:
-                    # invalidated (a statement was cancelled on it): reconnect here, where a
-                    # connect cut at the budget becomes DeadlineExceeded, not in the checkout
-                    record.get_connection()  # type: ignore[attr-defined]  # _ConnectionRecord
-            except TimeoutError as timed_out:  # the connect, cut at the budget (on_connect)
-                if isinstance(timed_out, DeadlineExceeded):
-                    raise
-                raise DeadlineExceeded(
-                    f"{db.name}: no connection within the statement budget"
-                ) from timed_out
+            record = super()._do_get()  # a new record connects here
         except BaseException as error:
+            permit.settle_raised(type(error))
+            raise
+        try:
+            # What the checkout would reconnect (invalidated, recycled, pool invalidated) is
+            # reconnected here, so a failed connect settles this admission by its error.
+            record.get_connection()  # type: ignore[attr-defined]  # _ConnectionRecord
+        except BaseException as error:
+            # back to the pool, as SQLAlchemy's checkout does
+            record._checkin_failed(error, _fairy_was_created=False)  # type: ignore[attr-defined]
             permit.settle_raised(type(error))
             raise
         self._brownout_permits[record] = permit
@@ -185,8 +211,7 @@ class _AdmittedPool(AsyncAdaptedQueuePool):
     def recreate(self) -> _AdmittedPool:
         fresh = super().recreate()
         assert isinstance(fresh, _AdmittedPool)
-        fresh._brownout = self._brownout
-        fresh._brownout_permits = {}
+        fresh._brownout_setup(self._brownout)
         return fresh
 
 

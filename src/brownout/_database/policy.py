@@ -45,6 +45,7 @@ from ..events import (
 )
 from ..events import hub as default_hub
 from .keys import IdempotencyTable
+from .watchdog import Watchdog
 
 __all__ = ["DatabasePolicy"]
 
@@ -80,6 +81,7 @@ class DatabasePolicy:
         "reserve",
         "table",
         "timeout",
+        "watchdog",
     )
 
     def __init__(
@@ -133,6 +135,8 @@ class DatabasePolicy:
                 name, FixedLimit(max_size), queue, reserve=0, clock=clock, events=events
             )
         self.bulkhead = bulkhead
+        # One timer for every running statement's budget (adapters that cancel themselves).
+        self.watchdog = Watchdog()
 
     # -- admission --------------------------------------------------------------------------
 

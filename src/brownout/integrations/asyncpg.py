@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -34,6 +34,7 @@ from .._admission import Bulkhead, Permit
 from .._admission.permit import Untracked
 from .._clock import Clock
 from .._database import DatabasePolicy, IdempotencyTable
+from .._database.watchdog import LoopWatchdog
 from .._errors import AlreadyApplied, Rejected
 from .._overload import Signal
 from .._retry.idempotency import OutcomeLedger, OutcomeRecord, OutcomeState
@@ -70,63 +71,38 @@ class BrownoutConnection:
         self.raw = raw
         self._policy = policy
 
-    # Each statement inline (no wrapper coroutine: this is every query's path); what a
-    # stopped statement raises is the policy's decision (`DatabasePolicy.timed_out`).
+    # Each statement reads its budget and runs in `_run` (the policy's watchdog keeps the
+    # budget: asyncpg is given no timeout, which would arm a loop timer per statement).
 
     async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
         policy = self._policy
         budget = policy.statement_budget()
-        started = policy.started()
-        try:
-            rows: list[asyncpg.Record] = await self.raw.fetch(query, *args, timeout=budget)
-        except asyncio.CancelledError:
-            policy.cancelled(budget, started)
-            raise
-        except TimeoutError as error:
-            raise policy.timed_out(error, budget, started) from error
+        rows: list[asyncpg.Record] = await _run(policy, None, budget, self.raw.fetch(query, *args))
         return rows
 
     async def fetchrow(self, query: str, *args: Any) -> asyncpg.Record | None:
         policy = self._policy
         budget = policy.statement_budget()
-        started = policy.started()
-        try:
-            row: asyncpg.Record | None = await self.raw.fetchrow(query, *args, timeout=budget)
-        except asyncio.CancelledError:
-            policy.cancelled(budget, started)
-            raise
-        except TimeoutError as error:
-            raise policy.timed_out(error, budget, started) from error
+        row: asyncpg.Record | None = await _run(
+            policy, None, budget, self.raw.fetchrow(query, *args)
+        )
         return row
 
     async def fetchval(self, query: str, *args: Any, column: int = 0) -> Any:
         policy = self._policy
         budget = policy.statement_budget()
-        started = policy.started()
-        try:
-            return await self.raw.fetchval(query, *args, column=column, timeout=budget)
-        except asyncio.CancelledError:
-            policy.cancelled(budget, started)
-            raise
-        except TimeoutError as error:
-            raise policy.timed_out(error, budget, started) from error
+        return await _run(policy, None, budget, self.raw.fetchval(query, *args, column=column))
 
     async def execute(self, query: str, *args: Any) -> str:
         policy = self._policy
         budget = policy.statement_budget()
-        started = policy.started()
-        try:
-            status: str = await self.raw.execute(query, *args, timeout=budget)
-        except asyncio.CancelledError:
-            policy.cancelled(budget, started)
-            raise
-        except TimeoutError as error:
-            raise policy.timed_out(error, budget, started) from error
+        status: str = await _run(policy, None, budget, self.raw.execute(query, *args))
         return status
 
     async def executemany(self, query: str, args: Iterable[Sequence[Any]]) -> None:
-        raw = self.raw
-        await self._policy.statement(lambda budget: raw.executemany(query, args, timeout=budget))
+        policy = self._policy
+        budget = policy.statement_budget()
+        await _run(policy, None, budget, self.raw.executemany(query, args))
 
     def __repr__(self) -> str:
         return f"BrownoutConnection({self._policy.name!r})"
@@ -238,7 +214,8 @@ class BrownoutPool:
                 raise
 
     # The shortcuts: with an idle connection and room in the bulkhead (`admit_now`), the
-    # pool's own shortcut runs under the budget read at admission; otherwise the full path.
+    # pool's own shortcut runs under the budget read at admission (kept by the watchdog, as
+    # the pool's release waits for a cancelled query to stop); otherwise the full path.
 
     async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
         """Acquire (admitted), run ``query`` under the statement budget, release."""
@@ -248,8 +225,8 @@ class BrownoutPool:
             async with self.acquire() as conn:
                 return await conn.fetch(query, *args)
         permit, budget = admitted
-        rows: list[asyncpg.Record] = await _admitted(
-            self.policy, permit, budget, pool.fetch(query, *args, timeout=budget)
+        rows: list[asyncpg.Record] = await _run(
+            self.policy, permit, budget, pool.fetch(query, *args)
         )
         return rows
 
@@ -260,8 +237,8 @@ class BrownoutPool:
             async with self.acquire() as conn:
                 return await conn.fetchrow(query, *args)
         permit, budget = admitted
-        row: asyncpg.Record | None = await _admitted(
-            self.policy, permit, budget, pool.fetchrow(query, *args, timeout=budget)
+        row: asyncpg.Record | None = await _run(
+            self.policy, permit, budget, pool.fetchrow(query, *args)
         )
         return row
 
@@ -272,11 +249,11 @@ class BrownoutPool:
             async with self.acquire() as conn:
                 return await conn.fetchval(query, *args, column=column)
         permit, budget = admitted
-        return await _admitted(
+        return await _run(
             self.policy,
             permit,
             budget,
-            pool.fetchval(query, *args, column=column, timeout=budget),
+            pool.fetchval(query, *args, column=column),
         )
 
     async def execute(self, query: str, *args: Any) -> str:
@@ -286,9 +263,7 @@ class BrownoutPool:
             async with self.acquire() as conn:
                 return await conn.execute(query, *args)
         permit, budget = admitted
-        status: str = await _admitted(
-            self.policy, permit, budget, pool.execute(query, *args, timeout=budget)
-        )
+        status: str = await _run(self.policy, permit, budget, pool.execute(query, *args))
         return status
 
     # -- unknown commits ----------------------------------------------------------------------
@@ -395,28 +370,61 @@ class _Acquire:
                 permit.settle_raised(exc_type)
 
 
-async def _admitted(
-    policy: DatabasePolicy, permit: Permit | Untracked, budget: float | None, work: Awaitable[T]
+async def _run(
+    policy: DatabasePolicy,
+    permit: Permit | Untracked | None,
+    budget: float | None,
+    work: Coroutine[Any, Any, T],
 ) -> T:
-    """Await ``work``, the pool's own shortcut (acquire, statement under ``budget``,
-    release), then settle ``permit`` by how it ended; a stopped statement is reported and
-    raised as `DatabasePolicy` decides (as `BrownoutConnection`'s statements are)."""
+    """Await ``work`` (a statement, or the pool's shortcut: acquire, statement, release)
+    within ``budget``, then settle ``permit`` (if any) by how it ended.
+
+    At the budget the policy's watchdog cancels the task: asyncpg answers a cancellation with
+    a cancel request to the server, and the pool's release waits for the query to stop. That
+    cancellation (and asyncpg's own timeout, ``command_timeout``) is reported and raised as
+    `DatabasePolicy` decides; anyone else's passes through, reported as cancelled."""
     started = policy.started()
+    dog: LoopWatchdog | None = None
+    task: asyncio.Task[Any] | None = None
+    if budget is not None:
+        task = asyncio.current_task()
+        if task is not None:  # always, in a coroutine run by asyncio
+            dog = policy.watchdog.watch(work, budget, _cancel_task, task)
     try:
         result = await work
     except asyncio.CancelledError:
-        permit.settle_raised(asyncio.CancelledError)
+        if dog is not None and task is not None and not dog.done(work) and task.uncancel() == 0:
+            # The watchdog's cancellation and nobody else's: the statement hit its budget.
+            stopped = policy.timed_out(TimeoutError(), budget, started)
+            if permit is not None:
+                permit.settle_raised(type(stopped))
+            raise stopped from None
+        if permit is not None:
+            permit.settle_raised(asyncio.CancelledError)
         policy.cancelled(budget, started)
         raise
     except TimeoutError as error:
+        if dog is not None:
+            dog.done(work)
         stopped = policy.timed_out(error, budget, started)
-        permit.settle_raised(type(stopped))
+        if permit is not None:
+            permit.settle_raised(type(stopped))
         raise stopped from error
     except BaseException as error:
-        permit.settle_raised(type(error))
+        if dog is not None:
+            dog.done(work)
+        if permit is not None:
+            permit.settle_raised(type(error))
         raise
-    permit.success()
+    if dog is not None and task is not None and not dog.done(work):
+        task.uncancel()  # the watchdog's cancellation, absorbed on the way: taken back
+    if permit is not None:
+        permit.success()
     return result
+
+
+def _cancel_task(task: asyncio.Task[Any]) -> None:
+    task.cancel()
 
 
 class _ProbeDone(Exception):

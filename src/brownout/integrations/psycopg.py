@@ -39,6 +39,7 @@ from .._admission import Bulkhead, Permit
 from .._admission.permit import Untracked
 from .._clock import Clock
 from .._database import DatabasePolicy, IdempotencyTable
+from .._database.watchdog import Watchdog
 from .._errors import AlreadyApplied, Rejected
 from .._overload import Signal
 from .._retry.idempotency import OutcomeLedger, OutcomeRecord, OutcomeState
@@ -65,38 +66,49 @@ _CANCELS: set[asyncio.Future[None]] = set()  # cancel requests still on the wire
 
 
 def _within(
-    raw: psycopg.AsyncConnection[Any], work: Awaitable[T], budget: float | None
+    raw: psycopg.AsyncConnection[Any],
+    work: Awaitable[T],
+    budget: float | None,
+    watchdog: Watchdog | None = None,
 ) -> Awaitable[T]:
     """``work`` on ``raw`` bounded by ``budget`` seconds: ``work`` itself (no timer, no
-    frame) when there is no bound, else `_timed`."""
-    return work if budget is None else _timed(raw, work, budget)
+    frame) when there is no bound, else `_timed` (kept by ``watchdog``, the policy's)."""
+    if budget is None:
+        return work
+    return _timed(raw, work, budget, _ALONE if watchdog is None else watchdog)
 
 
-async def _timed(raw: psycopg.AsyncConnection[Any], work: Awaitable[T], budget: float) -> T:
+_ALONE = Watchdog()  # for what runs outside any policy (rollbacks, reconcile's probe)
+
+
+async def _timed(
+    raw: psycopg.AsyncConnection[Any], work: Awaitable[T], budget: float, watchdog: Watchdog
+) -> T:
     """Await ``work`` on ``raw`` for at most ``budget`` seconds.
 
-    At the budget the server is sent a cancel request (``cancel_safe``) from a task of its
-    own, rather than the caller's task being cancelled: psycopg closes a connection without
-    cancelling its query when a second cancellation (the request's deadline, at the same
-    instant) interrupts its own cancel request. The query ends on the server; the caller
-    gets `TimeoutError`."""
-    fired: list[asyncio.Future[None]] = []
-    timer = asyncio.get_running_loop().call_later(budget, _cancel_on_server, raw, fired)
+    At the budget ``watchdog`` (one timer for all the running statements) sends the server a
+    cancel request (``cancel_safe``) from a task of its own, rather than the caller's task
+    being cancelled: psycopg closes a connection without cancelling its query when a second
+    cancellation (the request's deadline, at the same instant) interrupts its own cancel
+    request. The query ends on the server; the caller gets `TimeoutError`."""
+    dog = watchdog.watch(work, budget, _cancel_on_server, raw)
     try:
-        return await work
+        result = await work
     except pg_errors.QueryCanceled as cancelled:
-        if fired:
-            raise TimeoutError(f"cancelled on the server at its budget ({budget:.3f} s)") from (
-                cancelled
-            )
+        if dog.done(work):
+            raise  # not at the budget: someone else's cancel request
+        raise TimeoutError(f"cancelled on the server at its budget ({budget:.3f} s)") from (
+            cancelled
+        )
+    except BaseException:
+        dog.done(work)
         raise
-    finally:
-        timer.cancel()
+    dog.done(work)
+    return result
 
 
-def _cancel_on_server(raw: psycopg.AsyncConnection[Any], fired: list[asyncio.Future[None]]) -> None:
+def _cancel_on_server(raw: psycopg.AsyncConnection[Any]) -> None:
     cancel = asyncio.ensure_future(raw.cancel_safe(timeout=5.0))
-    fired.append(cancel)
     _CANCELS.add(cancel)
     cancel.add_done_callback(_cancel_sent)
 
@@ -126,7 +138,10 @@ def budget_cursor_factory(
             started = policy.started()
             try:
                 return await _within(
-                    self.connection, cursor.execute(self, query, params, **kw), budget
+                    self.connection,
+                    cursor.execute(self, query, params, **kw),
+                    budget,
+                    policy.watchdog,
                 )
             except asyncio.CancelledError:
                 policy.cancelled(budget, started)
@@ -138,7 +153,7 @@ def budget_cursor_factory(
             conn = self.connection
             await policy.statement(
                 lambda budget: _within(
-                    conn, cursor.executemany(self, query, params_seq, **kw), budget
+                    conn, cursor.executemany(self, query, params_seq, **kw), budget, policy.watchdog
                 )
             )
 
@@ -172,7 +187,9 @@ class BrownoutPsycopgConnection:
         budget = policy.statement_budget()
         started = policy.started()
         try:
-            return await _within(raw, raw.execute(query, params, prepare=prepare), budget)
+            return await _within(
+                raw, raw.execute(query, params, prepare=prepare), budget, policy.watchdog
+            )
         except asyncio.CancelledError:
             policy.cancelled(budget, started)
             raise
@@ -184,10 +201,11 @@ class BrownoutPsycopgConnection:
     ) -> None:
         """``cursor.executemany`` under one statement budget."""
         raw = self.raw
+        watchdog = self._policy.watchdog
 
         async def run(budget: float | None) -> None:
             async with raw.cursor() as cur:
-                await _within(raw, cur.executemany(query, params_seq), budget)
+                await _within(raw, cur.executemany(query, params_seq), budget, watchdog)
 
         await self._policy.statement(run)
 
@@ -348,7 +366,9 @@ class BrownoutPsycopgPool:
     async def _commit(self, raw: psycopg.AsyncConnection[Any], key: str | None) -> None:
         try:
             await self.policy.commit(
-                lambda budget: _within(raw, raw.commit(), budget), key, lost=_lost
+                lambda budget: _within(raw, raw.commit(), budget, self.policy.watchdog),
+                key,
+                lost=_lost,
             )
         except Rejected:  # the deadline passed before COMMIT was sent: nothing committed
             await _rollback(raw)
@@ -376,7 +396,7 @@ class BrownoutPsycopgPool:
         inserted: bool | None
         async with self._pool.connection() as raw:
             try:
-                cur = await _within(raw, raw.execute(probe, (key,)), timeout)
+                cur = await _within(raw, raw.execute(probe, (key,)), timeout, self.policy.watchdog)
                 inserted = await cur.fetchone() is not None
             except TimeoutError:
                 inserted = None

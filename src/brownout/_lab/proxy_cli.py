@@ -11,6 +11,7 @@ from typing import Any
 
 from .._help import HelpFormatter
 from .faults import Faults, FaultsError, Timeline, load_timeline
+from .netem import netem_status
 from .proxy import FaultProxy, ProxyError, parse_address
 
 __all__ = ["main", "parser"]
@@ -88,8 +89,6 @@ async def _run(proxy: FaultProxy, duration: float | None) -> None:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if args.netem_check:
-        from .netem import netem_status
-
         status = netem_status()
         _print("netem", usable=status.usable, how=status.how, detail=status.detail)
         return 0

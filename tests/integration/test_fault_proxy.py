@@ -360,3 +360,38 @@ async def test_cli_runs_a_timeline_and_prints_its_stats(
     assert last["event"] == "stopped"
     assert last["stats"]["requests"] == 2 and last["stats"]["faults_injected"]["error"] == 1
     assert last["stats"]["timeline_step"] == 1
+
+
+async def test_http_mixed_faults_under_concurrency_are_all_counted(
+    upstream: tuple[str, int],
+) -> None:
+    """200 requests from 10 concurrent aiohttp connections, errors and resets mixed in: every
+    request ends in one outcome the counters agree with, and nothing is left open."""
+    import aiohttp
+
+    faults = Faults(error_rate=0.2, reset_rate=0.1, latency=0.005, jitter=0.01)
+    outcomes = {"ok": 0, "error": 0, "transport": 0}
+    async with FaultProxy(upstream, mode="http", faults=faults, seed=3) as proxy:
+        connector = aiohttp.TCPConnector(limit=10)
+        async with aiohttp.ClientSession(connector=connector) as session:
+
+            async def one() -> None:
+                try:
+                    async with session.get(base(proxy) + "/hello") as response:
+                        await response.read()
+                        outcomes["ok" if response.status == 200 else "error"] += 1
+                except aiohttp.ClientError:
+                    outcomes["transport"] += 1
+
+            await asyncio.wait_for(asyncio.gather(*(one() for _ in range(200))), 30)
+        await asyncio.sleep(0.1)  # the proxy sees the client's connections close
+        stats = proxy.stats()
+    assert sum(outcomes.values()) == 200
+    assert outcomes["error"] == stats.faults_injected["error"]
+    # aiohttp sends a GET again, once, when a reused connection was reset under it
+    resets = stats.faults_injected["reset"]
+    assert outcomes["transport"] <= resets
+    assert stats.requests == outcomes["ok"] + outcomes["error"] + resets
+    assert outcomes["ok"] > 100
+    assert stats.active_connections == 0
+    assert_no_proxy_tasks()

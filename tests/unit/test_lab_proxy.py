@@ -101,5 +101,7 @@ def test_cli_usage_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     (tmp_path / "t.toml").write_text("[[step]]\nat = 0\nstal_rate = 1\n")
     assert main(["proxy", "--upstream", "127.0.0.1:1", "--timeline", str(tmp_path / "t.toml")]) == 2
     assert "stal_rate" in capsys.readouterr().err
+    assert main(["proxy", "--upstream", "127.0.0.1:1", "--error-rate", "0.5"]) == 2
+    assert "needs http mode" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["proxy", "--mode", "udp", "--upstream", "127.0.0.1:1"])

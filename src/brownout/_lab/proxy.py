@@ -218,6 +218,8 @@ class FaultProxy:
                 )
         self.upstream = upstream
         self.mode: Mode = mode
+        for setting in [faults, *(s.faults for s in (timeline.steps if timeline else ()))]:
+            self._check(setting)
         self._listen = listen
         self._control = control
         self._faults = faults
@@ -240,8 +242,13 @@ class FaultProxy:
     def faults(self) -> Faults:
         return self._faults
 
+    def _check(self, faults: Faults) -> None:
+        if self.mode == "tcp" and faults.error_rate:
+            raise FaultsError("error_rate needs http mode: a tcp proxy cannot answer a request")
+
     def set_faults(self, faults: Faults) -> None:
         """Replace the fault setting now (a timeline's next step replaces it in turn)."""
+        self._check(faults)
         self._faults = faults
         self._generation += 1
 
@@ -748,6 +755,7 @@ class FaultProxy:
                 if not isinstance(values, dict):
                     raise FaultsError("the body must be a JSON object of fault settings")
                 faults = Faults.from_mapping(values)
+                self._check(faults)
             except (ValueError, FaultsError) as e:
                 return 400, {"error": str(e)}
             self.set_faults(faults)

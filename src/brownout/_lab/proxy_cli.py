@@ -16,7 +16,7 @@ from .proxy import FaultProxy, ProxyError, parse_address
 
 __all__ = ["main", "parser"]
 
-FAULT_OPTIONS: list[tuple[str, type, str]] = [
+FAULT_OPTIONS: list[tuple[str, type, str]] = [  # (name, type, help); metavar from the type
     ("latency", float, "seconds added to each request (http) or chunk towards the upstream (tcp)"),
     ("jitter", float, "up to this many seconds more, uniformly drawn, on top of --latency"),
     ("connect-latency", float, "seconds added before the upstream is dialled, per connection"),
@@ -41,16 +41,28 @@ def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
         "(SIGINT, SIGTERM or --duration). exit status: 0 stopped, 2 usage error, "
         "3 could not listen"
     )
-    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT or PORT (port 0: any)")
-    p.add_argument("--upstream", help="HOST:PORT of the dependency")
-    p.add_argument("--mode", choices=("tcp", "http"), default="tcp")
-    for name, kind, text in FAULT_OPTIONS:
-        p.add_argument(f"--{name}", type=kind, help=text)
-    p.add_argument("--timeline", help="a TOML file of [[step]] tables (at = seconds, faults)")
     p.add_argument(
-        "--control", help="HOST:PORT of the control endpoint (GET/PUT /faults, GET /stats)"
+        "--listen", default="127.0.0.1:0", metavar="ADDR", help="HOST:PORT or PORT (port 0: any)"
     )
-    p.add_argument("--duration", type=float, help="stop after this many seconds")
+    p.add_argument("--upstream", metavar="HOST:PORT", help="HOST:PORT of the dependency")
+    p.add_argument(
+        "--mode",
+        choices=("tcp", "http"),
+        default="tcp",
+        help="tcp: bytes, any protocol; http: HTTP/1.1 requests (error responses possible)",
+    )
+    for name, kind, text in FAULT_OPTIONS:
+        metavar = {float: "P" if name.endswith("rate") else "S", int: "N", str: "TEXT"}[kind]
+        p.add_argument(f"--{name}", type=kind, metavar=metavar, help=text)
+    p.add_argument(
+        "--timeline", metavar="FILE", help="a TOML file of [[step]] tables (at = seconds, faults)"
+    )
+    p.add_argument(
+        "--control",
+        metavar="ADDR",
+        help="HOST:PORT of the control endpoint (GET/PUT /faults, GET /stats)",
+    )
+    p.add_argument("--duration", type=float, metavar="S", help="stop after this many seconds")
     p.add_argument("--seed", type=int, help="seed of the fault draws (repeatable runs)")
     p.add_argument("--allow-remote", action="store_true", help="allow non-loopback addresses")
     p.add_argument(

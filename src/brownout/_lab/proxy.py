@@ -34,6 +34,8 @@ CHUNK = 65536
 """Bytes read at a time; also the longest HTTP head (request or status line and headers)."""
 MAX_CHUNKS = 16
 """Chunks a tcp-mode connection holds per direction while they wait for their delivery time."""
+CONNECT_TIMEOUT = 10.0
+"""Seconds to dial the upstream before the connection counts as an upstream failure."""
 CONTROL_BODY = 65536
 """The largest JSON body the control endpoint reads."""
 
@@ -384,8 +386,10 @@ class FaultProxy:
             self._counters.faults_injected["latency"] += 1
             await asyncio.sleep(f.connect_latency)
         try:
-            reader, writer = await asyncio.open_connection(*self.upstream, limit=CHUNK)
-        except OSError:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(*self.upstream, limit=CHUNK), CONNECT_TIMEOUT
+            )
+        except OSError:  # TimeoutError included
             self._counters.upstream_failures += 1
             return None
         self._writers.add(writer)

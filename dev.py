@@ -70,10 +70,10 @@ def cmd_test(extra: list[str]) -> int:
         [str(BIN / "ruff"), "format", "--check", *paths],
         [str(BIN / "mypy"), "--strict", "src"],
         [str(BIN / "mkdocs"), "build", "--strict", "--site-dir", site],
-        [str(PY), "-m", "pytest", "-q", *extra],
+        *_pytest_steps(extra),
     ]
     try:
-        failed = [" ".join(s[:2]) for s in steps if run(*s) != 0]
+        failed = [" ".join([Path(s[0]).name, *s[1:]]) for s in steps if run(*s) != 0]
     finally:
         shutil.rmtree(site, ignore_errors=True)
     if failed:
@@ -81,6 +81,19 @@ def cmd_test(extra: list[str]) -> int:
         return 1
     print("dev.py: all checks passed", flush=True)
     return 0
+
+
+def _pytest_steps(extra: list[str]) -> list[list[str]]:
+    """The whole suite: unit tests on every core (virtual time, no shared servers), then the
+    integration and end-to-end tests one at a time (real servers, real time, their margins
+    assume the host is not also running other tests). Arguments given run one plain pytest."""
+    pytest = [str(PY), "-m", "pytest", "-q"]
+    if extra:
+        return [[*pytest, *extra]]
+    return [
+        [*pytest, "-n", "auto", "tests/unit"],
+        [*pytest, "tests/integration", "tests/e2e"],
+    ]
 
 
 def ensure_redis() -> None:

@@ -416,6 +416,7 @@ commands:
   top    live view of a service's brownout metrics
   queue  list, show, replay or purge the messages a durable queue parked
   proxy  a fault-injecting TCP/HTTP proxy in front of one dependency
+  sim    run a simulated system (a TOML model) on virtual time
 
 'brownout COMMAND --help' describes a command's options.
 
@@ -439,6 +440,9 @@ def _completion_parser() -> argparse.ArgumentParser:
     from ._lab.proxy_cli import parser as proxy_parser
 
     proxy_parser(commands.add_parser("proxy", formatter_class=HelpFormatter))
+    from ._sim_cli import add_arguments as sim_arguments
+
+    sim_arguments(commands.add_parser("sim", formatter_class=HelpFormatter))
     return p
 
 
@@ -481,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         return _queue_main(rest)
     if command == "proxy":
         return _proxy_main(rest)
+    if command == "sim":
+        from ._sim_cli import main as sim_main
+
+        return sim_main(rest)
     print(f"brownout: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return EXIT_USAGE
 

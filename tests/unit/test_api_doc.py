@@ -23,6 +23,7 @@ CORE_MODULES = (
     "brownout.signals",
     "brownout.events",
     "brownout.testing",
+    "brownout.sim",
     "brownout.wire",
     "brownout.durable",
     "brownout.idempotency",

@@ -216,4 +216,6 @@ async def test_bounded_100k_forged_callers_paths_and_headers_through_the_middlew
     assert len(stats.callers) <= 100 and len(stats.operations) <= 200
     assert stats.series_count() <= stats.max_series + 52 + 3 * 201
     assert len({problem for _h, problem in stats.headers_ignored}) <= 8
-    assert stats.count("completed") == 100_000
+    # A host stall longer than a request's budget makes it late, not lost: both count.
+    ended = {k: stats.count(k) for k in ("completed", "completed_late", "failed", "expired")}
+    assert ended["completed"] + ended["completed_late"] == 100_000, ended

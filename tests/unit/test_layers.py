@@ -59,14 +59,25 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "composition",
-        ("_dependency", "_edge", "_durable", "_idempotency", "_database", "_testkit"),
+        ("_dependency", "_edge", "_durable", "_idempotency", "_database", "_testkit", "_sim"),
         "one outbound (Dependency), one inbound (EdgePolicy), one queued (durable) and one"
         " database (DatabasePolicy) path built from primitives; the idempotency layer on the"
-        " edge's problem bodies; the testing kit that drives them",
+        " edge's problem bodies; the testing kit that drives them; the simulator that runs"
+        " them on virtual time",
     ),
     (
         "facades",
-        ("__init__", "durable", "idempotency", "limits", "queues", "signals", "testing", "wire"),
+        (
+            "__init__",
+            "durable",
+            "idempotency",
+            "limits",
+            "queues",
+            "signals",
+            "sim",
+            "testing",
+            "wire",
+        ),
         "the public names; re-exports only, so nothing inside imports them",
     ),
     (
@@ -76,19 +87,29 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "apps",
-        ("_lab", "_cli", "_queue_cli", "__main__"),
+        ("_lab", "_cli", "_queue_cli", "_sim_cli", "__main__"),
         "the overload lab and the command line: users of the library",
     ),
 ]
 
-CORE_EXCLUDED = ("integrations", "export", "_lab", "_cli", "_queue_cli")
+CORE_EXCLUDED = ("integrations", "export", "_lab", "_cli", "_queue_cli", "_sim_cli")
 """Everything else is the core: standard library imports only."""
 
 INDEPENDENT = ("_admission", "_retry", "_degrade", "_quota", "_fleet", "_overload", "_stats")
 """The primitives import none of each other: admission does not depend on observability, nor
 retries on quotas; composing them is the composition layer's job."""
 
-FACADES = ("__init__", "durable", "idempotency", "limits", "queues", "signals", "testing", "wire")
+FACADES = (
+    "__init__",
+    "durable",
+    "idempotency",
+    "limits",
+    "queues",
+    "signals",
+    "sim",
+    "testing",
+    "wire",
+)
 
 # Imports under `if TYPE_CHECKING:` or inside a function, by (importer prefix, target prefix):
 # allowed only here, each with its reason. They may point anywhere the layers allow, and
@@ -101,6 +122,7 @@ DEFERRED: dict[tuple[str, str], str] = {
     ("_cli", "_lab"): "the lab's modules load only for the subcommand that runs them",
     ("_cli", "export._top"): "`brownout top` loads its exporter only when asked",
     ("_cli", "_queue_cli"): "`brownout queue` loads its broker adapters only when asked",
+    ("_cli", "_sim_cli"): "`brownout sim` loads the simulator only when asked",
     ("_queue_cli", "integrations.redis_streams"): "the Redis client only for --redis",
     ("_queue_cli", "integrations.aio_pika"): "the RabbitMQ client only for --amqp",
     ("_lab.demo", "_lab"): "the demo process loads its own pieces after the fork",

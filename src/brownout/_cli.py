@@ -394,6 +394,12 @@ def _queue_main(argv: list[str]) -> int:
     return queue(argv)
 
 
+def _proxy_main(argv: list[str]) -> int:
+    from ._lab.proxy_cli import main as proxy
+
+    return proxy(argv)
+
+
 def _top_main(argv: list[str]) -> int:
     try:
         from .export._top import main as top
@@ -409,6 +415,7 @@ commands:
   lab    the overload lab: protected vs unprotected past the breaking point
   top    live view of a service's brownout metrics
   queue  list, show, replay or purge the messages a durable queue parked
+  proxy  a fault-injecting TCP/HTTP proxy in front of one dependency
   sim    run a simulated system (a TOML model) on virtual time
 
 'brownout COMMAND --help' describes a command's options.
@@ -430,6 +437,9 @@ def _completion_parser() -> argparse.ArgumentParser:
     from ._queue_cli import add_arguments as queue_arguments
 
     queue_arguments(commands.add_parser("queue", formatter_class=HelpFormatter))
+    from ._lab.proxy_cli import parser as proxy_parser
+
+    proxy_parser(commands.add_parser("proxy", formatter_class=HelpFormatter))
     from ._sim_cli import add_arguments as sim_arguments
 
     sim_arguments(commands.add_parser("sim", formatter_class=HelpFormatter))
@@ -473,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         return _top_main(rest)
     if command == "queue":
         return _queue_main(rest)
+    if command == "proxy":
+        return _proxy_main(rest)
     if command == "sim":
         from ._sim_cli import main as sim_main
 

@@ -807,6 +807,12 @@ past its caller's deadline; the pool wait's p99 within 350 ms; goodput back to 9
 level within 3 s of the slowdown's end; during the slowdown, at least the unprotected
 front's goodput.
 
+**Fault injection for your own stack**: `brownout proxy` is a TCP/HTTP proxy to put between
+your service and one of its dependencies: latency and jitter, error responses at a rate,
+resets, stalls and emulated packet loss, set by hand or on a timeline (a TOML file), with a
+control endpoint so a load test can change them step by step; when `tc netem` is the better
+tool and how to use it: [fault injection](proxy.md).
+
 The three-layer chain (front -> mid -> backend) is not a lab scenario: it is measured by
 counts in `tests/integration/test_retry_chain.py` (20 originals: 23 attempts at the bottom
 with brownout, 540 with naive 3-attempt retries at every layer).

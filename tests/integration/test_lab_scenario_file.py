@@ -23,7 +23,7 @@ from brownout._lab.runner import run_scenario_file, settings_for
 from brownout._lab.scenario_file import load_scenario, parse_base_url
 from brownout._propagation import BUDGET_HEADER, PRIORITY_HEADER
 
-from .servers import LoopThread, serve
+from tests.integration.servers import LoopThread, serve
 
 pytestmark = pytest.mark.timeout(120)
 

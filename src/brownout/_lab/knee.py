@@ -1,10 +1,13 @@
 """The knee: the highest offered rate a service keeps up with, found open loop.
 
 Offered load starts at ``start_rps`` and grows by ``factor`` per step until a step is not
-kept up with: goodput falls below ``follow`` of what was offered, or the success p99 passes
-the client deadline. The rates between the last step kept up with and the first that was
-not are then bisected ``refine`` times (geometric midpoints). The knee is the highest rate
-kept up with; the lab uses it as the capacity its load multiples are taken of.
+kept up with: goodput falls below ``follow`` of what was offered, the success p99 passes the
+client deadline, or it passes ``latency_factor`` times the lowest p99 seen (plus a small
+floor). The latency test matters in short steps: past the capacity a queue builds, but the
+requests it holds still finish within the deadline, so goodput alone follows offered load.
+The rates between the last step kept up with and the first that was not are then bisected
+``refine`` times (geometric midpoints). The knee is the highest rate kept up with; the lab
+uses it as the capacity its load multiples are taken of.
 
 `find_knee` takes the measurement as a function, so the search is tested without a server.
 """
@@ -22,6 +25,10 @@ __all__ = ["Knee", "KneeStep", "find_knee"]
 
 _BELOW_START = 4
 """Times the start rate is divided by ``factor`` when even it is not kept up with."""
+
+
+_LATENCY_FLOOR_MS = 20.0
+"""Latency growth below this is noise on a shared host, not a queue."""
 
 
 @dataclass(frozen=True)
@@ -64,14 +71,18 @@ def find_knee(
     """Search for the knee (see the module docstring); `RuntimeError` when no rate is kept
     up with."""
     steps: list[KneeStep] = []
+    lowest: list[float] = []
 
     def attempt(rate: float) -> bool:
         offered, goodput, p99 = measure(rate)
+        if p99 is not None:
+            lowest[:] = [min([p99, *lowest])]
         ok = (
             offered > 0
             and goodput >= spec.follow * offered
             and p99 is not None
             and p99 <= deadline_ms
+            and p99 <= max(spec.latency_factor * lowest[0], lowest[0] + _LATENCY_FLOOR_MS)
         )
         step = KneeStep(round(rate, 1), offered, goodput, p99, ok)
         steps.append(step)
@@ -93,7 +104,8 @@ def find_knee(
         if good is None:
             raise RuntimeError(
                 f"no offered rate from {rate:.1f} to {spec.start_rps:g} req/s was kept up with "
-                f"(goodput >= {spec.follow:.0%} of offered, p99 <= the deadline)"
+                f"(goodput >= {spec.follow:.0%} of offered, p99 within the deadline and "
+                f"{spec.latency_factor:g}x the lowest p99)"
             )
     else:
         good = rate

@@ -178,6 +178,8 @@ class CapacitySpec:
     """Bisections between the last rate kept up with and the first that was not."""
     follow: float = 0.95
     """A rate is kept up with when goodput >= this share of offered."""
+    latency_factor: float = 4.0
+    """...and its success p99 is at most this many times the lowest p99 seen (a queue)."""
     max_rps: float = 100_000.0
 
 
@@ -570,7 +572,17 @@ def parse_scenario(
     capacity = CapacitySpec()
     if "capacity" in r.table:
         c = r.sub("capacity")
-        c.known("rps", "find", "start_rps", "factor", "step_seconds", "refine", "follow", "max_rps")
+        c.known(
+            "rps",
+            "find",
+            "start_rps",
+            "factor",
+            "step_seconds",
+            "refine",
+            "follow",
+            "latency_factor",
+            "max_rps",
+        )
         capacity = CapacitySpec(
             c.number("rps") if "rps" in c.table else None,
             c.boolean("find", False),
@@ -579,6 +591,7 @@ def parse_scenario(
             c.number("step_seconds", 2.0),
             c.integer("refine", 3),
             c.number("follow", 0.95),
+            c.number("latency_factor", 4.0, low=1.0),
             c.number("max_rps", 100_000.0),
         )
         if capacity.follow > 1:

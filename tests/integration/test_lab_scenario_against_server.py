@@ -17,13 +17,12 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from tests.integration.servers import LoopThread, serve
 
 from brownout._cli import lab_main
 from brownout._lab.runner import run_scenario_file, settings_for
 from brownout._lab.scenario_file import load_scenario, parse_base_url
 from brownout._propagation import BUDGET_HEADER, PRIORITY_HEADER
-
-from tests.integration.servers import LoopThread, serve
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,7 +120,7 @@ def test_the_server_sees_the_declared_mix(tmp_path: Path, monkeypatch: Any) -> N
         url = lt.run(lt.stack.enter_async_context(serve(_recording_app(seen))))
         # --target replaces the file's base_url (port 9 would refuse every connection).
         status = lab_main(["--scenario", str(scenario), "--target", url, "--out", str(out)])
-    lab = json.loads((out / "lab.json").read_text())
+    lab = json.loads((out / "report.json").read_text())
     assert status in (0, 1), status  # 1: an invariant failed on a busy host; judged below
     counts = Counter(r["endpoint"] for r in seen)
     n = sum(counts.values())
@@ -165,7 +164,7 @@ def test_the_server_sees_the_declared_mix(tmp_path: Path, monkeypatch: Any) -> N
         "write": "critical",
         "purge": "sheddable",
     }
-    assert TOKEN not in (out / "lab.json").read_text()  # secrets stay out of the report
+    assert TOKEN not in (out / "report.json").read_text()  # secrets stay out of the report
     served = [s["steady"]["ok"] / s["steady"]["offered"] for s in run["steps"]]
     assert min(served) >= 0.95, served
 

@@ -6,7 +6,8 @@ capacity, drives it past the breaking point with an open-loop generator in four
 configurations side by side, prints a table per scenario, writes ``lab-report/`` (PNG plots,
 raw JSON, an HTML page) and exits non-zero when a brownout invariant fails, so it can run in
 CI. ``brownout lab --target http://127.0.0.1:PORT/path`` runs the ramp against your own
-service instead (loopback addresses only).
+service instead (loopback addresses only); ``brownout lab --scenario FILE`` runs a scenario
+file (endpoints, steps, invariants) against its base URL, any http(s) URL.
 
 Exit statuses, the same for every command (docs/cli.md): `EXIT_OK`, `EXIT_INVARIANT`,
 `EXIT_USAGE` (argparse's own), `EXIT_UNREACHABLE`, `EXIT_MISSING_EXTRA`.
@@ -121,6 +122,18 @@ def _lab_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentPa
         "--health-path", help="with --target: also flood at 10x and time this health path"
     )
     p.add_argument(
+        "--scenario",
+        metavar="FILE",
+        help="run this scenario file (TOML, docs/lab.md) against its base_url; --target "
+        "then replaces the base URL (any http:// or https:// URL)",
+    )
+    p.add_argument(
+        "--find-capacity",
+        action="store_true",
+        help="with --scenario: find the knee first and take the load multiples of it, even "
+        "when the file declares a capacity",
+    )
+    p.add_argument(
         "--configs",
         help=f"comma-separated configurations (default: all of {','.join(CONFIGURATIONS)})",
     )
@@ -198,6 +211,11 @@ def lab_main(argv: list[str]) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)  # a log file or CI: do not squeeze the tables
+    if args.scenario:
+        return _scenario_main(args, argv, console)
+    if args.find_capacity:
+        console.print("[red]error:[/] --find-capacity goes with --scenario FILE")
+        return EXIT_USAGE
     settings = LabSettings.quick() if args.quick else LabSettings()
     if args.deadline is not None:
         settings = replace(settings, deadline=args.deadline, settle_seconds=min(args.deadline, 1))
@@ -339,6 +357,64 @@ def lab_main(argv: list[str]) -> int:
         console.print(f"markdown: {args.markdown}")
     console.print(f"took {lab['elapsed_seconds']:.0f}s")
     return conclude(evaluate(lab), console, judged=bool(judged_runs(lab)), no_fail=args.no_fail)
+
+
+def _scenario_main(args: argparse.Namespace, argv: list[str], console: Console) -> int:
+    """``brownout lab --scenario FILE``: run a scenario file, report, return the status."""
+    from dataclasses import replace
+
+    from ._lab.report import print_tables, write_markdown, write_report
+    from ._lab.runner import run_scenario_file, settings_for
+    from ._lab.scenario_file import ScenarioFileError, load_scenario, parse_base_url
+    from ._lab.verdict import evaluate
+
+    for flag in ("configs", "scenarios", "drill", "health_path"):
+        if getattr(args, flag):
+            option = "--" + flag.replace("_", "-")
+            console.print(f"[red]error:[/] {option} does not go with --scenario")
+            return EXIT_USAGE
+    try:
+        sf = load_scenario(args.scenario)
+        url = args.target or (sf.base_url.url if sf.base_url is not None else None)
+        if url is None:
+            console.print(f"[red]error:[/] {args.scenario} declares no base_url: give --target URL")
+            return EXIT_USAGE
+        base = parse_base_url(url)
+    except ScenarioFileError as e:
+        console.print(f"[red]error:[/] {e}", highlight=False)
+        return EXIT_USAGE
+    settings = settings_for(sf)
+    if args.deadline is not None:
+        settings = replace(settings, deadline=args.deadline)
+    if args.step is not None:
+        settings = replace(settings, step_seconds=args.step)
+    if args.poisson:
+        settings = replace(settings, arrivals="poisson")
+    started = time.monotonic()
+
+    def on_stage(message: str) -> None:
+        console.print(f"[dim]{time.monotonic() - started:6.1f}s[/] {message}", highlight=False)
+
+    try:
+        lab = run_scenario_file(
+            sf, base, settings, find_capacity=args.find_capacity, on_stage=on_stage
+        )
+    except RuntimeError as e:
+        console.print(f"[red]error:[/] {e}")
+        return EXIT_UNREACHABLE
+    lab["elapsed_seconds"] = round(time.monotonic() - started, 1)
+    lab["command"] = ("brownout lab " + shlex.join(argv)).strip()
+    print_tables(lab, console)
+    out = Path(args.out)
+    write_report(lab, out, command=lab["command"])
+    console.print(f"report: {out / 'index.html'} (plots, raw JSON, report.md)")
+    if args.markdown:
+        write_markdown(lab, out, Path(args.markdown), lab["command"])
+    checks = evaluate(lab)
+    if not checks:
+        console.print("[yellow]no invariant was checked:[/] the scenario file declares none")
+        return EXIT_OK
+    return conclude(checks, console, no_fail=args.no_fail)
 
 
 def conclude(

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
 import re
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable
@@ -46,6 +48,7 @@ from .fds import fit_fd_limit
 from .hostcpu import CpuSample, read_sample
 from .http1 import Response, ResponseParseError, ResponseParser, encode_request
 from .tally import Tally, percentile
+from .templates import RequestTemplate
 
 __all__ = [
     "MAX_LATENESS",
@@ -75,6 +78,11 @@ class TrafficClass:
     path: str
     method: str = "GET"
     headers: tuple[tuple[str, str], ...] = ()
+    deadline: float | None = None
+    """This class's client deadline, seconds (None: the plan's)."""
+    template: RequestTemplate | None = None
+    """Rendered per send when set (placeholders, bodies); ``path``, ``method`` and
+    ``headers`` are then the template's."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,12 @@ class LoadPlan:
     bin_seconds: float = 0.5
     send_budget: bool = True
     """Send the client deadline as ``brownout-budget-ms`` (as an internal caller would)."""
+    tls: bool = False
+    """Connect with TLS (an ``https://`` target), verifying the certificate when
+    ``tls_verify``."""
+    tls_verify: bool = True
+    host_header: str | None = None
+    """The ``host`` header sent (None: ``host:port``)."""
     watch: tuple[tuple[str, int], ...] = ()
     """(role, pid) of processes whose CPU use is read over each step's steady state (the
     generator reads its own as ``generator``)."""
@@ -232,7 +246,7 @@ class _ClientRetries:
         scheduled = self.pool.clock() + delay
         retry = _Req(
             scheduled,
-            scheduled + self.deadline,
+            scheduled + (req.deadline_at - req.scheduled),  # the original's class deadline
             req.payload,
             self.step.retries_whole,
             self.step.retries_steady if req.steady is not None else None,
@@ -346,8 +360,16 @@ class _Conn(asyncio.Protocol):
 class _Pool:
     """Keep-alive connections to one server, opened on demand up to a bound."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int, limit: int) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        host: str,
+        port: int,
+        limit: int,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.loop = loop
+        self.tls = tls
         self.clock = time.monotonic  # uvloop's loop.time() has only millisecond resolution
         self.host = host
         self.port = port
@@ -399,7 +421,12 @@ class _Pool:
 
     async def _open(self, conn: _Conn) -> None:
         try:
-            await self.loop.create_connection(lambda: conn, self.host, self.port)
+            if self.tls is None:
+                await self.loop.create_connection(lambda: conn, self.host, self.port)
+            else:
+                await self.loop.create_connection(
+                    lambda: conn, self.host, self.port, ssl=self.tls, server_hostname=self.host
+                )
         except OSError:
             conn.closed = True
             self.on_lost(conn)
@@ -564,14 +591,51 @@ class _Pool:
 # -- running a plan ----------------------------------------------------------------------------
 
 
+def _budget(plan: LoadPlan, c: TrafficClass) -> tuple[tuple[str, str], ...]:
+    if not plan.send_budget:
+        return ()
+    return ((BUDGET_HEADER, str(int((c.deadline or plan.deadline) * 1000))),)
+
+
 def _payloads(plan: LoadPlan) -> dict[str, bytes]:
-    host = f"{plan.host}:{plan.port}"
-    extra: tuple[tuple[str, str], ...] = ()
-    if plan.send_budget:
-        extra = ((BUDGET_HEADER, str(int(plan.deadline * 1000))),)
-    return {
-        c.name: encode_request(c.method, c.path, host, (*c.headers, *extra)) for c in plan.classes
-    }
+    """The request bytes of every class that is the same on every send."""
+    host = plan.host_header or f"{plan.host}:{plan.port}"
+    rng = random.Random(plan.seed)
+    out: dict[str, bytes] = {}
+    for c in plan.classes:
+        if c.template is None:
+            out[c.name] = encode_request(c.method, c.path, host, (*c.headers, *_budget(plan, c)))
+        elif c.template.static:
+            out[c.name] = c.template.render(rng, host, _budget(plan, c))
+    return out
+
+
+def _renderers(plan: LoadPlan) -> dict[str, Callable[[random.Random], bytes]]:
+    """A function per class whose request varies per send (placeholders)."""
+    host = plan.host_header or f"{plan.host}:{plan.port}"
+    out: dict[str, Callable[[random.Random], bytes]] = {}
+    for c in plan.classes:
+        t = c.template
+        if t is not None and not t.static:
+            out[c.name] = functools.partial(_render, t, host=host, extra=_budget(plan, c))
+    return out
+
+
+def _render(
+    t: RequestTemplate, rng: random.Random, host: str, extra: tuple[tuple[str, str], ...]
+) -> bytes:
+    return t.render(rng, host, extra)
+
+
+def tls_context(plan: LoadPlan) -> ssl.SSLContext | None:
+    """The client TLS context of an ``https://`` plan (None for plain HTTP)."""
+    if not plan.tls:
+        return None
+    ctx = ssl.create_default_context()
+    if not plan.tls_verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
 
 
 async def admin_call(call: AdminCall) -> int:
@@ -615,10 +679,14 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
     ``progress(step_index, seconds_into_step, counts)`` is called about four times a second.
     """
     loop = asyncio.get_running_loop()
-    pool = _Pool(loop, plan.host, plan.port, fit_fd_limit(plan.max_connections))
+    pool = _Pool(loop, plan.host, plan.port, fit_fd_limit(plan.max_connections), tls_context(plan))
     clock = pool.clock
     payloads = _payloads(plan)
+    renderers = _renderers(plan)
+    deadlines = {c.name: c.deadline or plan.deadline for c in plan.classes}
     rng = random.Random(plan.seed)
+    # Its own stream: placeholder draws must not shift the arrivals or the mix.
+    draws = random.Random(plan.seed + 7919)
     results: list[StepResult] = []
     watched = (("generator", os.getpid()), *plan.watch)
     origin = clock()
@@ -665,9 +733,10 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
         if count == 0:
             next_t = end
         lateness = result.lateness
-        single = payloads[names[0]] if len(names) == 1 else None
+        single = payloads.get(names[0]) if len(names) == 1 else None
         next_progress = start
-        deadline = plan.deadline
+        deadline = deadlines[names[0]] if len(names) == 1 else plan.deadline
+        per_class = len({deadlines[n] for n in names}) > 1
         steady_cpu: CpuSample | None = None
         while True:
             now = clock()
@@ -678,12 +747,18 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
                     name = names[0]
                     payload = single
                 else:
-                    r = rng.random()
-                    i = 0
-                    while cumulative[i] < r:
-                        i += 1
-                    name = names[i]
-                    payload = payloads[name]
+                    if len(names) == 1:
+                        name = names[0]
+                    else:
+                        r = rng.random()
+                        i = 0
+                        while cumulative[i] < r:
+                            i += 1
+                        name = names[i]
+                    render = renderers.get(name)
+                    payload = render(draws) if render is not None else payloads[name]
+                    if per_class:
+                        deadline = deadlines[name]
                 w = whole[name]
                 w.offered += 1
                 s: Tally | None = None
@@ -720,17 +795,18 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
             result.cpu = (steady_cpu, read_sample(watched, plan.watch_core))
         result.connections_opened = pool.opened - opened_before
     if pool.outstanding > 0:  # every request has a deadline timer, so this ends
+        longest = max(deadlines.values(), default=plan.deadline)
         pool.drained = asyncio.Event()
         # Each retry may take its backoff plus a whole deadline.
         chain = max(
             (
-                sum(st.retry_backoff * 2**k + plan.deadline for k in range(st.retries))
+                sum(st.retry_backoff * 2**k + longest for k in range(st.retries))
                 for st in plan.steps
             ),
             default=0.0,
         )
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(pool.drained.wait(), plan.deadline + chain + 2.0)
+            await asyncio.wait_for(pool.drained.wait(), longest + chain + 2.0)
     unresolved = pool.outstanding
     await pool.close_all()
     return PlanResult(results, bin_width, pool.timeline, pool.opened, unresolved, origin)

@@ -344,6 +344,13 @@ def _backlog_markdown(lab: dict[str, Any]) -> list[str]:
     return out
 
 
+_CAPACITY_SOURCES = {
+    "calibration": "closed-loop calibration",
+    "knee": "the knee: the highest offered rate kept up with",
+    "declared": "declared in the scenario file",
+}
+
+
 def print_tables(lab: dict[str, Any], console: Any) -> None:
     """Print one rich table per scenario, then the verdict."""
     from rich.table import Table
@@ -351,7 +358,8 @@ def print_tables(lab: dict[str, Any], console: Any) -> None:
     cal = lab["calibration"]
     if cal:
         console.print(
-            f"[bold]capacity[/] {cal['capacity']:.0f} req/s (closed-loop calibration), "
+            f"[bold]capacity[/] {cal['capacity']:.0f} req/s "
+            f"({_CAPACITY_SOURCES[cal.get('source', 'calibration')]}), "
             f"service time {cal['service_time'] * 1000:.1f} ms, "
             f"client deadline {lab['settings']['deadline'] * 1000:.0f} ms"
         )
@@ -647,6 +655,7 @@ capacity past the breaking point, while the same service unprotected collapses (
 $ python3 dev.py lab                  # creates .venv, then runs `brownout lab`
 $ brownout lab --quick                # under a minute: ramp + priority mix
 $ brownout lab --target http://127.0.0.1:8000/api/items --health-path /healthz
+$ brownout lab --scenario examples/lab-scenario.toml   # your own traffic, below
 ```
 
 **The demo system** is real: a dependency (uvicorn, 8 concurrent x 40 ms, about 200 requests/s,

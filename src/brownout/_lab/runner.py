@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from .._priority import parse_priority
+from .._propagation import PRIORITY_HEADER
 from .generator import (
     AdminCall,
     Calibration,
@@ -24,9 +27,11 @@ from .generator import (
 )
 from .hog import cpu_hog
 from .hostcpu import cpu_shares, host_bound
+from .knee import KneeStep, find_knee
 from .process import GeneratorProcess, usable_cpus
 from .protect import FIXED_LIMIT
-from .scenarios import SCENARIOS, Phase, Scenario
+from .scenario_file import BaseUrl, ScenarioFile
+from .scenarios import SCENARIOS, Phase, Scenario, from_file
 from .servers import start_demo
 from .tally import Tally
 
@@ -35,9 +40,12 @@ __all__ = [
     "Configuration",
     "LabSettings",
     "Target",
+    "file_classes",
     "host_bound_steps",
     "plan_for",
     "run_lab",
+    "run_scenario_file",
+    "settings_for",
     "summarize_plan",
 ]
 
@@ -144,6 +152,10 @@ class Target:
     port: int
     path: str
     health_path: str | None = None
+    tls: bool = False
+    tls_verify: bool = True
+    host_header: str | None = None
+    """The ``host`` header (None: ``host:port``)."""
 
 
 def classes_for(target: Target) -> tuple[TrafficClass, ...]:
@@ -168,13 +180,17 @@ def plan_for(
     capacity: float,
     target: Target,
     backend: tuple[str, int] | None,
+    classes: tuple[TrafficClass, ...] = (),
 ) -> LoadPlan:
-    """The generator's plan for ``scenario``: a warm-up, then each phase at its load."""
+    """The generator's plan for ``scenario``: a warm-up, then each phase at its load.
+
+    ``classes``: a scenario file's endpoints (default: `classes_for` ``target``); the warm-up
+    then offers the first phase's mix rather than the demo's interactive route."""
     warmup = LoadStep(
         "warm-up",
         0.5 * capacity,
         settings.warmup_seconds,
-        (("interactive", 1.0),),
+        scenario.phases[0].mix if classes else (("interactive", 1.0),),
         measured=False,
         arrivals=settings.arrivals,
     )
@@ -202,11 +218,14 @@ def plan_for(
     return LoadPlan(
         target.host,
         target.port,
-        classes_for(target),
+        classes or classes_for(target),
         (warmup, *(step(p) for p in scenario.phases)),
         settings.deadline,
         max_connections=settings.max_connections,
         seed=settings.seed,
+        tls=target.tls,
+        tls_verify=target.tls_verify,
+        host_header=target.host_header,
     )
 
 
@@ -339,6 +358,8 @@ class _Bench:
     front_cpus: list[int]
     backend_cpus: list[int]
     on_progress: ProgressHook | None
+    classes: tuple[TrafficClass, ...] = ()
+    """A scenario file's endpoints (empty: `classes_for` the target)."""
 
 
 def _execute(
@@ -362,7 +383,7 @@ def _measure(bench: _Bench, config: Configuration, scenario: Scenario) -> dict[s
     backend_stats: dict[str, Any] = {}
     on_front_core: list[str] = []
     if bench.target is not None:
-        plan = plan_for(scenario, settings, bench.capacity, bench.target, None)
+        plan = plan_for(scenario, settings, bench.capacity, bench.target, None, bench.classes)
         result = _execute(bench, config, scenario, plan)
     else:
         with contextlib.ExitStack() as stack:
@@ -464,18 +485,9 @@ def run_lab(
                     stage(f"{config.title}: {scenario.title}: not run on this configuration")
                     continue
                 stage(f"{config.title}: {scenario.title}")
-                run = _measure(bench, config, scenario)
-                run["attempts"] = 1
-                bound = host_bound_steps(run)
-                if bound and reruns_left > 0:
-                    # The host, not the server, bounded these steps (see brownout._lab.hostcpu):
-                    # measure once more on fresh processes and keep the attempt with fewer.
-                    reruns_left -= 1
-                    stage(f"host-bound: {'; '.join(bound)}: measuring again")
-                    again = _measure(bench, config, scenario)
-                    if len(host_bound_steps(again)) < len(bound):
-                        run = again
-                    run["attempts"] = 2
+                run, reruns_left = _measure_again_if_bound(
+                    bench, config, scenario, stage, reruns_left
+                )
                 runs.append(run)
     return {
         "settings": asdict(settings),
@@ -493,6 +505,30 @@ def run_lab(
         ],
         "runs": runs,
     }
+
+
+def _measure_again_if_bound(
+    bench: _Bench,
+    config: Configuration,
+    scenario: Scenario,
+    stage: Callable[[str], None],
+    reruns_left: int,
+) -> tuple[dict[str, Any], int]:
+    """One measurement, repeated once when a step was host-bound and reruns are left; the
+    run kept and the reruns left."""
+    run = _measure(bench, config, scenario)
+    run["attempts"] = 1
+    bound = host_bound_steps(run)
+    if bound and reruns_left > 0:
+        # The host, not the server, bounded these steps (see brownout._lab.hostcpu):
+        # measure once more on fresh processes and keep the attempt with fewer.
+        reruns_left -= 1
+        stage(f"host-bound: {'; '.join(bound)}: measuring again")
+        again = _measure(bench, config, scenario)
+        if len(host_bound_steps(again)) < len(bound):
+            run = again
+        run["attempts"] = 2
+    return run, reruns_left
 
 
 def host_bound_steps(run: dict[str, Any]) -> list[str]:
@@ -514,3 +550,137 @@ def _calibration_dict(c: Calibration) -> dict[str, Any]:
 def pick_scenarios(names: Sequence[str]) -> list[Scenario]:
     """Scenarios by name, in the order given; `KeyError` names the unknown one."""
     return [SCENARIOS[n] for n in names]
+
+
+# -- scenario files --------------------------------------------------------------------------
+
+
+def file_classes(sf: ScenarioFile, base: BaseUrl) -> tuple[TrafficClass, ...]:
+    """The generator's classes for a scenario file's endpoints: one per endpoint, its path
+    under ``base``'s prefix, its class's priority sent as `PRIORITY_HEADER` and its deadline
+    as the budget (the generator adds that header)."""
+    out = []
+    for e in sf.endpoints:
+        priority = parse_priority(sf.traffic_class(e).priority)
+        extra = ((PRIORITY_HEADER, priority.label),) if priority is not None else ()
+        t = e.template(base.prefix, extra)
+        out.append(TrafficClass(e.name, t.path, t.method, t.headers, sf.deadline(e), t))
+    return tuple(out)
+
+
+def settings_for(sf: ScenarioFile) -> LabSettings:
+    """The run's timing from the file's ``[plan]``."""
+    p = sf.plan
+    return LabSettings(
+        deadline=p.deadline,
+        step_seconds=p.step_seconds,
+        settle_seconds=p.settle_seconds,
+        warmup_seconds=p.warmup_seconds,
+        arrivals=p.arrivals,
+        reruns=1,
+    )
+
+
+def run_scenario_file(
+    sf: ScenarioFile,
+    base: BaseUrl,
+    settings: LabSettings,
+    *,
+    find_capacity: bool = False,
+    on_progress: ProgressHook | None = None,
+    on_stage: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run a scenario file against ``base``: its declared capacity, or the knee found first
+    (``find_capacity``, or no ``rps`` declared), then its steps; the lab's raw results with
+    ``scenario_file`` (its endpoints and invariants) and ``knee`` added."""
+    stage = on_stage or (lambda _msg: None)
+    scenario = from_file(sf)
+    target = Target(
+        base.host, base.port, base.prefix or "/", None, base.tls, sf.tls_verify, base.host_header
+    )
+    classes = file_classes(sf, base)
+    spec = sf.capacity
+    weighted = [e for e in sf.endpoints if e.weight > 0]
+    deadline_ms = max(sf.deadline(e) for e in weighted) * 1000
+    gen_cpus, front_cpus, backend_cpus = cpu_layout()
+    with GeneratorProcess(gen_cpus) as gen:
+
+        def measure(rate: float) -> tuple[float, float, float | None]:
+            step = LoadStep(
+                f"{rate:.1f}/s",
+                rate,
+                spec.step_seconds,
+                sf.mix,
+                settle=min(0.5, spec.step_seconds / 4),
+                arrivals=settings.arrivals,
+            )
+            plan = plan_for(scenario, settings, 0.0, target, None, classes)
+            plan = replace(plan, steps=(step,))
+            steady = summarize_step(gen.run(plan).steps[0], 0.0)["steady"]
+            offered, goodput = steady["offered_per_s"], steady["goodput_per_s"]
+            if goodput < spec.follow * offered:
+                time.sleep(settings.deadline)  # let the work it abandoned drain
+            return offered, goodput, steady["success_p99_ms"]
+
+        def on_step(k: KneeStep) -> None:
+            verdict = "kept up" if k.kept_up else "did not keep up"
+            stage(
+                f"knee: offered {k.offered_per_s:.0f}/s, goodput {k.goodput_per_s:.0f}/s, "
+                f"p99 {k.success_p99_ms} ms: {verdict}"
+            )
+
+        knee = None
+        if spec.rps is not None and not find_capacity:
+            capacity = spec.rps
+            stage(f"capacity {capacity:g} requests/s (declared)")
+        else:
+            stage(f"finding the knee from {spec.start_rps:g} requests/s (x{spec.factor:g})")
+            knee = find_knee(measure, spec, deadline_ms, on_step)
+            capacity = knee.capacity
+            stage(f"knee {capacity:.0f} requests/s ({knee.why})")
+        bench = _Bench(
+            gen, settings, capacity, target, front_cpus, backend_cpus, on_progress, classes
+        )
+        config = Configuration("target", base.url, "target", None, True)
+        stage(f"{base.url}: {scenario.title}")
+        run, _ = _measure_again_if_bound(bench, config, scenario, stage, settings.reruns)
+    return {
+        "settings": asdict(settings),
+        "target": asdict(target),
+        "calibration": {
+            "capacity": round(capacity, 1),
+            "service_time": 0.0,
+            "levels": [],
+            "source": "knee" if knee is not None else "declared",
+        },
+        "knee": knee.as_dict() if knee is not None else None,
+        "scenario_file": {
+            "name": sf.name,
+            "source": sf.source,
+            "base_url": base.url,
+            # Paths as templates and no header values: secrets stay out of the report.
+            "endpoints": [
+                {
+                    "name": e.name,
+                    "method": e.method,
+                    "path": e.path,
+                    "weight": e.weight,
+                    "class": e.traffic_class,
+                    "priority": sf.traffic_class(e).priority,
+                    "deadline": sf.deadline(e),
+                }
+                for e in sf.endpoints
+            ],
+            "invariants": [asdict(i) for i in sf.invariants],
+        },
+        "configurations": [asdict(config)],
+        "scenarios": [
+            {
+                "name": scenario.name,
+                "title": scenario.title,
+                "description": scenario.description,
+                "outbound": False,
+            }
+        ],
+        "runs": [run],
+    }

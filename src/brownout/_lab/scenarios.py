@@ -1,7 +1,9 @@
 """Scenarios as data: sequences of phases in units of the measured capacity.
 
-A `Scenario` is a tuple of `Phase` objects; the runner turns each phase into a generator
-`LoadStep` once capacity is known (``load=4.0`` means four times the calibrated capacity),
+The embedded demo's scenarios are scenario files (``scenario_files/*.toml``, the format of
+`brownout._lab.scenario_file`), loaded into `SCENARIOS` at import. A `Scenario` is a tuple
+of `Phase` objects; the runner turns each phase into a generator `LoadStep` once capacity is
+known (``load=4.0`` means four times the calibrated capacity),
 prepends a warm-up and resolves `DependencyChange` into calls to the demo backend's admin
 endpoint. New scenarios are new data: `register` adds one to `SCENARIOS`. `Phase.client`
 describes client behaviour: ``{"retries": 3, "backoff": 0.1}`` naive clients retrying each
@@ -16,16 +18,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from importlib import resources
 from typing import Any
+
+from .scenario_file import ScenarioFile, parse_scenario
 
 __all__ = [
     "DEFAULT_SCENARIOS",
+    "DEMO_FILES",
     "OPT_IN_SCENARIOS",
     "QUICK_SCENARIOS",
     "SCENARIOS",
     "DependencyChange",
     "Phase",
     "Scenario",
+    "demo_file",
+    "from_file",
     "quick_variant",
     "register",
 ]
@@ -107,169 +115,53 @@ def register(scenario: Scenario) -> Scenario:
     return scenario
 
 
-RAMP_LOADS = (0.5, 0.8, 1.0, 2.0, 4.0, 10.0)
+def from_file(sf: ScenarioFile) -> Scenario:
+    """The `Scenario` a scenario file describes (its loads still multiples of capacity)."""
+    phases = []
+    for st in sf.steps:
+        client: dict[str, Any] = {}
+        if st.retries:
+            client = {"retries": st.retries, "backoff": st.backoff}
+            if st.budget is not None:
+                client["budget"] = st.budget
+        dependency = None if st.dependency is None else DependencyChange(**st.dependency)
+        phases.append(Phase(st.label, st.load, st.mix or sf.mix, st.steps, dependency, client))
+    return Scenario(
+        sf.name,
+        sf.title,
+        sf.description,
+        tuple(phases),
+        needs_dependency=sf.demo.needs_dependency,
+        outbound=sf.demo.outbound,
+        hog=sf.demo.hog,
+        configurations=sf.demo.configurations,
+    )
 
-register(
-    Scenario(
-        "ramp",
-        "Ramp past the breaking point",
-        "Offered load from 0.5x to 10x of the measured capacity (T1): goodput should "
-        "plateau at capacity and stay flat.",
-        tuple(Phase(f"{x:g}x", x) for x in RAMP_LOADS),
-    )
-)
-register(
-    Scenario(
-        "priority",
-        "Priority mix at 4x",
-        "4x capacity offered: interactive (CRITICAL) at half the capacity, batch (SHEDDABLE) "
-        "the rest; interactive goodput must hold (S3).",
-        (Phase("4x mix", 4.0, (("interactive", 0.125), ("batch", 0.875)), steps=1.5),),
-    )
-)
-register(
-    Scenario(
-        "slow-dependency",
-        "Slow dependency",
-        "Constant load at 0.8x; the dependency's latency rises 4x, then recovers (T2).",
-        (
-            Phase("before", 0.8),
-            Phase("4x latency", 0.8, dependency=DependencyChange(latency_factor=4.0)),
-            Phase("recovered", 0.8, dependency=DependencyChange()),
-        ),
-        needs_dependency=True,
-    )
-)
-register(
-    Scenario(
-        "capacity-loss",
-        "Capacity loss",
-        "Constant load at 0.8x; half of the dependency's capacity disappears (T2).",
-        (
-            Phase("before", 0.8),
-            Phase(
-                "half capacity",
-                0.8,
-                steps=1.5,
-                dependency=DependencyChange(concurrency_factor=0.5),
-            ),
-        ),
-        needs_dependency=True,
-    )
-)
-register(
-    Scenario(
-        "health",
-        "Health checks under a 10x flood",
-        "10x capacity of interactive work plus a trickle of health checks: the health "
-        "endpoint must keep answering quickly (S7).",
-        (Phase("10x + health", 10.0, (("interactive", 0.99), ("health", 0.01))),),
-    )
-)
 
-register(
-    Scenario(
-        "cpu-starved",
-        "CPU-starved front",
-        "4x then 10x capacity while a CPU hog (a pure spinner at nice 0, its own process) "
-        "shares the front's core from the warm-up on: a noisy neighbour. brownout-adaptive "
-        "must keep goodput >= 90% of capacity and >= uvicorn --limit-concurrency's, success "
-        "p99 <= half the deadline. Not run unprotected (it collapses without a hog).",
-        (Phase("4x + hog", 4.0), Phase("10x + hog", 10.0)),
-        needs_dependency=True,
-        hog=True,
-        configurations=("uvicorn-limit", "brownout-fixed", "brownout-adaptive"),
-    )
+DEMO_FILES = (
+    "ramp",
+    "priority",
+    "slow-dependency",
+    "capacity-loss",
+    "health",
+    "cpu-starved",
+    "retry-storm",
+    "partial-errors",
+    "outage",
+    "degraded",
 )
+"""The embedded demo's scenario files (package data in ``scenario_files/``), in order."""
 
-NAIVE_CLIENTS: Mapping[str, Any] = {"retries": 3, "backoff": 0.1}
-"""Clients that retry every failure 3 times after 0.1, 0.2, 0.4 s: no budget, no jitter."""
-BUDGETED_CLIENTS: Mapping[str, Any] = {"retries": 3, "backoff": 0.1, "budget": 0.1}
-"""The same clients with brownout's habits: a 10% retry budget, full jitter, the marker."""
-OUTBOUND = (("outbound", 1.0),)
-RECOMMENDATIONS = (("recommendations", 1.0),)
 
-register(
-    Scenario(
-        "retry-storm",
-        "Retry storm",
-        "2x capacity on a route that calls the dependency; clients retry each failure 3 "
-        "times, first naively, then with a 10% retry budget. Unprotected, the front also "
-        "retries naively (3 attempts); protected, through brownout's Dependency (R1, R3, T3). "
-        "The dependency is saturated in every configuration (the front's connection pool "
-        "caps what reaches it): the storm shows in the client retries the front must absorb "
-        "and in the goodput left.",
-        (
-            Phase("naive clients", 2.0, OUTBOUND, client=NAIVE_CLIENTS),
-            Phase("budgeted clients", 2.0, OUTBOUND, client=BUDGETED_CLIENTS),
-        ),
-        needs_dependency=True,
-        outbound=True,
-    )
-)
-register(
-    Scenario(
-        "partial-errors",
-        "Partial errors",
-        "0.5x capacity; the dependency answers 30% of requests 503. The front retries: "
-        "naively (3 attempts) unprotected, under a 20% retry budget protected (R3, T3).",
-        (
-            Phase("healthy", 0.5, OUTBOUND),
-            Phase(
-                "30% errors",
-                0.5,
-                OUTBOUND,
-                steps=1.5,
-                dependency=DependencyChange(error_rate=0.3),
-            ),
-        ),
-        needs_dependency=True,
-        outbound=True,
-    )
-)
-register(
-    Scenario(
-        "outage",
-        "Outage and recovery",
-        "0.5x capacity from naive retrying clients; the dependency answers everything 503 "
-        "for one step, then returns. Compare the peak per-second load reaching it after it "
-        "returns with the steady state: no thundering herd (R5, T3).",
-        (
-            Phase("steady", 0.5, OUTBOUND, client=NAIVE_CLIENTS),
-            Phase(
-                "outage",
-                0.5,
-                OUTBOUND,
-                client=NAIVE_CLIENTS,
-                dependency=DependencyChange(down=True),
-            ),
-            Phase("returned", 0.5, OUTBOUND, client=NAIVE_CLIENTS, dependency=DependencyChange()),
-        ),
-        needs_dependency=True,
-        outbound=True,
-    )
-)
-register(
-    Scenario(
-        "degraded",
-        "Slow dependency served degraded",
-        "0.8x capacity on recommendations; the dependency's latency rises 4x, then recovers. "
-        "Protected, the declared mode 'recommendations' serves them from a stale cache while "
-        "the dependency is slow; degraded goodput is reported apart (G1-G3).",
-        (
-            Phase("before", 0.8, RECOMMENDATIONS),
-            Phase(
-                "4x latency",
-                0.8,
-                RECOMMENDATIONS,
-                dependency=DependencyChange(latency_factor=4.0),
-            ),
-            Phase("recovered", 0.8, RECOMMENDATIONS, dependency=DependencyChange()),
-        ),
-        needs_dependency=True,
-        outbound=True,
-    )
-)
+def demo_file(name: str) -> ScenarioFile:
+    """One of the demo's scenario files, parsed (no environment: they use none)."""
+    text = resources.files(__package__).joinpath("scenario_files", f"{name}.toml").read_text()
+    return parse_scenario(text, f"scenario_files/{name}.toml", env={})
+
+
+for _name in DEMO_FILES:
+    register(from_file(demo_file(_name)))
+
 OPT_IN_SCENARIOS = ("retry-storm", "partial-errors", "outage", "degraded")
 """Scenarios run only when named with ``--scenarios`` (each lengthens the run)."""
 

@@ -50,6 +50,7 @@ __all__ = [
     "backlog_targets",
     "evaluate",
     "judged_runs",
+    "scenario_checks",
     "step_host_bound",
     "targets",
 ]
@@ -155,6 +156,8 @@ def judged_runs(lab: dict[str, Any]) -> list[dict[str, Any]]:
 
 def evaluate(lab: dict[str, Any]) -> list[Check]:
     """Every invariant check of a lab result; the lab fails if any has ``passed`` false."""
+    if lab.get("scenario_file"):  # its own invariants, not the demo's
+        return scenario_checks(lab)
     checks = _http_checks(lab) if lab.get("calibration") else []
     return checks + backlog_checks(lab) + payments_checks(lab) + database_checks(lab)
 
@@ -228,6 +231,8 @@ def _http_checks(lab: dict[str, Any]) -> list[Check]:
 
 def targets(lab: dict[str, Any]) -> list[Check]:
     """The demo's stricter goals: adaptive at 10x, health under the flood (reported only)."""
+    if lab.get("scenario_file"):
+        return []
     out = _http_targets(lab) if lab.get("calibration") else []
     return out + backlog_targets(lab)
 
@@ -471,3 +476,116 @@ def backlog_targets(lab: dict[str, Any]) -> list[Check]:
         for run in backlog.get("runs", [])
         if run["kind"] == "brownout" and run.get("kills_planned")
     ]
+
+
+def _applies(kind: str, labels: list[str], step: dict[str, Any]) -> bool:
+    if labels:
+        return step["label"] in labels
+    load = float(step["load"])
+    if kind == "goodput":
+        return load > 1.0
+    if kind in ("served", "refusals"):
+        return load < 1.0
+    return True
+
+
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+def scenario_checks(lab: dict[str, Any]) -> list[Check]:
+    """The invariants a scenario file declares (``lab["scenario_file"]["invariants"]``).
+
+    Defaults when an invariant names no ``steps``: ``goodput`` on steps above capacity
+    (load > 1), ``served`` and ``refusals`` below it (load < 1), the others on every step.
+    ``success_p99`` is checked per endpoint against its own deadline; ``class_goodput``
+    sums the endpoints of the class.
+    """
+    spec = lab["scenario_file"]
+    capacity = float(lab["calibration"]["capacity"])
+    endpoints = {e["name"]: e for e in spec["endpoints"]}
+    checks: list[Check] = []
+    for run in lab["runs"]:
+        for inv in spec["invariants"]:
+            kind, limit, labels = inv["check"], float(inv["threshold"]), inv["steps"]
+            for step in run["steps"]:
+                if not _applies(kind, labels, step):
+                    continue
+                steady = step["steady"]
+                if kind == "goodput":
+                    goodput = steady["goodput_per_s"]
+                    checks.append(
+                        _check(
+                            run,
+                            step,
+                            f"goodput >= {limit:.0%} of capacity",
+                            goodput,
+                            round(limit * capacity, 1),
+                            goodput >= limit * capacity,
+                            "req/s",
+                        )
+                    )
+                elif kind == "served":
+                    served = _share(steady["ok"], steady["offered"])
+                    checks.append(
+                        _check(
+                            run,
+                            step,
+                            f"goodput >= {limit:.0%} of offered",
+                            round(served * 100, 2),
+                            limit * 100,
+                            served >= limit,
+                            "%",
+                        )
+                    )
+                elif kind == "refusals":
+                    refused = _share(steady["refused"], max(steady["offered"], 1))
+                    checks.append(
+                        _check(
+                            run,
+                            step,
+                            f"refusals <= {limit:.1%} of offered",
+                            round(refused * 100, 3),
+                            limit * 100,
+                            refused <= limit,
+                            "%",
+                        )
+                    )
+                elif kind == "success_p99":
+                    for name, figures in step["classes"].items():
+                        if not figures["offered"] or name not in endpoints:
+                            continue
+                        p99 = figures["success_p99_ms"]
+                        bound = round(limit * float(endpoints[name]["deadline"]) * 1000, 2)
+                        checks.append(
+                            _check(
+                                run,
+                                step,
+                                f"{name}: success p99 <= {limit:g}x its deadline",
+                                p99,
+                                bound,
+                                p99 is not None and p99 <= bound,
+                                "ms",
+                            )
+                        )
+                elif kind == "class_goodput":
+                    members = [
+                        n for n, e in endpoints.items() if e["class"] == inv["traffic_class"]
+                    ]
+                    figures = [step["classes"][n] for n in members if n in step["classes"]]
+                    offered = sum(f["offered"] for f in figures)
+                    if not offered:
+                        continue
+                    served = _share(sum(f["ok"] for f in figures), offered)
+                    checks.append(
+                        _check(
+                            run,
+                            step,
+                            f"{inv['traffic_class']} goodput >= {limit:.0%} of its demand",
+                            round(served * 100, 2),
+                            limit * 100,
+                            served >= limit,
+                            "%",
+                        )
+                    )
+    return checks

@@ -157,6 +157,25 @@ def test_gthread_refuses_a_burst_quickly_within_its_threads(gunicorn) -> None:
     assert took[len(took) // 2] < 0.4, took
 
 
+def test_a_refusal_closes_its_keep_alive_connection_at_a_pace(gunicorn) -> None:
+    # pre_request (the page's config) lets the middleware close a refused connection, so a
+    # client pool that reuses it moves to whichever worker accepts its next connection.
+    base = gunicorn("gthread", 1)
+    with ThreadPoolExecutor(CAPACITY + 4) as pool:
+        slow = [pool.submit(get, f"{base}/work?seconds=1.5") for _ in range(CAPACITY + 4)]
+        time.sleep(0.5)  # the bulkhead and its queue are full
+        closes: list[str] = []
+        with requests.Session() as session:
+            for _ in range(5):
+                r = session.get(f"{base}/work?seconds=1.5", timeout=30)
+                if r.status_code == 503:
+                    closes.append(r.headers.get("connection", "keep-alive").lower())
+        for f in slow:
+            f.result(timeout=60)
+    assert closes, "nothing was refused"
+    assert closes[0] == "close", closes  # the first refusal is always within the pace
+
+
 def test_sync_workers_serve_one_at_a_time_and_never_refuse_for_concurrency(gunicorn) -> None:
     base = gunicorn("sync", 2)
     with ThreadPoolExecutor(8) as pool:

@@ -107,3 +107,62 @@ def test_child_exit_folds_the_workers_counts(tmp_path, monkeypatch) -> None:
     assert not (tmp_path / f"brownout_{dead}.json").exists()
     archive = json.loads((tmp_path / "brownout_archive.json").read_text())
     assert archive["families"]["brownout_x"][2] == [["brownout_x_total", {}, 3]]
+
+
+class _Req:
+    must_close = False
+
+
+def test_the_closer_marks_this_threads_request_at_its_pace() -> None:
+    t = [100.0]
+    closer = hooks.ConnectionCloser(per_second=10, clock=lambda: t[0])
+    closer()  # no request noted on this thread: nothing to close
+    first, second, third = _Req(), _Req(), _Req()
+    closer.note(first)
+    closer()
+    assert first.must_close
+    closer.note(second)
+    t[0] += 0.05  # within the 0.1 s between closes
+    closer()
+    assert not second.must_close
+    closer.note(third)
+    t[0] += 0.05
+    closer()
+    assert third.must_close
+    with pytest.raises(ValueError):
+        hooks.ConnectionCloser(per_second=0)
+
+
+def test_the_closer_sees_only_its_own_threads_request() -> None:
+    import threading
+
+    closer = hooks.ConnectionCloser(per_second=1e9)
+    mine = _Req()
+    closer.note(mine)
+    other = threading.Thread(target=closer)  # nothing noted on that thread
+    other.start()
+    other.join()
+    assert not mine.must_close
+
+
+def test_a_503_written_by_the_middleware_calls_the_hooks_a_504_does_not() -> None:
+    from brownout import Reason
+    from brownout._edge import Refusal
+    from brownout.integrations import wsgi
+
+    calls: list[int] = []
+
+    def hook() -> None:
+        calls.append(1)
+
+    wsgi.on_capacity_refusal(hook)
+    wsgi.on_capacity_refusal(hook)  # once per hook
+    try:
+        sent: list[str] = []
+        full = Refusal(503, Reason.QUEUE_FULL, b"{}", None, False, ())
+        late = Refusal(504, Reason.DEADLINE_TOO_SHORT, b"{}", None, False, ())
+        wsgi.write_refusal(full, lambda status, headers: sent.append(status))
+        wsgi.write_refusal(late, lambda status, headers: sent.append(status))
+        assert sent == ["503 Service Unavailable", "504 Gateway Timeout"] and calls == [1]
+    finally:
+        wsgi._capacity_refused.remove(hook)

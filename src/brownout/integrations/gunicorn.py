@@ -1,7 +1,7 @@
 """gunicorn: the hooks a gunicorn config file needs for a service brownout protects (W1).
 
     # gunicorn.conf.py
-    from brownout.integrations.gunicorn import child_exit, post_fork  # noqa: F401
+    from brownout.integrations.gunicorn import child_exit, post_fork, pre_request  # noqa: F401
 
     # the application module, loaded in each worker after the fork
     bulkhead = worker_bulkhead("api")
@@ -14,6 +14,11 @@
   a thread too, and a request gunicorn has accepted waits for one where nothing refuses it);
 - `worker_capacity` is how many requests may run at once in this worker, and
   `worker_limit` a `brownout.limits.Gradient2Limit` capped at it, for a bulkhead of your own;
+- `pre_request` lets the WSGI middleware close the connection a 503 goes out on, at most
+  `CLOSES_PER_SECOND` times a second per worker: each worker has its own limit, and a client
+  pool that reuses its most recently freed connection keeps sending to the worker that
+  refuses fastest while another has room; a closed connection is opened again and the
+  kernel hands it to whichever worker accepts first;
 - `child_exit` keeps an exited worker's brownout counts and drops its gauges in
   prometheus_client's multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``; without it, it
   does nothing).
@@ -26,15 +31,22 @@ the settings that make overload reach the middleware.
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from .._admission.limits import Gradient2Limit
 from .._admission.thread_bulkhead import ThreadBulkhead
 from .._admission.thread_split import split_threads
+from .wsgi import on_capacity_refusal
 
 __all__ = [
+    "CLOSES_PER_SECOND",
+    "ConnectionCloser",
     "child_exit",
     "post_fork",
+    "pre_request",
     "worker_bulkhead",
     "worker_capacity",
     "worker_limit",
@@ -42,6 +54,51 @@ __all__ = [
 ]
 
 _threads: int | None = None
+
+CLOSES_PER_SECOND = 50.0
+"""Enough to move a keep-alive pool off a refusing worker in well under a second; few enough
+that a 10x flood does not turn into a flood of new connections."""
+
+
+class ConnectionCloser:
+    """Marks the gunicorn request on this thread to be closed after its answer, at most
+    ``per_second`` times a second (``clock``: seconds, monotonic)."""
+
+    def __init__(
+        self, per_second: float = CLOSES_PER_SECOND, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if not per_second > 0:
+            raise ValueError("per_second must be > 0")
+        self._interval = 1.0 / per_second
+        self._clock = clock
+        self._next = float("-inf")
+        self._local = threading.local()
+
+    def note(self, req: Any) -> None:
+        """Remember ``req`` as the request this thread serves."""
+        self._local.req = req
+
+    def __call__(self) -> None:
+        req = getattr(self._local, "req", None)
+        if req is None:
+            return
+        t = self._clock()
+        if t < self._next:
+            return
+        # Unlocked: two threads racing here close one connection more, which is harmless.
+        self._next = t + self._interval
+        req.must_close = True  # gunicorn answers "Connection: close" and closes after it
+
+
+_closer = ConnectionCloser()
+
+
+def pre_request(worker: Any, req: Any) -> None:
+    """gunicorn's ``pre_request`` hook: lets the WSGI middleware close the connection of a
+    request it refuses with a 503 (see `ConnectionCloser`), so keep-alive clients spread
+    over the workers. It replaces gunicorn's default hook, which only logs at debug level."""
+    _closer.note(req)
+    on_capacity_refusal(_closer)
 
 
 def post_fork(server: Any, worker: Any) -> None:

@@ -15,6 +15,8 @@ Per request, on the server's worker thread (the decisions are `brownout._edge.bl
   failure) and ``brownout-degraded`` is added to its head when degraded modes are active;
 - the permit is held until the body iterable is exhausted or closed (a streaming body counts
   as in flight); the iterable's ``close()`` is always called;
+- a server integration may be told of each 503 it answers (`on_capacity_refusal`): gunicorn's
+  closes the connection, now and then, so keep-alive clients move to a less busy worker;
 - a thread cannot be cancelled: a handler that returns after its deadline has its answer
   replaced by a 504 problem (counted as expired); the work itself ran to its end.
 """
@@ -47,7 +49,13 @@ from .._edge.blocking import (
 from .._edge.express import Express
 from .._propagation import HeaderGetter, Repeated
 
-__all__ = ["RAISED_KEY", "BrownoutMiddleware", "environ_getter", "write_refusal"]
+__all__ = [
+    "RAISED_KEY",
+    "BrownoutMiddleware",
+    "environ_getter",
+    "on_capacity_refusal",
+    "write_refusal",
+]
 
 RAISED_KEY = "brownout.raised"
 """The environ key where a framework that answers exceptions itself (Flask) leaves one of
@@ -60,6 +68,15 @@ StartResponse = Callable[..., Callable[[bytes], object]]
 WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
 
 _MAX_TEMPLATES = 1024  # templates come from the app's router and the policy's routes: few
+
+_capacity_refused: list[Callable[[], None]] = []
+
+
+def on_capacity_refusal(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` on the worker's thread each time a 503 refusal is written (once per
+    hook). For server integrations: `brownout.integrations.gunicorn.pre_request` uses it."""
+    if hook not in _capacity_refused:
+        _capacity_refused.append(hook)
 
 
 def environ_getter(environ: Environ) -> HeaderGetter:
@@ -90,6 +107,9 @@ def write_refusal(refusal: Refusal, start_response: StartResponse) -> list[bytes
     (`refusal_headers`, with ``Content-Length``) and body."""
     headers = refusal_headers(refusal)
     headers.append(("content-length", str(len(refusal.body))))
+    if refusal.status == 503:
+        for hook in _capacity_refused:
+            hook()
     start_response(_status_line(refusal.status), headers)
     return [refusal.body]
 

@@ -385,11 +385,14 @@ class _Run:
         rng = self.child_rng()
         steps = sorted(arrivals.steps)
         rate = arrivals.rate
+        constant = arrivals.spacing == "constant"
         duration = self.system.duration
         t = loop.time()
+        origin, sent = t, 0  # constant spacing: the k-th arrival at origin + k / rate, no drift
         while True:
             if steps and steps[0][0] <= t:
                 rate = steps.pop(0)[1]
+                origin, sent = t, 0
                 continue
             next_step = steps[0][0] if steps else math.inf
             if rate <= 0.0:
@@ -397,11 +400,12 @@ class _Run:
                     return
                 t = next_step
                 continue
-            gap = rng.expovariate(rate)
-            if t + gap >= next_step:
-                t = next_step  # memoryless: draw again at the new rate
+            after = origin + (sent + 1) / rate if constant else t + rng.expovariate(rate)
+            if after >= next_step:
+                t = next_step  # memoryless (or a new spacing): start again at the new rate
                 continue
-            t += gap
+            t = after
+            sent += 1
             if t >= duration:
                 return
             await asyncio.sleep(t - loop.time())

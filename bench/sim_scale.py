@@ -1,18 +1,20 @@
 """The simulator at fleet scale: a 1,000-instance, 3-layer graph at its capacity.
 
-web (20% of the instances) -> api (40%) -> db (40%), each api request reading the db twice in
-parallel. Every instance has its own `Bulkhead`; every edge its own `Dependency` with a
-timeout, a reserve, retries under a 10% `RetryBudget`; deadlines propagate from the users'
-1 s. Per instance: web 2 workers x 50 ms (40 req/s), api 4 workers x 200 ms (20 req/s), db
-2 workers x 50 ms (40 req/s); with 200 / 400 / 400 instances the layers can carry 8,000,
-8,000 and 16,000 reads/s (8,000 api requests), and the users offer ``--load`` times 8,000/s.
+web (20% of the instances) -> api (40%) -> db (40%). Per instance: web 2 workers x 125 ms
+(16 req/s), api 2 workers x 250 ms (8 req/s), db 2 workers x 125 ms (16 req/s), log-normal
+service times (sigma 0.5); with 200 / 400 / 400 instances each layer serves 3,200 req/s, and
+the users offer ``--load`` times that (Poisson, 2 s deadline). Every instance has its own
+`Bulkhead` (16 / 6 / 4); every calling instance its own `Dependency` per edge (web -> api:
+1.8 s timeout, one attempt; api -> db: 0.5 s timeout, 3 attempts under a 10% `RetryBudget`);
+deadlines propagate.
 
-Prints one JSON line: simulated requests (offered at every layer, users included, retries
-included), wall and CPU seconds, requests per wall and per CPU second, and per-layer goodput.
-Run it under the lock:
+Prints one JSON line: simulated requests (offered at every layer, users and retries
+included), wall and CPU seconds, requests per wall and per CPU second, per-layer goodput.
+Run it under the lock (docs/benchmarks.md, "The simulator at fleet scale"):
 
-    flock /tmp/brownout-bench.lock .venv/bin/python bench/sim_scale.py [--instances 1000]
-        [--duration 60] [--load 1.0] [--profile N]
+    flock /tmp/brownout-bench.lock /usr/bin/time -v env PYTHONPATH=src \
+        .venv/bin/python bench/sim_scale.py [--instances 1000] [--duration 60] [--load 1.0]
+        [--profile N]
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
 """``brownout sim FILE``: run a simulated system described in TOML and judge its invariants.
 
 Prints progress on stderr, a per-layer table of offered / admitted / shed / retried /
-completed-in-deadline over time on stdout, writes the JSON result (``--json``), and exits 1
-when a declared invariant fails (2 for a model that cannot run).
+completed-in-deadline over time on stdout, writes the JSON result (``--json``) and, with
+``--out DIR``, plots and an HTML report; exits 1 when a declared invariant fails (2 for a
+model that cannot run).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from ._help import HelpFormatter
 from ._sim import ModelError, load, simulate
+from ._sim_report import write_report
 
 __all__ = ["add_arguments", "main"]
 
@@ -30,6 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=Path,
         default=Path("sim-result.json"),
         help="where to write the result (default: %(default)s)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="also write plots and an HTML report (index.html) into this directory",
     )
     p.add_argument("--seed", type=int, default=None, help="override the file's seed")
     p.add_argument(
@@ -51,6 +60,10 @@ def main(argv: list[str]) -> int:
         print(f"brownout sim: {args.file} cannot run:", file=sys.stderr)
         for problem in e.problems:
             print(f"  {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.out is not None and importlib.util.find_spec("matplotlib") is None:
+        # Said before a long run, not after it.
+        print("brownout sim: --out needs matplotlib (pip install 'brownout[lab]')", file=sys.stderr)
         return EXIT_USAGE
     if args.seed is not None:
         system = replace(system, seed=args.seed)
@@ -78,4 +91,7 @@ def main(argv: list[str]) -> int:
     )
     args.json.write_text(json.dumps(result.to_json(), indent=1))
     print(f"result written to {args.json}", file=sys.stderr)
+    if args.out is not None:
+        write_report(result, args.out, source=str(args.file))
+        print(f"report written to {args.out / 'index.html'}", file=sys.stderr)
     return EXIT_OK if result.passed else EXIT_INVARIANT

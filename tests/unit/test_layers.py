@@ -87,12 +87,12 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "apps",
-        ("_lab", "_cli", "_queue_cli", "_sim_cli", "__main__"),
+        ("_lab", "_cli", "_queue_cli", "_sim_cli", "_sim_report", "__main__"),
         "the overload lab and the command line: users of the library",
     ),
 ]
 
-CORE_EXCLUDED = ("integrations", "export", "_lab", "_cli", "_queue_cli", "_sim_cli")
+CORE_EXCLUDED = ("integrations", "export", "_lab", "_cli", "_queue_cli", "_sim_cli", "_sim_report")
 """Everything else is the core: standard library imports only."""
 
 INDEPENDENT = ("_admission", "_retry", "_degrade", "_quota", "_fleet", "_overload", "_stats")

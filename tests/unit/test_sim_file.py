@@ -71,6 +71,14 @@ def test_a_file_loads_into_the_same_dataclasses() -> None:
     assert result.total("users", "offered") > 200
 
 
+def test_constant_spacing_sends_evenly() -> None:
+    system = loads(SMALL.replace("rate = 50", 'rate = 50\nspacing = "constant"'))
+    assert system.arrivals[0].spacing == "constant"
+    result = simulate(system)
+    per_second = result.layers["users"].offered
+    assert per_second == [50.0] * 5 or per_second == [49.0, *[50.0] * 4]
+
+
 def test_the_same_seed_gives_the_same_result() -> None:
     one, two = simulate(loads(SMALL)), simulate(loads(SMALL))
     assert one.to_json()["layers"] == two.to_json()["layers"]
@@ -90,6 +98,7 @@ def test_the_same_seed_gives_the_same_result() -> None:
         (('metric = "success_ratio"', 'metric = "joy"'), "invariants[0].metric", "one of"),
         (("seed = 2", "seed = 2\nspeed = 3"), "simulation.speed", "not a known field"),
         (("budget = 0.2", "budget = -1.0"), "services.api.calls[0]", "ratio"),
+        (("rate = 50", 'rate = 50\nspacing = "bursty"'), "arrivals[0].spacing", "poisson or"),
     ],
 )
 def test_bad_input_names_its_field(change: tuple[str, str], field: str, words: str) -> None:

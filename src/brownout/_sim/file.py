@@ -398,6 +398,7 @@ def loads(text: str, *, source: str = "<string>") -> System:
         deadline = a.number("deadline")
         priority = _priority(a)
         steps = _steps(a)
+        spacing = a.text("spacing", "poisson")
         call_table = a.table("call")
         if call_table is None:
             a.bad("call", "is required (a table with target)")
@@ -406,7 +407,7 @@ def loads(text: str, *, source: str = "<string>") -> System:
             call = _call(call_table)
         a.done()
         if name is not None and rate is not None and call is not None:
-            arrivals.append(Arrivals(name, rate, call, deadline, priority, steps))
+            arrivals.append(Arrivals(name, rate, call, deadline, priority, steps, spacing))
     faults: list[Fault] = []
     for f in root.tables("faults"):
         kind = f.text("kind", required=True)

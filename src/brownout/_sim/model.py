@@ -161,11 +161,13 @@ class Service:
 
 @dataclass(frozen=True)
 class Arrivals:
-    """Open-loop Poisson arrivals of one class of client requests at ``call.target``.
+    """Open-loop arrivals of one class of client requests at ``call.target``.
 
-    ``rate`` per second from time 0, changed to each ``(at, rate)`` of ``steps`` in turn.
-    Each request has ``deadline`` seconds (the client gives up then) and ``priority``; the
-    client calls through ``call.dependency`` (one client: one budget for the whole class).
+    ``rate`` per second from time 0, changed to each ``(at, rate)`` of ``steps`` in turn;
+    ``spacing``: ``poisson`` (exponential gaps) or ``constant`` (evenly spaced, as the lab's
+    load generator sends by default). Each request has ``deadline`` seconds (the client gives
+    up then) and ``priority``; the client calls through ``call.dependency`` (one client: one
+    budget for the whole class).
     """
 
     name: str
@@ -174,6 +176,7 @@ class Arrivals:
     deadline: float | None = None
     priority: Priority = Priority.CRITICAL
     steps: tuple[tuple[float, float], ...] = ()
+    spacing: Literal["poisson", "constant"] = "poisson"
 
 
 FaultKind = Literal["slowdown", "capacity_loss", "outage", "error_rate", "zone_loss"]
@@ -417,6 +420,10 @@ def validate(system: System) -> None:
         if a.deadline is not None and not _positive(a.deadline):
             problems.append(
                 Problem(f"{w}.deadline", f"must be positive seconds, not {a.deadline!r}")
+            )
+        if a.spacing not in ("poisson", "constant"):
+            problems.append(
+                Problem(f"{w}.spacing", f"must be poisson or constant, not {a.spacing!r}")
             )
         if not isinstance(a.priority, Priority):
             problems.append(Problem(f"{w}.priority", f"must be a Priority, not {a.priority!r}"))

@@ -704,6 +704,19 @@ success p50 <= 1.5x and p99 <= 3x the dependency's service time; health checks u
 10x flood all answered, p99 <= 50 ms. `lab-report/` gets the plots, the raw
 JSON, an HTML page and this Markdown.
 
+**For CI**: beside `report.json`, `junit.xml` holds one test suite per configuration and
+scenario, one test case per invariant check (a failed check is a failure carrying its
+verdict line; a check on a host-bound step is skipped, with the reason), and `steps.csv`
+one row per configuration, scenario and step (offered/s, goodput/s, % of capacity, shed,
+expired, success p50/p99 ms, refusal p50 ms, host-bound and why). `report.md` and
+`index.html` open with the verdict, the date (UTC), the brownout and Python versions, the
+CPU model and the cores (all, and usable by the lab). `--compare OLD.json` compares the run
+with an older `report.json`, step by step: goodput and success p99 before and after, and
+the checks that passed before and do not now; a step regressed when such a check exists,
+goodput fell by more than 5% or p99 rose by more than 20%. The regressed steps are printed
+and written to `lab-report/compare.md`; the exit status stays what the run's own checks
+make it.
+
 **CPU-starved front** (`cpu-starved`, in the default run on uvicorn --limit-concurrency and
 both brownout configurations): 4x then 10x of capacity while a CPU hog, a pure spinner at nice
 0 in its own process, started and killed by the lab, is pinned to the front's core from the

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 import shlex
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from ._help import HelpFormatter
@@ -165,6 +166,12 @@ def _lab_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentPa
     p.add_argument("--out", default="lab-report", help="report folder")
     p.add_argument("--markdown", help="also write this Markdown page (e.g. docs/lab.md)")
     p.add_argument(
+        "--compare",
+        metavar="OLD.json",
+        help="after the run, compare with this older report.json: print the steps that "
+        "regressed and write compare.md into --out (the exit status is unchanged)",
+    )
+    p.add_argument(
         "--deadline",
         type=_seconds_up_to(60.0),
         help="client deadline in seconds, more than 0 and at most 60 "
@@ -198,6 +205,7 @@ def lab_main(argv: list[str]) -> int:
         quick_settings,
         run_backlog,
     )
+    from ._lab.ci_report import environment
     from ._lab.database import DATABASE, DatabaseSettings, run_database
     from ._lab.database import quick_settings as quick_database
     from ._lab.payments import PAYMENTS, PaymentsSettings, run_payments
@@ -211,8 +219,11 @@ def lab_main(argv: list[str]) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)  # a log file or CI: do not squeeze the tables
+    old = _load_compare(args.compare, console)
+    if old is False:
+        return EXIT_USAGE
     if args.scenario:
-        return _scenario_main(args, argv, console)
+        return _scenario_main(args, argv, console, old)
     if args.find_capacity:
         console.print("[red]error:[/] --find-capacity goes with --scenario FILE")
         return EXIT_USAGE
@@ -348,10 +359,14 @@ def lab_main(argv: list[str]) -> int:
     lab["elapsed_seconds"] = round(time.monotonic() - started, 1)
     command = "brownout lab " + shlex.join(argv) if argv else "brownout lab"
     lab["command"] = command.strip()
+    lab["environment"] = environment()
     print_tables(lab, console)
     out = Path(args.out)
     write_report(lab, out, command=lab["command"])
-    console.print(f"report: {out / 'index.html'} (plots, raw JSON, report.md)")
+    console.print(
+        f"report: {out / 'index.html'} (plots, raw JSON, report.md, junit.xml, steps.csv)"
+    )
+    _compare(old, args.compare, lab, out, console)
     if args.markdown:
         write_markdown(lab, out, Path(args.markdown), lab["command"])
         console.print(f"markdown: {args.markdown}")
@@ -359,10 +374,56 @@ def lab_main(argv: list[str]) -> int:
     return conclude(evaluate(lab), console, judged=bool(judged_runs(lab)), no_fail=args.no_fail)
 
 
-def _scenario_main(args: argparse.Namespace, argv: list[str], console: Console) -> int:
+def _load_compare(path: str | None, console: Console) -> dict[str, Any] | Literal[False] | None:
+    """The ``--compare`` report, read before the run so a bad path costs no run (False)."""
+    if path is None:
+        return None
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        console.print(f"[red]error:[/] --compare {path}: {e}", highlight=False)
+        return False
+    if not isinstance(old, dict) or "runs" not in old:
+        console.print(f"[red]error:[/] --compare {path}: not a lab report.json")
+        return False
+    return old
+
+
+def _compare(
+    old: dict[str, Any] | None, path: str | None, lab: dict[str, Any], out: Path, console: Console
+) -> None:
+    """Print the steps that regressed against ``old`` and write compare.md beside the report."""
+    if old is None or path is None:
+        return
+    from rich.table import Table
+
+    from ._lab.compare import COMPARE_COLUMNS, compare_markdown, compare_reports, compare_rows
+
+    deltas = compare_reports(old, lab)
+    (out / "compare.md").write_text(compare_markdown(deltas, path))
+    rows = compare_rows(deltas)
+    if not rows:
+        console.print(f"compared with {path}: no step regressed ({len(deltas)} steps)")
+        return
+    table = Table(title=f"regressed against {path}", title_justify="left")
+    for col in COMPARE_COLUMNS:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"compare: {out / 'compare.md'}")
+
+
+def _scenario_main(
+    args: argparse.Namespace,
+    argv: list[str],
+    console: Console,
+    old: dict[str, Any] | None = None,
+) -> int:
     """``brownout lab --scenario FILE``: run a scenario file, report, return the status."""
     from dataclasses import replace
 
+    from ._lab.ci_report import environment
     from ._lab.report import print_tables, write_markdown, write_report
     from ._lab.runner import run_scenario_file, settings_for
     from ._lab.scenario_file import ScenarioFileError, load_scenario, parse_base_url
@@ -404,10 +465,14 @@ def _scenario_main(args: argparse.Namespace, argv: list[str], console: Console) 
         return EXIT_UNREACHABLE
     lab["elapsed_seconds"] = round(time.monotonic() - started, 1)
     lab["command"] = ("brownout lab " + shlex.join(argv)).strip()
+    lab["environment"] = environment()
     print_tables(lab, console)
     out = Path(args.out)
     write_report(lab, out, command=lab["command"])
-    console.print(f"report: {out / 'index.html'} (plots, raw JSON, report.md)")
+    console.print(
+        f"report: {out / 'index.html'} (plots, raw JSON, report.md, junit.xml, steps.csv)"
+    )
+    _compare(old, args.compare, lab, out, console)
     if args.markdown:
         write_markdown(lab, out, Path(args.markdown), lab["command"])
     checks = evaluate(lab)

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from .ci_report import environment_lines, junit_xml, steps_csv
 from .database import (
     DATABASE_COLUMNS,
     DATABASE_SECONDS_COLUMNS,
@@ -703,6 +704,19 @@ success p50 <= 1.5x and p99 <= 3x the dependency's service time; health checks u
 10x flood all answered, p99 <= 50 ms. `lab-report/` gets the plots, the raw
 JSON, an HTML page and this Markdown.
 
+**For CI**: beside `report.json`, `junit.xml` holds one test suite per configuration and
+scenario, one test case per invariant check (a failed check is a failure carrying its
+verdict line; a check on a host-bound step is skipped, with the reason), and `steps.csv`
+one row per configuration, scenario and step (offered/s, goodput/s, % of capacity, shed,
+expired, success p50/p99 ms, refusal p50 ms, host-bound and why). `report.md` and
+`index.html` open with the verdict, the date (UTC), the brownout and Python versions, the
+CPU model and the cores (all, and usable by the lab). `--compare OLD.json` compares the run
+with an older `report.json`, step by step: goodput and success p99 before and after, and
+the checks that passed before and do not now; a step regressed when such a check exists,
+goodput fell by more than 5% or p99 rose by more than 20%. The regressed steps are printed
+and written to `lab-report/compare.md`; the exit status stays what the run's own checks
+make it.
+
 **CPU-starved front** (`cpu-starved`, in the default run on uvicorn --limit-concurrency and
 both brownout configurations): 4x then 10x of capacity while a CPU hog, a pure spinner at nice
 0 in its own process, started and killed by the lab, is pinned to the front's core from the
@@ -833,11 +847,17 @@ def markdown(
     images: list[str],
     image_prefix: str = "",
     command: str | None = None,
+    *,
+    header: bool = False,
 ) -> str:
-    """The report as Markdown (what `docs/lab.md` commits)."""
+    """The report as Markdown (what `docs/lab.md` commits); ``header``: the verdict and the
+    run's environment under the title (report.md)."""
     cal = lab["calibration"]
     st = lab["settings"]
-    out = ["# The overload lab", "", *PREAMBLE.splitlines(), ""]
+    out = ["# The overload lab", ""]
+    if header:
+        out += [f"- **{label}**: {value}" for label, value in environment_lines(lab)] + [""]
+    out += [*PREAMBLE.splitlines(), ""]
     if command:
         out += ["## This run", "", "Produced by:", "", "```console", f"$ {command}", "```", ""]
     if _backlog_runs(lab):
@@ -902,6 +922,12 @@ def _html(lab: dict[str, Any], images: list[str]) -> str:
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;"
         "font-size:12px}td,th{border:1px solid #ccc;padding:3px 6px}th{background:#eee}"
         ".fail{color:#b00}</style></head><body><h1>brownout overload lab</h1>",
+        "<ul>",
+        *(
+            f"<li><b>{html.escape(label)}</b>: {html.escape(value)}</li>"
+            for label, value in environment_lines(lab)
+        ),
+        "</ul>",
     ]
     cal = lab["calibration"]
     if cal:
@@ -965,13 +991,17 @@ def _html(lab: dict[str, Any], images: list[str]) -> str:
 
 
 def write_report(lab: dict[str, Any], out_dir: Path, command: str | None = None) -> list[Path]:
-    """Write report.json, the PNGs, index.html and report.md into ``out_dir``."""
+    """Write report.json, junit.xml, steps.csv, the PNGs, index.html and report.md into
+    ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(lab, indent=1))
+    (out_dir / "junit.xml").write_text(junit_xml(lab))
+    (out_dir / "steps.csv").write_text(steps_csv(lab))
     images = _plot(lab, out_dir)
     (out_dir / "index.html").write_text(_html(lab, images))
-    (out_dir / "report.md").write_text(markdown(lab, images, command=command))
-    return [out_dir / n for n in ("report.json", "index.html", "report.md", *images)]
+    (out_dir / "report.md").write_text(markdown(lab, images, command=command, header=True))
+    names = ("report.json", "junit.xml", "steps.csv", "index.html", "report.md", *images)
+    return [out_dir / n for n in names]
 
 
 def write_markdown(lab: dict[str, Any], report_dir: Path, path: Path, command: str) -> None:

@@ -92,7 +92,7 @@ def _pytest_steps(extra: list[str]) -> list[list[str]]:
         return [[*pytest, *extra]]
     return [
         [*pytest, "-n", "auto", "tests/unit"],
-        [*pytest, "tests/integration", "tests/e2e"],
+        [*pytest, "--durations=25", "tests/integration", "tests/e2e"],
     ]
 
 

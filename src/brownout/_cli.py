@@ -205,12 +205,10 @@ def lab_main(argv: list[str]) -> int:
         quick_settings,
         run_backlog,
     )
-    from ._lab.ci_report import environment
     from ._lab.database import DATABASE, DatabaseSettings, run_database
     from ._lab.database import quick_settings as quick_database
     from ._lab.payments import PAYMENTS, PaymentsSettings, run_payments
     from ._lab.payments import quick_settings as quick_payments
-    from ._lab.report import print_tables, write_markdown, write_report
     from ._lab.runner import CONFIGURATIONS, Configuration, LabSettings, Target, run_lab
     from ._lab.scenarios import DEFAULT_SCENARIOS, QUICK_SCENARIOS, SCENARIOS, quick_variant
     from ._lab.verdict import evaluate, judged_runs
@@ -356,19 +354,8 @@ def lab_main(argv: list[str]) -> int:
             t = progress.tasks[task]
             if t.total:
                 progress.update(task, completed=t.total)
-    lab["elapsed_seconds"] = round(time.monotonic() - started, 1)
-    command = "brownout lab " + shlex.join(argv) if argv else "brownout lab"
-    lab["command"] = command.strip()
-    lab["environment"] = environment()
-    print_tables(lab, console)
-    out = Path(args.out)
-    write_report(lab, out, command=lab["command"])
-    console.print(
-        f"report: {out / 'index.html'} (plots, raw JSON, report.md, junit.xml, steps.csv)"
-    )
-    _compare(old, args.compare, lab, out, console)
+    _write_lab(lab, args, argv, started, old, console)
     if args.markdown:
-        write_markdown(lab, out, Path(args.markdown), lab["command"])
         console.print(f"markdown: {args.markdown}")
     console.print(f"took {lab['elapsed_seconds']:.0f}s")
     return conclude(evaluate(lab), console, judged=bool(judged_runs(lab)), no_fail=args.no_fail)
@@ -387,6 +374,33 @@ def _load_compare(path: str | None, console: Console) -> dict[str, Any] | Litera
         console.print(f"[red]error:[/] --compare {path}: not a lab report.json")
         return False
     return old
+
+
+def _write_lab(
+    lab: dict[str, Any],
+    args: argparse.Namespace,
+    argv: list[str],
+    started: float,
+    old: Any,
+    console: Any,
+) -> None:
+    """Stamp a finished lab run (time, command, host), print its tables and write its report,
+    the comparison with ``--compare`` and the ``--markdown`` page."""
+    from ._lab.ci_report import environment
+    from ._lab.report import print_tables, write_markdown, write_report
+
+    lab["elapsed_seconds"] = round(time.monotonic() - started, 1)
+    lab["command"] = ("brownout lab " + shlex.join(argv)).strip()
+    lab["environment"] = environment()
+    print_tables(lab, console)
+    out = Path(args.out)
+    write_report(lab, out, command=lab["command"])
+    console.print(
+        f"report: {out / 'index.html'} (plots, raw JSON, report.md, junit.xml, steps.csv)"
+    )
+    _compare(old, args.compare, lab, out, console)
+    if args.markdown:
+        write_markdown(lab, out, Path(args.markdown), lab["command"])
 
 
 def _compare(
@@ -423,8 +437,6 @@ def _scenario_main(
     """``brownout lab --scenario FILE``: run a scenario file, report, return the status."""
     from dataclasses import replace
 
-    from ._lab.ci_report import environment
-    from ._lab.report import print_tables, write_markdown, write_report
     from ._lab.runner import run_scenario_file, settings_for
     from ._lab.scenario_file import ScenarioFileError, load_scenario, parse_base_url
     from ._lab.verdict import evaluate
@@ -463,18 +475,7 @@ def _scenario_main(
     except RuntimeError as e:
         console.print(f"[red]error:[/] {e}")
         return EXIT_UNREACHABLE
-    lab["elapsed_seconds"] = round(time.monotonic() - started, 1)
-    lab["command"] = ("brownout lab " + shlex.join(argv)).strip()
-    lab["environment"] = environment()
-    print_tables(lab, console)
-    out = Path(args.out)
-    write_report(lab, out, command=lab["command"])
-    console.print(
-        f"report: {out / 'index.html'} (plots, raw JSON, report.md, junit.xml, steps.csv)"
-    )
-    _compare(old, args.compare, lab, out, console)
-    if args.markdown:
-        write_markdown(lab, out, Path(args.markdown), lab["command"])
+    _write_lab(lab, args, argv, started, old, console)
     checks = evaluate(lab)
     if not checks:
         console.print("[yellow]no invariant was checked:[/] the scenario file declares none")

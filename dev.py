@@ -84,15 +84,18 @@ def cmd_test(extra: list[str]) -> int:
 
 
 def _pytest_steps(extra: list[str]) -> list[list[str]]:
-    """The whole suite: unit tests on every core (virtual time, no shared servers), then the
-    integration and end-to-end tests one at a time (real servers, real time, their margins
-    assume the host is not also running other tests). Arguments given run one plain pytest."""
+    """The whole suite: unit tests on every core (virtual time, no shared servers); the
+    integration tests on two workers, a file to a worker and the PostgreSQL tests on one
+    (tests/integration/conftest.py; their margins allow a shared host); then the end-to-end
+    lab runs one at a time (each pins the lab's processes to cores). Arguments given run
+    one plain pytest."""
     pytest = [str(PY), "-m", "pytest", "-q"]
     if extra:
         return [[*pytest, *extra]]
     return [
         [*pytest, "-n", "auto", "tests/unit"],
-        [*pytest, "--durations=25", "tests/integration", "tests/e2e"],
+        [*pytest, "-n", "2", "--dist", "loadgroup", "--durations=15", "tests/integration"],
+        [*pytest, "--durations=5", "tests/e2e"],
     ]
 
 

@@ -296,13 +296,14 @@ async def test_a_silent_server_ends_at_the_deadline(name: str) -> None:
 
 
 async def terminate_all(pg: services.Service) -> int:
+    # Only this file's bare sleeps: the lab's database service sleeps in `test` too.
     conn = await asyncpg.connect(f"postgresql://postgres@{pg.host}:{pg.port}/test")
     try:
         return int(
             await conn.fetchval(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
                 " WHERE datname = 'test' AND pid <> pg_backend_pid()"
-                " AND query LIKE '%pg_sleep%' AND state = 'active'"
+                " AND query LIKE 'SELECT pg_sleep(%' AND state = 'active'"
             )
         )
     finally:
@@ -471,7 +472,7 @@ async def running_sleeps(pg: services.Service) -> int:
         return int(
             await conn.fetchval(
                 "SELECT count(*) FROM pg_stat_activity WHERE state = 'active'"
-                " AND pid <> pg_backend_pid() AND query LIKE '%pg_sleep%'"
+                " AND pid <> pg_backend_pid() AND query LIKE 'SELECT pg_sleep(%'"
             )
         )
     finally:

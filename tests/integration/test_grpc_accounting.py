@@ -349,8 +349,12 @@ async def run(seed: int, n: int, concurrency: int, unique: bool) -> dict[str, in
             for r in lost
             if r.code not in ("DEADLINE_EXCEEDED", "CANCELLED")
         ]
-        if len(lost) > len(rpcs) // 10:
-            problems.append(f"{len(lost)} calls never delivered")
+        # A call with a 30-120 ms timeout or an early hang-up may expire in grpc core on a
+        # busy host; one with 5 s and no hang-up must reach the server.
+        patient = [r for r in rpcs if r.timeout >= 5.0 and not r.hang_up]
+        lost_patient = [r for r in lost if r.timeout >= 5.0 and not r.hang_up]
+        if len(lost_patient) > len(patient) // 20:
+            problems.append(f"{len(lost_patient)} of {len(patient)} 5 s calls never delivered")
         assert not problems, problems
         assert svc.stats.count("offered", operation=HEALTH) == 0
         # grpc ends a call at the client's deadline whatever the server does: an answer that

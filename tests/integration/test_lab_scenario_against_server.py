@@ -124,8 +124,10 @@ def test_the_server_sees_the_declared_mix(tmp_path: Path, monkeypatch: Any) -> N
     assert status in (0, 1), status  # 1: an invariant failed on a busy host; judged below
     counts = Counter(r["endpoint"] for r in seen)
     n = sum(counts.values())
-    # Warm-up 0.5 s at 50/s, then 2 s at 50, 100 and 150/s: about 625 requests.
-    assert 500 <= n <= 700, counts
+    # Warm-up 0.5 s at 50/s, then 2 s at 50, 100 and 150/s: about 625 requests, once per
+    # measurement (a host-bound step on a busy host is measured a second time).
+    attempts = lab["runs"][0]["attempts"]
+    assert 500 * attempts <= n <= 700 * attempts, (attempts, counts)
     for name, weight in (("read", 0.5), ("write", 0.3), ("purge", 0.2)):
         sigma = math.sqrt(n * weight * (1 - weight))
         assert abs(counts[name] - n * weight) <= 5 * sigma, (name, counts)

@@ -289,3 +289,16 @@ def test_scenario_invariants_use_the_verdict_vocabulary() -> None:
     share = by[("checkout goodput >= 99% of its demand", "1x")]
     assert share["value"] == pytest.approx(98.89, abs=0.01) and not share["passed"]
     assert ("checkout goodput >= 99% of its demand", "2x") not in by  # steps = [0.5x, 1x]
+
+
+def test_a_uuid_param_is_fresh_on_every_send_even_with_the_same_seed() -> None:
+    """A host-bound step is measured again with the same seed; an idempotency key drawn
+    from the seeded rng would then repeat and the server would replay, not work."""
+    from brownout._lab.templates import Param, RequestTemplate
+
+    template = RequestTemplate(
+        "POST", "/orders", headers=(("idempotency-key", "{key}"),), params=(("key", Param("uuid")),)
+    )
+    first = [template.render(random.Random(7), "h", ()) for _ in range(50)]
+    again = [template.render(random.Random(7), "h", ()) for _ in range(50)]
+    assert len(set(first) | set(again)) == 100

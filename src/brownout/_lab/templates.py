@@ -35,7 +35,7 @@ def placeholders(text: str) -> list[str]:
 @dataclass(frozen=True)
 class Param:
     """How one placeholder is drawn: ``int`` (``low``..``high`` inclusive), ``choice`` or
-    ``uuid`` (a random UUID4)."""
+    ``uuid`` (a fresh UUID4 per send, never repeated by a re-run with the same seed)."""
 
     kind: str
     low: int = 0
@@ -47,7 +47,8 @@ class Param:
             return rng.randint(self.low, self.high)
         if self.kind == "choice":
             return self.choices[rng.randrange(len(self.choices))]
-        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+        # From the OS, not the seeded rng: a re-measurement must not resend the same keys.
+        return str(uuid.uuid4())
 
 
 def _text(value: str | int | float | bool) -> str:

@@ -31,8 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json",
         type=Path,
-        default=Path("sim-result.json"),
-        help="where to write the result (default: %(default)s)",
+        default=None,
+        help="where to write the result (default: sim-result.json; with --out, DIR/result.json)",
     )
     p.add_argument(
         "--out",
@@ -89,8 +89,10 @@ def main(argv: list[str]) -> int:
         f" ({result.requests / wall if wall > 0 else 0.0:.0f} per second)",
         file=sys.stderr,
     )
-    args.json.write_text(json.dumps(result.to_json(), indent=1))
-    print(f"result written to {args.json}", file=sys.stderr)
+    if args.json is not None or args.out is None:
+        path = args.json if args.json is not None else Path("sim-result.json")
+        path.write_text(json.dumps(result.to_json(), indent=1))
+        print(f"result written to {path}", file=sys.stderr)
     if args.out is not None:
         write_report(result, args.out, source=str(args.file))
         print(f"report written to {args.out / 'index.html'}", file=sys.stderr)

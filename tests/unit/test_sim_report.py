@@ -42,3 +42,14 @@ def test_a_failed_invariant_is_the_first_thing_the_report_says(tmp_path: Path) -
                  "--quiet"]) == 1  # fmt: skip
     page = (out / "index.html").read_text()
     assert page.index("FAIL: 1 of 3 invariants failed") < page.index("<img")
+
+
+def test_out_alone_writes_the_json_into_the_report_folder_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "report"
+    assert main(["sim", str(EXAMPLE), "--out", str(out), "--quiet"]) == 0
+    assert (out / "result.json").exists()
+    assert not (tmp_path / "sim-result.json").exists()

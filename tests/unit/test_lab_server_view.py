@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.server
 import math
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -316,3 +317,35 @@ def test_the_scenario_file_declares_the_server() -> None:
     assert parse_scenario(agrees).invariants[0].threshold == 0.1
     with pytest.raises(ScenarioFileError, match="takes max"):
         parse_scenario(SCENARIO + '[[invariants]]\ncheck = "server_agrees"\nmin = 0.1\n')
+
+
+def test_the_cli_refuses_a_metrics_url_it_cannot_use(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from brownout._cli import EXIT_USAGE, lab_main
+
+    assert lab_main(["--metrics-url", "/metrics"]) == EXIT_USAGE
+    assert "--metrics-url goes with --target" in capsys.readouterr().out
+    target = ["--target", "http://127.0.0.1:9/x", "--metrics-url", "metrics"]
+    assert lab_main(target) == EXIT_USAGE
+    assert "must be a path or an http" in capsys.readouterr().out
+    scenario = tmp_path / "s.toml"
+    scenario.write_text('base_url = "http://127.0.0.1:9"' + SCENARIO)
+    assert lab_main(["--scenario", str(scenario), "--metrics-url", "ftp://x"]) == EXIT_USAGE
+    assert "must be a path or an http" in capsys.readouterr().out
+
+
+def test_the_watch_scrapes_at_the_edges_it_is_told(
+    metrics_server: tuple[str, type[_Handler]],
+) -> None:
+    url, _ = metrics_server
+    watch = ServerWatch(url, period=30.0)  # periodic scrapes out of the way
+    with watch.running():
+        now = time.monotonic()
+        watch.expect(now + 0.3, now + 0.2, now - 1.0)
+        time.sleep(0.6)
+    times = [t - now for t, _ in watch.points]
+    # The first periodic scrape and the past edge (one scrape if due together), both edges,
+    # and one at the end; no second periodic one.
+    assert 4 <= len(times) <= 5, times
+    assert any(0.19 <= t <= 0.3 for t in times) and any(0.29 <= t <= 0.4 for t in times), times

@@ -368,13 +368,24 @@ class _Bench:
 
 
 def _execute(
-    bench: _Bench, config: Configuration, scenario: Scenario, plan: LoadPlan
+    bench: _Bench,
+    config: Configuration,
+    scenario: Scenario,
+    plan: LoadPlan,
+    server: ServerWatch | None = None,
 ) -> PlanResult:
+    """Run ``plan``; ``server``: told each measured step's steady-window edges as it starts."""
     starts = [0.0]
     for st in plan.steps:
         starts.append(starts[-1] + st.duration)
+    begun: set[int] = set()
 
     def progress(index: int, elapsed: float, counts: dict[str, int]) -> None:
+        step = plan.steps[index]
+        if server is not None and index not in begun and step.measured:
+            begun.add(index)
+            began = time.monotonic() - elapsed
+            server.expect(began + step.settle, began + step.duration)
         if bench.on_progress is not None:
             done = starts[index] + min(elapsed, plan.steps[index].duration)
             bench.on_progress(config.name, scenario.name, done, starts[-1])
@@ -393,7 +404,7 @@ def _measure(bench: _Bench, config: Configuration, scenario: Scenario) -> dict[s
         if bench.target.metrics_url:
             server = ServerWatch(bench.target.metrics_url, bench.target.metrics_source)
         with server.running() if server is not None else contextlib.nullcontext():
-            result = _execute(bench, config, scenario, plan)
+            result = _execute(bench, config, scenario, plan, server)
     else:
         with contextlib.ExitStack() as stack:
             demo = stack.enter_context(

@@ -233,8 +233,10 @@ def scrape(url: str, timeout: float = SCRAPE_TIMEOUT) -> list[Sample]:
 
 @dataclass
 class ServerWatch:
-    """Scrapes ``url`` every ``period`` seconds in a thread while ``running``; keeps each
-    scrape's figures with the `time.monotonic` midpoint of its request."""
+    """Scrapes ``url`` every ``period`` seconds in a thread while ``running``, and at the
+    times `expect` names (a step's edges: the counters change rate there, so a read on the
+    edge beats an interpolation across it); keeps each scrape's figures with the
+    `time.monotonic` midpoint of its request."""
 
     url: str
     source: str | None = None
@@ -243,6 +245,8 @@ class ServerWatch:
     points: list[tuple[float, dict[str, float]]] = field(default_factory=list)
     failures: int = 0
     first_error: ScrapeError | None = None
+    _due: list[float] = field(default_factory=list, repr=False)
+    _changed: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
     def scrape_once(self) -> None:
         before = time.monotonic()
@@ -254,16 +258,33 @@ class ServerWatch:
             return
         self.points.append(((before + time.monotonic()) / 2, figures_of(samples, self.source)))
 
+    def expect(self, *times: float) -> None:
+        """Scrape also at these `time.monotonic` times (those already past: at once)."""
+        with self._changed:
+            self._due = sorted([*self._due, *times])
+            self._changed.notify()
+
     @contextlib.contextmanager
     def running(self) -> Iterator[ServerWatch]:
-        stop = threading.Event()
+        stopped = False
 
         def loop() -> None:
+            periodic = time.monotonic()
             while True:
-                started = time.monotonic()
+                with self._changed:
+                    while not stopped:
+                        now = time.monotonic()
+                        due = min(periodic, self._due[0] if self._due else periodic)
+                        if due <= now:
+                            break
+                        self._changed.wait(due - now)
+                    if stopped:
+                        break
+                    now = time.monotonic()
+                    self._due = [t for t in self._due if t > now]
                 self.scrape_once()
-                if stop.wait(max(0.0, self.period - (time.monotonic() - started))):
-                    break
+                if time.monotonic() >= periodic:
+                    periodic = time.monotonic() + self.period
             self.scrape_once()  # one after the plan's end: the last edge is bracketed
 
         thread = threading.Thread(target=loop, name="server-watch", daemon=True)
@@ -271,7 +292,9 @@ class ServerWatch:
         try:
             yield self
         finally:
-            stop.set()
+            with self._changed:
+                stopped = True
+                self._changed.notify()
             thread.join(self.timeout * 2 + self.period)
 
     def summary(self) -> dict[str, Any]:

@@ -604,7 +604,7 @@ def _agreement_checks(run: dict[str, Any], step: dict[str, Any], limit: float) -
         _check(
             run,
             step,
-            f"server agrees on {r['figure']} within {limit:.0%} (limit: the client's count)",
+            f"server agrees on {r['figure']} within {limit:.0%} of the client's count",
             r["server"],
             r["client"],
             r["agrees"],

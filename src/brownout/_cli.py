@@ -136,6 +136,13 @@ def _lab_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentPa
         "view beside the client's",
     )
     p.add_argument(
+        "--server-view",
+        action="store_true",
+        help="the demo's protected fronts serve brownout's metrics and the lab scrapes them to "
+        "show the server's view beside the client's (off by default: exporting adds the "
+        "front's event tallies to its work; needs prometheus-client)",
+    )
+    p.add_argument(
         "--find-capacity",
         action="store_true",
         help="with --scenario: find the knee first and take the load multiples of it, even "
@@ -235,6 +242,20 @@ def lab_main(argv: list[str]) -> int:
     if args.metrics_url and not args.target:
         console.print("[red]error:[/] --metrics-url goes with --target URL or --scenario FILE")
         return EXIT_USAGE
+    if args.server_view:
+        if args.target:
+            console.print(
+                "[red]error:[/] --server-view is the demo's; with --target: --metrics-url"
+            )
+            return EXIT_USAGE
+        import importlib.util
+
+        if importlib.util.find_spec("prometheus_client") is None:
+            console.print(
+                "[red]error:[/] --server-view needs prometheus-client: pip install "
+                "'brownout[lab,prometheus]'"
+            )
+            return EXIT_USAGE
     settings = LabSettings.quick() if args.quick else LabSettings()
     if args.deadline is not None:
         settings = replace(settings, deadline=args.deadline, settle_seconds=min(args.deadline, 1))
@@ -254,6 +275,8 @@ def lab_main(argv: list[str]) -> int:
             )
             return 2
         settings = replace(settings, drill=args.drill)
+    if args.server_view:
+        settings = replace(settings, server_view=True)
     if settings.step_seconds < 3 * settings.deadline:
         console.print(
             f"[yellow]note:[/] steps of {settings.step_seconds:g}s are shorter than 3x the "
@@ -452,7 +475,7 @@ def _scenario_main(
     from ._lab.scenario_file import ScenarioFileError, load_scenario, parse_base_url
     from ._lab.verdict import evaluate
 
-    for flag in ("configs", "scenarios", "drill", "health_path"):
+    for flag in ("configs", "scenarios", "drill", "health_path", "server_view"):
         if getattr(args, flag):
             option = "--" + flag.replace("_", "-")
             console.print(f"[red]error:[/] {option} does not go with --scenario")

@@ -37,6 +37,7 @@ PAGE = """\
 brownout_requests_offered_total{operation="/a",priority="critical",source="front"} 30.0
 brownout_requests_offered_total{operation="/b",priority="sheddable",source="front"} 12
 brownout_requests_offered_total{operation="/out",source="dep"} 7
+brownout_retries_total{cause="http_503",source="dep"} 6
 brownout_requests_shed_total{reason="queue_full",source="front"} 5.0
 brownout_requests_shed_total{reason="deadline_expired",source="front"} 2
 brownout_requests_expired_total{stage="queue",source="front"} 3 1700000000000
@@ -49,11 +50,11 @@ odd_metric{path="a \\"quoted\\" \\\\ back\\nslash"} NaN
 
 def test_the_parser_reads_labels_escapes_and_special_values() -> None:
     samples = parse_metrics(PAGE)
-    assert len(samples) == 9
+    assert len(samples) == 10
     assert samples[0].name == "brownout_requests_offered_total"
     assert samples[0].label("operation") == "/a" and samples[0].value == 30.0
-    assert samples[5].value == 3  # the timestamp is read and dropped
-    assert samples[7].label("le") == "+Inf"
+    assert samples[6].value == 3  # the timestamp is read and dropped
+    assert samples[8].label("le") == "+Inf"
     odd = samples[-1]
     assert odd.label("path") == 'a "quoted" \\ back\nslash'
     assert math.isnan(odd.value)
@@ -84,7 +85,8 @@ def test_figures_sum_the_labels_and_filter_a_source() -> None:
     assert everything["offered"] == 49
     assert everything["shed.queue_full"] == 5 and everything["shed.deadline_expired"] == 2
     assert everything["expired.queue"] == 3 and everything["queue_depth"] == 4
-    assert figures_of(parse_metrics(PAGE), "front")["offered"] == 42
+    front = figures_of(parse_metrics(PAGE), "front")
+    assert front["offered"] == 42 and front["retried"] == 6  # retries are outbound
 
 
 def _points(*rows: tuple[float, dict[str, float]]) -> list[tuple[float, dict[str, float]]]:
@@ -102,10 +104,10 @@ def test_counters_are_interpolated_at_the_window_edges() -> None:
     assert f["offered"] == 100 and f["shed"] == {"queue_full": 40}
     assert f["expired"] == {"queue": 5}  # absent before: counted from zero
     assert f["queue_depth_max"] == 9  # only the scrape inside the window
-    assert f["gap_s"] == 1.0
+    assert f["edge_s"] == 0.5
     # Outside the scrapes: the nearest one, and how far it was.
     tail = step_figures(points, 11.0, 13.0)
-    assert tail is not None and tail["offered"] == 100 and tail["gap_s"] == 1.0
+    assert tail is not None and tail["offered"] == 100 and tail["edge_s"] == 1.0
     assert step_figures([], 0.0, 1.0) is None
 
 
@@ -159,7 +161,7 @@ def _server(offered: int, shed: dict[str, int], expired: dict[str, int]) -> dict
         "shed": shed,
         "expired": expired,
         "queue_depth_max": None,
-        "gap_s": 0.5,
+        "edge_s": 0.5,
     }
 
 
@@ -201,7 +203,8 @@ def test_server_agrees_is_an_opt_in_failing_invariant() -> None:
         ("server agrees on expired", True),
     ]
     assert evaluate(_lab(wrong, [])) == []  # without it, only a flag in the table
-    assert server_rows(_lab(wrong, []), "s")[0][-1] == "NO: offered, refused"
+    row = server_rows(_lab(wrong, []), "s")[0]
+    assert row[-1] == "NO: offered, refused (an edge read 0.5 s from a scrape)"
     unread = _step(None)
     (check,) = evaluate(_lab(unread, [invariant]))
     assert check["check"] == "server's view read" and not check["passed"]

@@ -132,6 +132,9 @@ class LabSettings:
     seed: int = 1
     drill: str | None = None
     """A declared degraded mode of the demo front forced on for the whole run (``--drill``)."""
+    server_view: bool = False
+    """The demo's protected async fronts serve brownout's metrics, scraped for the server's
+    view (``--server-view``; off by default: the front then tallies its events)."""
 
     @classmethod
     def quick(cls) -> LabSettings:
@@ -417,6 +420,7 @@ def _measure(bench: _Bench, config: Configuration, scenario: Scenario) -> dict[s
                     front_cpus=bench.front_cpus,
                     drill=settings.drill,
                     sync=config.sync,
+                    metrics=settings.server_view and config.brownout and not config.sync,
                 )
             )
             watch = [("front", demo.front.serving_pid), ("dependency", demo.backend.proc.pid)]
@@ -433,7 +437,10 @@ def _measure(bench: _Bench, config: Configuration, scenario: Scenario) -> dict[s
             # The core's busy share means one core: with several front cores it is not read.
             core = bench.front_cpus[0] if len(bench.front_cpus) == 1 else None
             plan = replace(plan, watch=tuple(watch), watch_core=core)
-            result = _execute(bench, config, scenario, plan)
+            if settings.server_view and config.brownout and not config.sync:
+                server = ServerWatch(demo.front.url + "/metrics")
+            with server.running() if server is not None else contextlib.nullcontext():
+                result = _execute(bench, config, scenario, plan, server)
             backend_stats = _backend_stats(demo.backend.url)
     run: dict[str, Any] = {"configuration": config.name, "scenario": scenario.name}
     run |= summarize_plan(result, scenario, on_front_core)

@@ -58,6 +58,9 @@ ABSOLUTE_SLACK = 5
 """A figure disagrees when server and client differ by more than `RELATIVE_TOLERANCE` of the
 larger and by more than `ABSOLUTE_SLACK` requests: requests in flight at a window's edges
 are counted by one side in this step and by the other in the next."""
+EDGE_NOTED = 0.1
+"""Seconds between a window's edge and its nearest scrape past which the table says so (the
+edge scrape failed or was late: the figure is partly interpolated)."""
 EXPIRY_REASONS = frozenset({"deadline_expired", "outcome_unknown"})
 """Shed reasons brownout answers 504 by default (``EdgePolicy.expired_status``), not 503."""
 
@@ -177,26 +180,29 @@ _BY_LABEL = {
     "brownout_requests_expired_total": ("expired", "stage"),
 }
 """Counters read per value of one label: ``shed.queue_full``, ``expired.queue``."""
+_OUTBOUND = frozenset({"retried", "budget_exhausted"})
+"""Figures of a service's calls out (a `Dependency`'s source), not of its inbound hop."""
 QUEUE_DEPTH = "brownout_queue_depth_requests"
 
 
 def figures_of(samples: list[Sample], source: str | None = None) -> dict[str, float]:
     """brownout's request counters in one scrape, flat (``offered``, ``shed.<reason>``,
-    ``expired.<stage>``, ...) and summed over the other labels; ``source``: only the series
-    of that source (a bulkhead's or an edge's name), as a service with several hops counts a
-    request at each; ``queue_depth``: the sum of the queue-depth gauges, when exported."""
+    ``expired.<stage>``, ...) and summed over the other labels; ``source``: only the inbound
+    series of that source (a bulkhead's or an edge's name), as a service with several hops
+    counts a request at each (retries are outbound, their source a dependency's: all kept);
+    ``queue_depth``: the sum of the queue-depth gauges, when exported."""
     out: dict[str, float] = {}
     for s in samples:
-        if source is not None and s.label("source") not in (source, ""):
+        key = _COUNTERS.get(s.name)
+        outbound = key in _OUTBOUND
+        if source is not None and not outbound and s.label("source") not in (source, ""):
             continue
-        if s.name in _COUNTERS:
-            key = _COUNTERS[s.name]
-        elif s.name in _BY_LABEL:
+        if key is None and s.name in _BY_LABEL:
             prefix, label = _BY_LABEL[s.name]
             key = f"{prefix}.{s.label(label) or 'unknown'}"
-        elif s.name == QUEUE_DEPTH:
+        elif key is None and s.name == QUEUE_DEPTH:
             key = "queue_depth"
-        else:
+        if key is None:
             continue
         out[key] = out.get(key, 0.0) + s.value
     return out
@@ -315,7 +321,8 @@ class ServerWatch:
 
 def _at(points: list[tuple[float, dict[str, float]]], t: float) -> tuple[dict[str, float], float]:
     """Counters at ``t``, interpolated between the scrapes around it (the nearest scrape when
-    ``t`` is outside them); and how far apart the scrapes used are, seconds."""
+    ``t`` is outside them); and how far ``t`` is from the nearest scrape, seconds (how much
+    of the reading is interpolation)."""
     after = next((i for i, (pt, _) in enumerate(points) if pt >= t), None)
     if after is None:
         return points[-1][1], t - points[-1][0]
@@ -324,7 +331,8 @@ def _at(points: list[tuple[float, dict[str, float]]], t: float) -> tuple[dict[st
     (t0, v0), (t1, v1) = points[after - 1], points[after]
     w = (t - t0) / (t1 - t0) if t1 > t0 else 1.0
     keys = v0.keys() | v1.keys()
-    return {k: v0.get(k, 0.0) + (v1.get(k, 0.0) - v0.get(k, 0.0)) * w for k in keys}, t1 - t0
+    value = {k: v0.get(k, 0.0) + (v1.get(k, 0.0) - v0.get(k, 0.0)) * w for k in keys}
+    return value, min(t - t0, t1 - t)
 
 
 def step_figures(
@@ -332,8 +340,8 @@ def step_figures(
 ) -> dict[str, Any] | None:
     """The server's counts over [``start``, ``end``] (monotonic seconds), or None without
     scrapes. Counters are interpolated at both edges; ``queue_depth_max`` is the largest
-    queue depth scraped inside the window (None when no gauge is exported); ``gap_s`` the
-    widest spacing of the scrapes the edges were read between."""
+    queue depth scraped inside the window (None when no gauge is exported); ``edge_s`` how
+    far an edge was from its nearest scrape (the larger of the two), seconds."""
     if not points:
         return None
     (a, gap_a), (b, gap_b) = _at(points, start), _at(points, end)
@@ -353,7 +361,7 @@ def step_figures(
     out["shed"] = by("shed")
     out["expired"] = by("expired")
     out["queue_depth_max"] = round(max(depths)) if depths else None
-    out["gap_s"] = round(max(gap_a, gap_b), 3)
+    out["edge_s"] = round(max(gap_a, gap_b), 3)
     return out
 
 
@@ -460,6 +468,9 @@ def server_rows(lab: Mapping[str, Any], scenario: str) -> list[list[str]]:
                 continue
             pairs = {r["figure"]: r for r in compare_step(step)}
             wrong = [f for f, r in pairs.items() if not r["agrees"]]
+            verdict = "yes" if not wrong else "NO: " + ", ".join(wrong)
+            if server["edge_s"] > EDGE_NOTED:
+                verdict += f" (an edge read {server['edge_s']:.1f} s from a scrape)"
             depth = server["queue_depth_max"]
             rows.append(
                 [
@@ -471,7 +482,7 @@ def server_rows(lab: Mapping[str, Any], scenario: str) -> list[list[str]]:
                     f"{server['completed']} ({server['completed_late']})",
                     f"{server['retried']} ({server['budget_exhausted']})",
                     "-" if depth is None else str(depth),
-                    "yes" if not wrong else "NO: " + ", ".join(wrong),
+                    verdict,
                 ]
             )
     return rows

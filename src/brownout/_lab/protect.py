@@ -48,9 +48,11 @@ from brownout import (
     RetryBudget,
     RetryPolicy,
     Route,
+    Stats,
     ThreadBulkhead,
     Trust,
 )
+from brownout.events import hub
 from brownout.integrations.asgi import BrownoutMiddleware
 from brownout.limits import FixedLimit, Gradient2Limit
 from brownout.queues import FifoQueue
@@ -188,8 +190,6 @@ def expose_metrics(app: Any) -> Any:
     work the demo's figures otherwise leave out. Needs prometheus_client."""
     from prometheus_client import CollectorRegistry
 
-    from brownout import Stats
-    from brownout.events import hub
     from brownout.export.prometheus import metrics_middleware, register
 
     registry = CollectorRegistry()

@@ -352,3 +352,16 @@ def test_the_watch_scrapes_at_the_edges_it_is_told(
     # and one at the end; no second periodic one.
     assert 4 <= len(times) <= 5, times
     assert any(0.19 <= t <= 0.3 for t in times) and any(0.29 <= t <= 0.4 for t in times), times
+
+
+def test_a_silent_endpoint_times_out_instead_of_hanging() -> None:
+    import socket
+
+    with socket.socket() as silent:  # listening, never answering: connects, then nothing
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        started = time.monotonic()
+        with pytest.raises(ScrapeError) as e:
+            scrape(f"http://127.0.0.1:{silent.getsockname()[1]}/metrics", timeout=0.3)
+    assert e.value.kind == "unreachable" and "timed out" in str(e.value)
+    assert time.monotonic() - started < 2.0

@@ -129,6 +129,20 @@ def _lab_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentPa
         "then replaces the base URL (any http:// or https:// URL)",
     )
     p.add_argument(
+        "--metrics-url",
+        metavar="URL",
+        help="with --target or --scenario: your service's brownout metrics (Prometheus text; a "
+        "path such as /metrics is taken on the target's host), scraped to show the server's "
+        "view beside the client's",
+    )
+    p.add_argument(
+        "--server-view",
+        action="store_true",
+        help="the demo's protected fronts serve brownout's metrics and the lab scrapes them to "
+        "show the server's view beside the client's (off by default: exporting adds the "
+        "front's event tallies to its work; needs prometheus-client)",
+    )
+    p.add_argument(
         "--find-capacity",
         action="store_true",
         help="with --scenario: find the knee first and take the load multiples of it, even "
@@ -225,6 +239,23 @@ def lab_main(argv: list[str]) -> int:
     if args.find_capacity:
         console.print("[red]error:[/] --find-capacity goes with --scenario FILE")
         return EXIT_USAGE
+    if args.metrics_url and not args.target:
+        console.print("[red]error:[/] --metrics-url goes with --target URL or --scenario FILE")
+        return EXIT_USAGE
+    if args.server_view:
+        if args.target:
+            console.print(
+                "[red]error:[/] --server-view is the demo's; with --target: --metrics-url"
+            )
+            return EXIT_USAGE
+        import importlib.util
+
+        if importlib.util.find_spec("prometheus_client") is None:
+            console.print(
+                "[red]error:[/] --server-view needs prometheus-client: pip install "
+                "'brownout[lab,prometheus]'"
+            )
+            return EXIT_USAGE
     settings = LabSettings.quick() if args.quick else LabSettings()
     if args.deadline is not None:
         settings = replace(settings, deadline=args.deadline, settle_seconds=min(args.deadline, 1))
@@ -244,6 +275,8 @@ def lab_main(argv: list[str]) -> int:
             )
             return 2
         settings = replace(settings, drill=args.drill)
+    if args.server_view:
+        settings = replace(settings, server_view=True)
     if settings.step_seconds < 3 * settings.deadline:
         console.print(
             f"[yellow]note:[/] steps of {settings.step_seconds:g}s are shorter than 3x the "
@@ -253,7 +286,8 @@ def lab_main(argv: list[str]) -> int:
     try:
         if args.target:
             host, port, path = parse_target(args.target)
-            target = Target(host, port, path, args.health_path)
+            metrics = _metrics_url(args.metrics_url, args.target)
+            target = Target(host, port, path, args.health_path, metrics_url=metrics)
             configs = [Configuration("target", args.target, "target", None, True)]
             names = ["ramp", "health"] if args.health_path else ["ramp"]
         else:
@@ -441,7 +475,7 @@ def _scenario_main(
     from ._lab.scenario_file import ScenarioFileError, load_scenario, parse_base_url
     from ._lab.verdict import evaluate
 
-    for flag in ("configs", "scenarios", "drill", "health_path"):
+    for flag in ("configs", "scenarios", "drill", "health_path", "server_view"):
         if getattr(args, flag):
             option = "--" + flag.replace("_", "-")
             console.print(f"[red]error:[/] {option} does not go with --scenario")
@@ -453,7 +487,8 @@ def _scenario_main(
             console.print(f"[red]error:[/] {args.scenario} declares no base_url: give --target URL")
             return EXIT_USAGE
         base = parse_base_url(url)
-    except ScenarioFileError as e:
+        metrics_url = _metrics_url(args.metrics_url or sf.server.metrics_url, base.url)
+    except (ScenarioFileError, TargetError) as e:
         console.print(f"[red]error:[/] {e}", highlight=False)
         return EXIT_USAGE
     settings = settings_for(sf)
@@ -470,7 +505,12 @@ def _scenario_main(
 
     try:
         lab = run_scenario_file(
-            sf, base, settings, find_capacity=args.find_capacity, on_stage=on_stage
+            sf,
+            base,
+            settings,
+            find_capacity=args.find_capacity,
+            metrics_url=metrics_url,
+            on_stage=on_stage,
         )
     except RuntimeError as e:
         console.print(f"[red]error:[/] {e}")
@@ -481,6 +521,16 @@ def _scenario_main(
         console.print("[yellow]no invariant was checked:[/] the scenario file declares none")
         return EXIT_OK
     return conclude(checks, console, no_fail=args.no_fail)
+
+
+def _metrics_url(url: str | None, base: str) -> str | None:
+    """``--metrics-url`` (or the file's) as an absolute URL; `TargetError` when malformed."""
+    from ._lab.server_view import resolve_metrics_url
+
+    try:
+        return resolve_metrics_url(url, base) if url else None
+    except ValueError as e:
+        raise TargetError(str(e)) from None
 
 
 def conclude(

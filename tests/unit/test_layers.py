@@ -132,6 +132,7 @@ DEFERRED: dict[tuple[str, str], str] = {
     ("_lab.demo", "wire"): "the demo process loads brownout after the fork",
     ("_lab.protect", "integrations.aiohttp_client"): "aiohttp only for the outbound demo",
     ("_lab.protect", "integrations.flask"): "Flask only in the sync front's process",
+    ("_lab.protect", "export.prometheus"): "prometheus_client only for --server-view",
     ("_lab.backlog", "integrations.redis_streams"): "redis-py only when the backlog scenario runs",
     ("_lab.payments", "__init__"): "the payments scenario's client loads only when it runs",
     ("_lab.payments", "wire"): "the payments scenario's client loads only when it runs",

@@ -18,6 +18,7 @@ from typing import Any
 
 from .._version import VERSION
 from .process import usable_cpus
+from .server_view import compare_step
 from .verdict import Check, evaluate, step_host_bound
 
 __all__ = [
@@ -43,6 +44,10 @@ STEP_FIELDS = (
     "refusal_p50_ms",
     "host_bound",
     "host_bound_why",
+    "server_offered",
+    "server_refused",
+    "server_expired",
+    "server_agrees",
 )
 
 
@@ -166,6 +171,8 @@ def steps_csv(lab: dict[str, Any]) -> str:
             s = step["steady"]
             bound = step_host_bound(step)
             goodput = s["goodput_per_s"]
+            server = {r["figure"]: r["server"] for r in compare_step(step)}
+            agrees = step.get("server_agrees")
             writer.writerow(
                 [
                     run["configuration"],
@@ -181,6 +188,10 @@ def steps_csv(lab: dict[str, Any]) -> str:
                     _ms(s["refusal_p50_ms"]),
                     "true" if bound else "false",
                     "; ".join(bound),
+                    server.get("offered", ""),
+                    server.get("refused", ""),
+                    server.get("expired", ""),
+                    "" if agrees is None else str(agrees).lower(),
                 ]
             )
     return buf.getvalue()

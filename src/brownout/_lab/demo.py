@@ -442,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit-concurrency", type=int, default=None)
     parser.add_argument("--cpus", default="", help="comma-separated cores to pin to")
     parser.add_argument("--drill", default=None, help="force this degraded mode on (front)")
+    parser.add_argument(
+        "--metrics", action="store_true", help="serve brownout's metrics at /metrics (front)"
+    )
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when it is gone")
     args = parser.parse_args(argv)
     if args.parent_pid is not None:
@@ -470,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
         lifespan: Literal["on", "off"] = "off"
     else:
         app = create_front(args.backend_url, args.mode, args.drill)
+        if args.metrics:
+            from .protect import expose_metrics
+
+            app = expose_metrics(app)
         lifespan = "on"
     config = uvicorn.Config(
         app,

@@ -48,9 +48,11 @@ from brownout import (
     RetryBudget,
     RetryPolicy,
     Route,
+    Stats,
     ThreadBulkhead,
     Trust,
 )
+from brownout.events import hub
 from brownout.integrations.asgi import BrownoutMiddleware
 from brownout.limits import FixedLimit, Gradient2Limit
 from brownout.queues import FifoQueue
@@ -61,6 +63,7 @@ __all__ = [
     "OUTBOUND_ATTEMPTS",
     "RETRY_RATIO",
     "degraded_modes",
+    "expose_metrics",
     "outbound_dependency",
     "outbound_session",
     "protect",
@@ -178,6 +181,22 @@ def protect(app: Any, mode: str, *, degraded: DegradedModes | None = None) -> Bu
     bulkhead = _bulkhead(mode)
     app.add_middleware(BrownoutMiddleware, policy=_policy(bulkhead, degraded))
     return bulkhead
+
+
+def expose_metrics(app: Any) -> Any:
+    """``app`` with brownout's Prometheus metrics at ``/metrics`` (the lab's server view): a
+    `Stats` on the event hub and the exporter, as a user's service exposes them. Opt-in
+    (``brownout lab --server-view``): with a sink on the hub the front tallies its events,
+    work the demo's figures otherwise leave out. Needs prometheus_client."""
+    from prometheus_client import CollectorRegistry
+
+    from brownout.export.prometheus import metrics_middleware, register
+
+    registry = CollectorRegistry()
+    stats = Stats()
+    hub.subscribe(stats)
+    register(stats, registry)
+    return metrics_middleware(app, registry=registry)
 
 
 def protect_wsgi(app: Any, mode: str) -> ThreadBulkhead:

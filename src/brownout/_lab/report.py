@@ -32,6 +32,7 @@ from .payments import (
     payments_rows,
 )
 from .payments import payments_runs as _payments_runs
+from .server_view import SERVER_COLUMNS, server_notes, server_rows
 from .verdict import Check, evaluate, step_host_bound, targets
 
 __all__ = [
@@ -232,6 +233,7 @@ BACKLOG_COLUMNS = (
 """The backlog scenario's table: one row per consumer run (`brownout._lab.backlog`)."""
 
 BACKLOG_TITLE = "Backlog after an outage (Redis Streams)"
+SERVER_TITLE = "the server's view (brownout's metrics) beside the client's"
 
 
 def _backlog_runs(lab: dict[str, Any]) -> list[dict[str, Any]]:
@@ -399,6 +401,15 @@ def print_tables(lab: dict[str, Any], console: Any) -> None:
             for row in outbound_rows(lab, sc["name"]):
                 extra.add_row(*row)
             console.print(extra)
+        if rows := server_rows(lab, sc["name"]):
+            view = Table(title=f"{sc['title']}: {SERVER_TITLE}", title_justify="left")
+            for col in SERVER_COLUMNS:
+                view.add_column(col, overflow="fold")
+            for row in rows:
+                view.add_row(*row)
+            console.print(view)
+    for note in server_notes(lab):
+        console.print(f"[yellow]server's view:[/] {note}", highlight=False)
     checks = evaluate(lab)
     colour = {"passed": "green", "failed": "red", "host-bound": "yellow"}
     for c in checks:
@@ -644,6 +655,7 @@ def _plot_backlog(lab: dict[str, Any], out: Path, plt: Any) -> str:
 def _verdict_lines(lab: dict[str, Any]) -> list[str]:
     lines = [f"- {check_line(c)}" for c in evaluate(lab)]
     lines += [f"- {check_line(c, target=True)}" for c in targets(lab)]
+    lines += [f"- server's view: {note}" for note in server_notes(lab)]
     return lines
 
 
@@ -907,6 +919,12 @@ def markdown(
             for row in outbound_rows(lab, sc["name"]):
                 out.append("| " + " | ".join(cell.replace("|", "/") for cell in row) + " |")
             out.append("")
+        if rows := server_rows(lab, sc["name"]):
+            out += [f"{SERVER_TITLE[0].upper()}{SERVER_TITLE[1:]}:", ""]
+            out.append("| " + " | ".join(SERVER_COLUMNS) + " |")
+            out.append("|" + "---|" * len(SERVER_COLUMNS))
+            out += ["| " + " | ".join(cell.replace("|", "/") for cell in r) + " |" for r in rows]
+            out.append("")
         for img in images:
             if (sc["name"] == "ramp" and not img.startswith("timeline-")) or img == (
                 f"timeline-{sc['name']}.png"
@@ -974,6 +992,13 @@ def _html(lab: dict[str, Any], images: list[str]) -> str:
             parts.append("<p>What reached the dependency:</p><table><tr>")
             parts.append("".join(f"<th>{html.escape(c)}</th>" for c in OUTBOUND_COLUMNS))
             for row in outbound_rows(lab, sc["name"]):
+                cells = "".join(f"<td>{html.escape(c)}</td>" for c in row)
+                parts.append(f"<tr>{cells}</tr>")
+            parts.append("</table>")
+        if rows := server_rows(lab, sc["name"]):
+            parts.append(f"<p>{html.escape(SERVER_TITLE)}:</p><table><tr>")
+            parts.append("".join(f"<th>{html.escape(c)}</th>" for c in SERVER_COLUMNS))
+            for row in rows:
                 cells = "".join(f"<td>{html.escape(c)}</td>" for c in row)
                 parts.append(f"<tr>{cells}</tr>")
             parts.append("</table>")

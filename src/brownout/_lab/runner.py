@@ -32,6 +32,7 @@ from .process import GeneratorProcess, usable_cpus
 from .protect import FIXED_LIMIT
 from .scenario_file import BaseUrl, ScenarioFile
 from .scenarios import SCENARIOS, Phase, Scenario, from_file
+from .server_view import ServerWatch, add_server_view, resolve_metrics_url
 from .servers import start_demo
 from .tally import Tally
 
@@ -131,6 +132,9 @@ class LabSettings:
     seed: int = 1
     drill: str | None = None
     """A declared degraded mode of the demo front forced on for the whole run (``--drill``)."""
+    server_view: bool = False
+    """The demo's protected async fronts serve brownout's metrics, scraped for the server's
+    view (``--server-view``; off by default: the front then tallies its events)."""
 
     @classmethod
     def quick(cls) -> LabSettings:
@@ -156,6 +160,10 @@ class Target:
     tls_verify: bool = True
     host_header: str | None = None
     """The ``host`` header (None: ``host:port``)."""
+    metrics_url: str | None = None
+    """brownout's Prometheus metrics of the service, scraped for the server's view (None: none)."""
+    metrics_source: str | None = None
+    """Only the metrics of this source (a bulkhead's or edge's name; None: all summed)."""
 
 
 def classes_for(target: Target) -> tuple[TrafficClass, ...]:
@@ -363,13 +371,24 @@ class _Bench:
 
 
 def _execute(
-    bench: _Bench, config: Configuration, scenario: Scenario, plan: LoadPlan
+    bench: _Bench,
+    config: Configuration,
+    scenario: Scenario,
+    plan: LoadPlan,
+    server: ServerWatch | None = None,
 ) -> PlanResult:
+    """Run ``plan``; ``server``: told each measured step's steady-window edges as it starts."""
     starts = [0.0]
     for st in plan.steps:
         starts.append(starts[-1] + st.duration)
+    begun: set[int] = set()
 
     def progress(index: int, elapsed: float, counts: dict[str, int]) -> None:
+        step = plan.steps[index]
+        if server is not None and index not in begun and step.measured:
+            begun.add(index)
+            began = time.monotonic() - elapsed
+            server.expect(began + step.settle, began + step.duration)
         if bench.on_progress is not None:
             done = starts[index] + min(elapsed, plan.steps[index].duration)
             bench.on_progress(config.name, scenario.name, done, starts[-1])
@@ -382,9 +401,13 @@ def _measure(bench: _Bench, config: Configuration, scenario: Scenario) -> dict[s
     settings = bench.settings
     backend_stats: dict[str, Any] = {}
     on_front_core: list[str] = []
+    server: ServerWatch | None = None
     if bench.target is not None:
         plan = plan_for(scenario, settings, bench.capacity, bench.target, None, bench.classes)
-        result = _execute(bench, config, scenario, plan)
+        if bench.target.metrics_url:
+            server = ServerWatch(bench.target.metrics_url, bench.target.metrics_source)
+        with server.running() if server is not None else contextlib.nullcontext():
+            result = _execute(bench, config, scenario, plan, server)
     else:
         with contextlib.ExitStack() as stack:
             demo = stack.enter_context(
@@ -397,6 +420,7 @@ def _measure(bench: _Bench, config: Configuration, scenario: Scenario) -> dict[s
                     front_cpus=bench.front_cpus,
                     drill=settings.drill,
                     sync=config.sync,
+                    metrics=settings.server_view and config.brownout and not config.sync,
                 )
             )
             watch = [("front", demo.front.serving_pid), ("dependency", demo.backend.proc.pid)]
@@ -413,11 +437,16 @@ def _measure(bench: _Bench, config: Configuration, scenario: Scenario) -> dict[s
             # The core's busy share means one core: with several front cores it is not read.
             core = bench.front_cpus[0] if len(bench.front_cpus) == 1 else None
             plan = replace(plan, watch=tuple(watch), watch_core=core)
-            result = _execute(bench, config, scenario, plan)
+            if settings.server_view and config.brownout and not config.sync:
+                server = ServerWatch(demo.front.url + "/metrics")
+            with server.running() if server is not None else contextlib.nullcontext():
+                result = _execute(bench, config, scenario, plan, server)
             backend_stats = _backend_stats(demo.backend.url)
     run: dict[str, Any] = {"configuration": config.name, "scenario": scenario.name}
     run |= summarize_plan(result, scenario, on_front_core)
     run["on_front_core"] = on_front_core
+    if server is not None:
+        add_server_view(run, server, result.origin)
     if scenario.outbound:
         add_dependency_figures(run, backend_stats)
     backend_stats.pop("arrivals", None)  # summarized above; raw bins would bloat the JSON
@@ -587,16 +616,28 @@ def run_scenario_file(
     settings: LabSettings,
     *,
     find_capacity: bool = False,
+    metrics_url: str | None = None,
     on_progress: ProgressHook | None = None,
     on_stage: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run a scenario file against ``base``: its declared capacity, or the knee found first
     (``find_capacity``, or no ``rps`` declared), then its steps; the lab's raw results with
-    ``scenario_file`` (its endpoints and invariants) and ``knee`` added."""
+    ``scenario_file`` (its endpoints and invariants) and ``knee`` added. ``metrics_url``
+    (default: the file's ``[server]``): brownout's metrics of the service, scraped for the
+    server's view (a path is taken on ``base``)."""
     stage = on_stage or (lambda _msg: None)
     scenario = from_file(sf)
+    metrics = metrics_url or sf.server.metrics_url
     target = Target(
-        base.host, base.port, base.prefix or "/", None, base.tls, sf.tls_verify, base.host_header
+        base.host,
+        base.port,
+        base.prefix or "/",
+        None,
+        base.tls,
+        sf.tls_verify,
+        base.host_header,
+        resolve_metrics_url(metrics, base.url) if metrics else None,
+        sf.server.source,
     )
     classes = file_classes(sf, base)
     spec = sf.capacity

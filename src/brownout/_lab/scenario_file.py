@@ -38,6 +38,7 @@ __all__ = [
     "PlanSpec",
     "ScenarioFile",
     "ScenarioFileError",
+    "ServerSpec",
     "StepSpec",
     "TrafficClassSpec",
     "load_scenario",
@@ -46,7 +47,14 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-INVARIANT_CHECKS = ("goodput", "success_p99", "served", "refusals", "class_goodput")
+INVARIANT_CHECKS = (
+    "goodput",
+    "success_p99",
+    "served",
+    "refusals",
+    "class_goodput",
+    "server_agrees",
+)
 """The lab verdict's vocabulary (`brownout._lab.verdict`), with thresholds from the file."""
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -205,6 +213,17 @@ class DemoSpec:
 
 
 @dataclass(frozen=True)
+class ServerSpec:
+    """Where the service exposes brownout's metrics, for the server's view
+    (`brownout._lab.server_view`)."""
+
+    metrics_url: str | None = None
+    """A URL, or a path taken on the base URL's host and port (None: no server view)."""
+    source: str | None = None
+    """Only the metrics of this source (a bulkhead's or edge's name; None: all summed)."""
+
+
+@dataclass(frozen=True)
 class ScenarioFile:
     """A loaded scenario file."""
 
@@ -221,6 +240,7 @@ class ScenarioFile:
     demo: DemoSpec
     tls_verify: bool = True
     source: str = "<string>"
+    server: ServerSpec = ServerSpec()
 
     def traffic_class(self, endpoint: Endpoint) -> TrafficClassSpec:
         """The class of ``endpoint`` (a class with no priority and no deadline if none)."""
@@ -503,7 +523,7 @@ def _invariant(r: _Reader, classes: set[str], labels: set[str]) -> Invariant:
     check = r.string("check")
     if check not in INVARIANT_CHECKS:
         raise r.error("check", f"unknown check {check!r} (known: {', '.join(INVARIANT_CHECKS)})")
-    bound = "max" if check in ("success_p99", "refusals") else "min"
+    bound = "max" if check in ("success_p99", "refusals", "server_agrees") else "min"
     other = "min" if bound == "max" else "max"
     if other in r.table:
         raise r.error(other, f"{check} takes {bound} = ..., not {other}")
@@ -537,7 +557,7 @@ def parse_scenario(
     r = _Reader(source, "", data)
     r.known(
         "version", "name", "title", "description", "base_url", "tls_verify",
-        "plan", "capacity", "classes", "endpoints", "steps", "invariants", "demo",
+        "plan", "capacity", "classes", "endpoints", "steps", "invariants", "demo", "server",
     )  # fmt: skip
     version = r.integer("version", 0)
     if version != FORMAT_VERSION:
@@ -645,6 +665,18 @@ def parse_scenario(
             d.boolean("hog", False),
             d.strings("configurations") or None if "configurations" in d.table else None,
         )
+    server = ServerSpec()
+    if "server" in r.table:
+        v = r.sub("server")
+        v.known("metrics_url", "source")
+        url = v.optional_string("metrics_url")
+        if url is not None:
+            url = _substitute(url, env, v, "metrics_url")
+            parts = urlsplit(url)
+            absolute = parts.scheme in ("http", "https") and parts.hostname
+            if not url.startswith("/") and not absolute:
+                raise v.error("metrics_url", "must be a path (/metrics) or an http(s):// URL")
+        server = ServerSpec(url, v.optional_string("source"))
     return ScenarioFile(
         name,
         r.string("title", name),
@@ -659,6 +691,7 @@ def parse_scenario(
         demo,
         r.boolean("tls_verify", True),
         source,
+        server,
     )
 
 

@@ -127,12 +127,14 @@ def start_demo(
     front_cpus: list[int] | None = None,
     drill: str | None = None,
     sync: bool = False,
+    metrics: bool = False,
 ) -> Iterator[DemoSystem]:
     """A fresh backend + front in ``mode``; both stopped on exit. ``concurrency`` and
     ``latency`` shape the dependency (the lab passes `LabSettings`' ``backend_*``).
 
     ``drill`` forces that declared degraded mode on in the front (protected modes only).
     ``sync``: the front is the Flask one under gunicorn (`brownout._lab.sync_front`).
+    ``metrics``: the (async) front serves brownout's metrics at ``/metrics``.
     """
 
     def cpus(c: list[int] | None) -> list[str]:
@@ -153,6 +155,8 @@ def start_demo(
         extra = ["--limit-concurrency", str(limit_concurrency)] if limit_concurrency else []
         if drill is not None and mode != "unprotected":
             extra += ["--drill", drill]
+        if metrics and not sync:
+            extra.append("--metrics")
         front = spawn_server(
             [
                 "sync-front" if sync else "front",

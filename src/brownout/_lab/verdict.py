@@ -43,6 +43,7 @@ from typing import Any
 
 from .database import database_checks
 from .payments import payments_checks
+from .server_view import compare_step
 
 __all__ = [
     "Check",
@@ -588,4 +589,26 @@ def scenario_checks(lab: dict[str, Any]) -> list[Check]:
                             "%",
                         )
                     )
+                elif kind == "server_agrees":
+                    checks += _agreement_checks(run, step, limit)
     return checks
+
+
+def _agreement_checks(run: dict[str, Any], step: dict[str, Any], limit: float) -> list[Check]:
+    """The server's count of each figure against the client's (`compare_step`); a step
+    without the server's figures fails (the metrics could not be read)."""
+    rows = compare_step(step, limit)
+    if not rows:
+        return [_check(run, step, "server's view read", None, 1, False, "scrapes")]
+    return [
+        _check(
+            run,
+            step,
+            f"server agrees on {r['figure']} within {limit:.0%} of the client's count",
+            r["server"],
+            r["client"],
+            r["agrees"],
+            "requests",
+        )
+        for r in rows
+    ]

@@ -177,11 +177,13 @@ def test_dependency_figures_from_backend_bins() -> None:
         "attempts_per_s": 200.0,
         "amplification": 1.0,
         "peak_1s": 200.0,
+        "peak_100ms": 20,
     }
     assert outage["attempts"] == 0 and outage["peak_1s"] == 0.0
     # the burst is in the settle second: out of the steady rate, in the peak
     assert returned["attempts_per_s"] == 200.0
     assert returned["peak_1s"] == 280.0
+    assert returned["peak_100ms"] == 60
     assert run["dependency_timeline"][:2] == [200.0, 200.0]
     assert run["dependency_timeline"][12] == 360.0  # 60 + 60 + 3 x 20 in 0.5 s
     assert run["steps"][1]["retries"]["offered"] == 60

@@ -32,6 +32,7 @@ from .payments import (
     payments_rows,
 )
 from .payments import payments_runs as _payments_runs
+from .system_checks import NOT_MEASURED
 from .verdict import Check, evaluate, step_host_bound, targets
 
 __all__ = [
@@ -400,7 +401,7 @@ def print_tables(lab: dict[str, Any], console: Any) -> None:
                 extra.add_row(*row)
             console.print(extra)
     checks = evaluate(lab)
-    colour = {"passed": "green", "failed": "red", "host-bound": "yellow"}
+    colour = {"passed": "green", "failed": "red", "host-bound": "yellow", NOT_MEASURED: "yellow"}
     for c in checks:
         console.print(check_line(c, colour[_status(c)]), markup=True, highlight=False)
     for c in targets(lab):
@@ -423,15 +424,19 @@ def check_line(check: Check, colour: str | None = None, *, target: bool = False)
     figures, and why the step was host-bound; ``colour``: rich markup for the mark."""
     status = _status(check)
     if target:
-        mark = {"passed": "met", "failed": "missed", "host-bound": "host-bound"}[status]
+        mark = {"passed": "met", "failed": "missed", "host-bound": "host-bound"}.get(status, status)
     else:
-        mark = {"passed": "PASS", "failed": "FAIL", "host-bound": "HOST-BOUND"}[status]
+        mark = {"passed": "PASS", "failed": "FAIL", "host-bound": "HOST-BOUND"}.get(
+            status, status.upper()
+        )
     if colour:
         mark = f"[{colour}]{mark}[/]"
     elif status == "failed" and not target:
         mark = f"**{mark}**"
     bound = check.get("host_bound") or (["generator late"] if check.get("generator_late") else [])
     why = f" (host-bound: {'; '.join(bound)})" if bound else ""
+    if check.get("note"):
+        why += f" ({check['note']})"
     where = f"{check['configuration']} / {check['scenario']} / {check['step']}"
     limit = f"(target {check['limit']})" if target else f"(limit {check['limit']})"
     head = f"target {mark}: " if target else f"{mark} "

@@ -229,6 +229,19 @@ def test_outbound_table_and_the_herd_target(tmp_path: Path) -> None:
     assert "What reached the dependency" in (tmp_path / "index.html").read_text()
 
 
+def test_the_outage_file_judges_the_herd_after_the_return_per_100_ms() -> None:
+    # The demo's dependency: 8 slots of 40 ms, 200/s, so 2x allows 40 arrivals per 100 ms.
+    calm = [20] * 30 + [0] * 30 + [40] * 2 + [20] * 28
+    burst = [20] * 30 + [0] * 30 + [41] + [20] * 29
+    lab = _lab([_outage_run(50.0, burst, "unprotected"), _outage_run(50.0, calm)])
+    [check] = [c for c in evaluate(lab) if c["check"].startswith("arrivals at the dependency")]
+    assert (check["configuration"], check["step"]) == ("brownout-adaptive", "returned")
+    assert (check["value"], check["limit"], check["passed"]) == (40, 40.0, True)
+    lab = _lab([_outage_run(50.0, burst)])
+    [check] = [c for c in evaluate(lab) if c["check"].startswith("arrivals at the dependency")]
+    assert (check["value"], check["status"]) == (41, "failed")
+
+
 def test_drill_names_a_declared_mode(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["lab", "--drill", "nonsense"]) == 2
     assert "recommendations" in capsys.readouterr().out

@@ -13,6 +13,7 @@ import pytest
 
 from brownout._lab.ci_report import junit_xml, verdict_summary
 from brownout._lab.proxy import _Arrivals
+from brownout._lab.report import check_line
 from brownout._lab.scenario_file import ScenarioFileError, parse_scenario
 from brownout._lab.system_checks import (
     NOT_MEASURED,
@@ -372,3 +373,16 @@ def test_a_scenario_files_system_checks_reach_the_verdict_and_junit() -> None:
     skipped = [s.get("message") for s in root.iter("skipped")]
     assert any(m and m.startswith("not measured: no queue gauge") for m in skipped)
     assert root.get("failures") == "0" and int(root.get("skipped") or 0) == len(skipped)
+
+
+def test_the_exit_status_fails_on_a_check_not_measured_and_says_so() -> None:
+    from rich.console import Console
+
+    from brownout._cli import conclude
+
+    console = Console(record=True, width=200)
+    assert conclude([{"passed": True}, {"passed": False, "status": NOT_MEASURED}], console) == 1
+    out = console.export_text()
+    assert "1 check(s) not measured" in out and "invariant check(s) failed" not in out
+    line = check_line(late_success_check(_run(), None))
+    assert line.startswith("NOT MEASURED target / shop / whole run:") and "(no counts)" in line

@@ -35,6 +35,10 @@ brownout applies no payment twice and leaves no unknown outcome unreconciled. In
 scenario (opt-in, on PostgreSQL: `brownout._lab.database`), no query outlives its caller's
 deadline on the server, the pool wait stays within its bound, goodput recovers after the
 slowdown, and brownout serves at least what the unprotected front serves while it lasts.
+
+The whole-system invariants a scenario file declares (`brownout._lab.system_checks`: queue,
+retries, a class's goodput, the herd at the dependency) are judged on the demo's brownout
+configurations and on a user's target alike.
 """
 
 from __future__ import annotations

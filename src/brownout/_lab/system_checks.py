@@ -46,6 +46,7 @@ __all__ = [
     "retries_counter",
     "scrape_metrics",
     "system_checks",
+    "system_keys",
 ]
 
 NOT_MEASURED = "not measured"

@@ -55,6 +55,7 @@ __all__ = [
     "Check",
     "backlog_checks",
     "backlog_targets",
+    "demo_system_checks",
     "evaluate",
     "judged_runs",
     "scenario_checks",

@@ -229,17 +229,26 @@ def test_outbound_table_and_the_herd_target(tmp_path: Path) -> None:
     assert "What reached the dependency" in (tmp_path / "index.html").read_text()
 
 
-def test_the_outage_file_judges_the_herd_after_the_return_per_100_ms() -> None:
-    # The demo's dependency: 8 slots of 40 ms, 200/s, so 2x allows 40 arrivals per 100 ms.
-    calm = [20] * 30 + [0] * 30 + [40] * 2 + [20] * 28
-    burst = [20] * 30 + [0] * 30 + [41] + [20] * 29
+def _herd_checks(lab: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in evaluate(lab) if c["check"].startswith("arrivals at the dependency")]
+
+
+def test_the_outage_file_judges_the_herd_per_100_ms_while_down_and_after() -> None:
+    # The demo's dependency: 8 slots of 40 ms, 200/s, so 2.5x allows 50 arrivals per 100 ms.
+    calm = [20] * 30 + [30] * 30 + [50] * 2 + [20] * 28
+    burst = [20] * 30 + [0] * 30 + [51] + [20] * 29
+    storm = [20] * 30 + [120] * 30 + [20] * 30
     lab = _lab([_outage_run(50.0, burst, "unprotected"), _outage_run(50.0, calm)])
-    [check] = [c for c in evaluate(lab) if c["check"].startswith("arrivals at the dependency")]
-    assert (check["configuration"], check["step"]) == ("brownout-adaptive", "returned")
-    assert (check["value"], check["limit"], check["passed"]) == (40, 40.0, True)
-    lab = _lab([_outage_run(50.0, burst)])
-    [check] = [c for c in evaluate(lab) if c["check"].startswith("arrivals at the dependency")]
-    assert (check["value"], check["status"]) == (41, "failed")
+    checks = _herd_checks(lab)  # brownout's configurations only
+    assert [(c["configuration"], c["step"], c["value"], c["passed"]) for c in checks] == [
+        ("brownout-adaptive", "outage", 30, True),
+        ("brownout-adaptive", "returned", 50, True),
+    ]
+    assert {c["limit"] for c in checks} == {50.0}
+    statuses = [c["status"] for c in _herd_checks(_lab([_outage_run(50.0, burst)]))]
+    assert statuses == ["passed", "failed"]
+    statuses = [c["status"] for c in _herd_checks(_lab([_outage_run(50.0, storm)]))]
+    assert statuses == ["failed", "passed"]
 
 
 def test_drill_names_a_declared_mode(capsys: pytest.CaptureFixture[str]) -> None:

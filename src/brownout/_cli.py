@@ -548,8 +548,14 @@ def conclude(
     failed = [c for c in checks if not c["passed"]]
     if failed:
         bound = sum(1 for c in failed if c.get("status") == "host-bound")
-        if len(failed) > bound:
-            console.print(f"[red]{len(failed) - bound} invariant check(s) failed[/]")
+        unmeasured = sum(1 for c in failed if c.get("status") == "not measured")
+        if len(failed) > bound + unmeasured:
+            console.print(f"[red]{len(failed) - bound - unmeasured} invariant check(s) failed[/]")
+        if unmeasured:
+            console.print(
+                f"[yellow]{unmeasured} check(s) not measured, so not counted as a pass[/] "
+                "(the report says which figures were missing)"
+            )
         if bound:
             console.print(
                 f"[yellow]{bound} check(s) passed on a host-bound step, so not counted as a "

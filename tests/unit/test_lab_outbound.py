@@ -177,11 +177,13 @@ def test_dependency_figures_from_backend_bins() -> None:
         "attempts_per_s": 200.0,
         "amplification": 1.0,
         "peak_1s": 200.0,
+        "peak_100ms": 20,
     }
     assert outage["attempts"] == 0 and outage["peak_1s"] == 0.0
     # the burst is in the settle second: out of the steady rate, in the peak
     assert returned["attempts_per_s"] == 200.0
     assert returned["peak_1s"] == 280.0
+    assert returned["peak_100ms"] == 60
     assert run["dependency_timeline"][:2] == [200.0, 200.0]
     assert run["dependency_timeline"][12] == 360.0  # 60 + 60 + 3 x 20 in 0.5 s
     assert run["steps"][1]["retries"]["offered"] == 60
@@ -225,6 +227,28 @@ def test_outbound_table_and_the_herd_target(tmp_path: Path) -> None:
     written = write_report(lab, tmp_path)
     assert (tmp_path / "timeline-outage.png") in written
     assert "What reached the dependency" in (tmp_path / "index.html").read_text()
+
+
+def _herd_checks(lab: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in evaluate(lab) if c["check"].startswith("arrivals at the dependency")]
+
+
+def test_the_outage_file_judges_the_herd_per_100_ms_while_down_and_after() -> None:
+    # The demo's dependency: 8 slots of 40 ms, 200/s, so 2.5x allows 50 arrivals per 100 ms.
+    calm = [20] * 30 + [30] * 30 + [50] * 2 + [20] * 28
+    burst = [20] * 30 + [0] * 30 + [51] + [20] * 29
+    storm = [20] * 30 + [120] * 30 + [20] * 30
+    lab = _lab([_outage_run(50.0, burst, "unprotected"), _outage_run(50.0, calm)])
+    checks = _herd_checks(lab)  # brownout's configurations only
+    assert [(c["configuration"], c["step"], c["value"], c["passed"]) for c in checks] == [
+        ("brownout-adaptive", "outage", 30, True),
+        ("brownout-adaptive", "returned", 50, True),
+    ]
+    assert {c["limit"] for c in checks} == {50.0}
+    statuses = [c["status"] for c in _herd_checks(_lab([_outage_run(50.0, burst)]))]
+    assert statuses == ["passed", "failed"]
+    statuses = [c["status"] for c in _herd_checks(_lab([_outage_run(50.0, storm)]))]
+    assert statuses == ["failed", "passed"]
 
 
 def test_drill_names_a_declared_mode(capsys: pytest.CaptureFixture[str]) -> None:

@@ -52,9 +52,15 @@ def test_brownout_passes_and_naive_is_not_judged() -> None:
     naive = _run("naive", applied_once=320, duplicates=80, extra_rows=80, unknown_recorded=0)
     checks = evaluate(_lab(naive, _run("brownout")))
     assert [(c["configuration"], c["check"], c["passed"]) for c in checks] == [
-        ("brownout", "payments applied twice or more", True),
+        ("brownout", "late successes replayed, not applied twice", True),
         ("brownout", "unknown outcomes not reconciled", True),
     ]
+
+
+def test_no_replay_at_all_is_not_measured_rather_than_passed() -> None:
+    quiet = _run("brownout", unknown_recorded=0, reconciled_applied=0, replays=0)
+    late = evaluate(_lab(quiet))[0]
+    assert (late["status"], late["passed"]) == ("not measured", False)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from typing import Any
 from .._version import VERSION
 from .process import usable_cpus
 from .server_view import compare_step
+from .system_checks import NOT_MEASURED
 from .verdict import Check, evaluate, step_host_bound
 
 __all__ = [
@@ -81,8 +82,11 @@ def verdict_summary(checks: list[Check]) -> str:
         return "no invariant checked"
     failed = sum(1 for c in checks if c.get("status") == "failed")
     bound = sum(1 for c in checks if c.get("status") == "host-bound")
+    unmeasured = sum(1 for c in checks if c.get("status") == NOT_MEASURED)
     if failed:
         return f"FAIL ({failed} of {len(checks)} checks failed, {bound} host-bound)"
+    if unmeasured:
+        return f"NOT MEASURED ({unmeasured} of {len(checks)} checks had no figures)"
     if bound:
         return f"HOST-BOUND ({bound} of {len(checks)} checks on host-bound steps)"
     return f"PASS ({len(checks)} checks)"
@@ -115,7 +119,7 @@ def _failure_line(c: Check) -> str:
 
 def junit_xml(lab: dict[str, Any]) -> str:
     """The invariant checks as JUnit XML: a failed check is a failure carrying its line, a
-    check on a host-bound step is skipped with the reason."""
+    check on a host-bound step or one not measured is skipped with the reason."""
     suites: dict[tuple[str, str], list[Check]] = {}
     for c in evaluate(lab):
         suites.setdefault((c["configuration"], c["scenario"]), []).append(c)
@@ -123,7 +127,7 @@ def junit_xml(lab: dict[str, Any]) -> str:
     totals = {"tests": 0, "failures": 0, "skipped": 0}
     for (config, scenario), checks in suites.items():
         failures = sum(1 for c in checks if c.get("status") == "failed")
-        skipped = sum(1 for c in checks if c.get("status") == "host-bound")
+        skipped = sum(1 for c in checks if c.get("status") in ("host-bound", NOT_MEASURED))
         suite = ET.SubElement(
             root,
             "testsuite",
@@ -146,6 +150,9 @@ def junit_xml(lab: dict[str, Any]) -> str:
             elif c.get("status") == "host-bound":
                 why = "; ".join(c.get("host_bound") or ["generator late"])
                 ET.SubElement(case, "skipped", message=f"host-bound: {why}")
+            elif c.get("status") == NOT_MEASURED:
+                why = c.get("note") or "no figures"
+                ET.SubElement(case, "skipped", message=f"{NOT_MEASURED}: {why}")
         totals["tests"] += len(checks)
         totals["failures"] += failures
         totals["skipped"] += skipped

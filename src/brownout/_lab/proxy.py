@@ -19,9 +19,11 @@ import contextlib
 import http
 import ipaddress
 import json
+import math
 import random
 import socket
 import struct
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -38,6 +40,10 @@ CONNECT_TIMEOUT = 10.0
 """Seconds to dial the upstream before the connection counts as an upstream failure."""
 CONTROL_BODY = 65536
 """The largest JSON body the control endpoint reads."""
+ARRIVAL_BIN = 0.1
+"""Seconds per arrival bin (``GET /arrivals``): slices of ``time.monotonic()``."""
+ARRIVAL_BINS = 6000
+"""Arrival bins kept (ten minutes at `ARRIVAL_BIN`): a ring, so memory stays bounded."""
 
 Mode = Literal["tcp", "http"]
 FAULT_KINDS = ("latency", "error", "reset", "stall", "loss")
@@ -111,6 +117,42 @@ class ProxyStats:
         return {
             name: (dict(value) if isinstance(value, dict) else value)
             for name, value in self.__dict__.items()
+        }
+
+
+class _Arrivals:
+    """Arrivals (tcp: new connections; http: requests) per `ARRIVAL_BIN`, the newest
+    `ARRIVAL_BINS` bins in a ring."""
+
+    def __init__(self, width: float = ARRIVAL_BIN, size: int = ARRIVAL_BINS) -> None:
+        self.width = width
+        self.size = size
+        self.keys = [-1] * size
+        self.counts = [0] * size
+        self.newest = -1
+
+    def add(self, now: float) -> None:
+        key = math.floor(now / self.width)
+        slot = key % self.size
+        if self.keys[slot] != key:
+            self.keys[slot], self.counts[slot] = key, 0
+        self.counts[slot] += 1
+        self.newest = max(self.newest, key)
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        """The bins still held (``[bin, count]``, bin = floor(monotonic / width)), oldest
+        first; bins not listed between ``oldest_bin`` and ``newest_bin`` saw no arrival."""
+        newest = math.floor(now / self.width)
+        oldest = newest - self.size + 1
+        bins = sorted(
+            (k, n) for k, n in zip(self.keys, self.counts, strict=True) if k >= oldest and n
+        )
+        return {
+            "bin_seconds": self.width,
+            "clock": "monotonic",
+            "oldest_bin": oldest,
+            "newest_bin": newest,
+            "bins": [list(b) for b in bins],
         }
 
 
@@ -195,8 +237,8 @@ class FaultProxy:
     """A proxy to ``upstream`` (host, port) injecting `Faults`; ``mode`` "tcp" forwards bytes,
     "http" reads HTTP/1.1 requests and responses (one upstream connection per client
     connection). ``listen`` and ``control`` (a tiny HTTP endpoint: GET /faults, PUT /faults
-    with a JSON object, GET /stats) must be loopback unless ``allow_remote``. ``seed`` makes
-    the draws repeatable. Use ``async with`` or `start` / `close`."""
+    with a JSON object, GET /stats, GET /arrivals) must be loopback unless ``allow_remote``.
+    ``seed`` makes the draws repeatable. Use ``async with`` or `start` / `close`."""
 
     def __init__(
         self,
@@ -230,6 +272,7 @@ class FaultProxy:
         self._step = -1
         self._rng = random.Random(seed)
         self._counters = _Counters()
+        self._arrivals = _Arrivals()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self._servers: list[asyncio.Server] = []
@@ -274,6 +317,12 @@ class FaultProxy:
             faults=self._faults.as_dict(),
             timeline_step=self._step,
         )
+
+    def arrivals(self) -> dict[str, Any]:
+        """Arrivals per `ARRIVAL_BIN` (tcp: connections; http: requests), the JSON of
+        ``GET /arrivals``: what reached the upstream's side of the proxy, for the lab's
+        thundering-herd check."""
+        return self._arrivals.as_dict(time.monotonic())
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -365,6 +414,8 @@ class FaultProxy:
         self._tasks.add(task)
         self._writers.add(writer)
         self._counters.connections += 1
+        if self.mode == "tcp":
+            self._arrivals.add(time.monotonic())
         self._counters.active_connections += 1
         try:
             if self.mode == "tcp":
@@ -593,6 +644,7 @@ class FaultProxy:
                     raise _Broken("not an HTTP/1.x request")
                 method, version = start[0], start[2]
                 self._counters.requests += 1
+                self._arrivals.add(time.monotonic())
                 connection = _tokens(headers.get(b"connection", b""))
                 client_close = b"close" in connection or (
                     version == b"HTTP/1.0" and b"keep-alive" not in connection
@@ -751,6 +803,8 @@ class FaultProxy:
         body = await reader.readexactly(length) if kind == "length" else b""
         if path == "/stats" and method == "GET":
             return 200, self.stats().as_dict()
+        if path == "/arrivals" and method == "GET":
+            return 200, self.arrivals()
         if path == "/faults" and method == "GET":
             return 200, self._faults.as_dict()
         if path == "/faults" and method in ("PUT", "POST"):
@@ -764,6 +818,6 @@ class FaultProxy:
                 return 400, {"error": str(e)}
             self.set_faults(faults)
             return 200, faults.as_dict()
-        if path in ("/faults", "/stats"):
+        if path in ("/faults", "/stats", "/arrivals"):
             return 405, {"error": f"{method} {path} is not supported"}
-        return 404, {"error": "known: GET /stats, GET /faults, PUT /faults"}
+        return 404, {"error": "known: GET /stats, GET /arrivals, GET /faults, PUT /faults"}

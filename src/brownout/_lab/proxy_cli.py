@@ -60,7 +60,7 @@ def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p.add_argument(
         "--control",
         metavar="ADDR",
-        help="HOST:PORT of the control endpoint (GET/PUT /faults, GET /stats)",
+        help="HOST:PORT of the control endpoint (GET/PUT /faults, GET /stats, GET /arrivals)",
     )
     p.add_argument("--duration", type=float, metavar="S", help="stop after this many seconds")
     p.add_argument("--seed", type=int, help="seed of the fault draws (repeatable runs)")

@@ -33,6 +33,7 @@ from .payments import (
 )
 from .payments import payments_runs as _payments_runs
 from .server_view import SERVER_COLUMNS, server_notes, server_rows
+from .system_checks import NOT_MEASURED
 from .verdict import Check, evaluate, step_host_bound, targets
 
 __all__ = [
@@ -411,7 +412,7 @@ def print_tables(lab: dict[str, Any], console: Any) -> None:
     for note in server_notes(lab):
         console.print(f"[yellow]server's view:[/] {note}", highlight=False)
     checks = evaluate(lab)
-    colour = {"passed": "green", "failed": "red", "host-bound": "yellow"}
+    colour = {"passed": "green", "failed": "red", "host-bound": "yellow", NOT_MEASURED: "yellow"}
     for c in checks:
         console.print(check_line(c, colour[_status(c)]), markup=True, highlight=False)
     for c in targets(lab):
@@ -434,15 +435,19 @@ def check_line(check: Check, colour: str | None = None, *, target: bool = False)
     figures, and why the step was host-bound; ``colour``: rich markup for the mark."""
     status = _status(check)
     if target:
-        mark = {"passed": "met", "failed": "missed", "host-bound": "host-bound"}[status]
+        mark = {"passed": "met", "failed": "missed", "host-bound": "host-bound"}.get(status, status)
     else:
-        mark = {"passed": "PASS", "failed": "FAIL", "host-bound": "HOST-BOUND"}[status]
+        mark = {"passed": "PASS", "failed": "FAIL", "host-bound": "HOST-BOUND"}.get(
+            status, status.upper()
+        )
     if colour:
         mark = f"[{colour}]{mark}[/]"
     elif status == "failed" and not target:
         mark = f"**{mark}**"
     bound = check.get("host_bound") or (["generator late"] if check.get("generator_late") else [])
     why = f" (host-bound: {'; '.join(bound)})" if bound else ""
+    if check.get("note"):
+        why += f" ({check['note']})"
     where = f"{check['configuration']} / {check['scenario']} / {check['step']}"
     limit = f"(target {check['limit']})" if target else f"(limit {check['limit']})"
     head = f"target {mark}: " if target else f"{mark} "

@@ -34,6 +34,7 @@ from .scenario_file import BaseUrl, ScenarioFile
 from .scenarios import SCENARIOS, Phase, Scenario, from_file
 from .server_view import ServerWatch, add_server_view, resolve_metrics_url
 from .servers import start_demo
+from .system_checks import HERD_BIN_SECONDS, SystemObserver
 from .tally import Tally
 
 __all__ = [
@@ -291,9 +292,10 @@ def add_dependency_figures(run: dict[str, Any], backend: dict[str, Any]) -> None
 
     Per step: ``attempts_per_s`` in steady state, ``amplification`` (attempts per original
     request offered), ``peak_1s`` (the busiest one-second window of the whole step, per
-    second), and for the run a ``dependency_timeline`` of attempts/s per timeline bin. The
-    backend's bins are slices of ``time.monotonic()``, the clock the generator's ``origin``
-    comes from (one clock per machine on Linux).
+    second), ``peak_100ms`` (arrivals in its busiest `HERD_BIN_SECONDS` bin), and for the run
+    a ``dependency_timeline`` of attempts/s per timeline bin. The backend's bins are slices
+    of ``time.monotonic()``, the clock the generator's ``origin`` comes from (one clock per
+    machine on Linux).
     """
     width = float(backend.get("arrival_bin", 0.0) or 0.0)
     arrivals = {int(k): int(n) for k, n in backend.get("arrivals", [])}
@@ -307,6 +309,7 @@ def add_dependency_figures(run: dict[str, Any], backend: dict[str, Any]) -> None
         return sum(arrivals.get(k, 0) for k in range(first, last))
 
     per_window = max(1, round(1.0 / width))
+    per_herd_bin = max(1, round(HERD_BIN_SECONDS / width))
     for step in run["steps"]:
         start = float(step["start"])
         duration = float(step["duration"])
@@ -324,6 +327,10 @@ def add_dependency_figures(run: dict[str, Any], backend: dict[str, Any]) -> None
             "attempts_per_s": round(per_s, 1),
             "amplification": round(per_s / originals, 2) if originals > 0 else None,
             "peak_1s": round(max(windows) / (per_window * width), 1) if bins else 0.0,
+            "peak_100ms": max(
+                (sum(bins[i : i + per_herd_bin]) for i in range(0, len(bins), per_herd_bin)),
+                default=0,
+            ),
         }
     bin_seconds = float(run["bin_seconds"])
     run["dependency_timeline"] = [
@@ -684,7 +691,11 @@ def run_scenario_file(
         )
         config = Configuration("target", base.url, "target", None, True)
         stage(f"{base.url}: {scenario.title}")
-        run, _ = _measure_again_if_bound(bench, config, scenario, stage, settings.reruns)
+        invariants = [asdict(i) for i in sf.invariants]
+        metrics = f"{'https' if base.tls else 'http'}://{base.host_header}/metrics"
+        with SystemObserver(invariants, metrics) as observer:
+            run, _ = _measure_again_if_bound(bench, config, scenario, stage, settings.reruns)
+        observer.attach(run)
     return {
         "settings": asdict(settings),
         "target": asdict(target),
@@ -712,7 +723,7 @@ def run_scenario_file(
                 }
                 for e in sf.endpoints
             ],
-            "invariants": [asdict(i) for i in sf.invariants],
+            "invariants": invariants,
         },
         "configurations": [asdict(config)],
         "scenarios": [

@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .._priority import parse_priority
+from .system_checks import SYSTEM_CHECKS, parse_system_invariant, system_keys
 from .templates import Param, RequestTemplate, placeholders
 
 __all__ = [
@@ -48,14 +49,11 @@ __all__ = [
 
 FORMAT_VERSION = 1
 INVARIANT_CHECKS = (
-    "goodput",
-    "success_p99",
-    "served",
-    "refusals",
-    "class_goodput",
-    "server_agrees",
-)
-"""The lab verdict's vocabulary (`brownout._lab.verdict`), with thresholds from the file."""
+    "goodput", "success_p99", "served", "refusals", "class_goodput", "server_agrees",
+    *SYSTEM_CHECKS,
+)  # fmt: skip
+"""The lab verdict's vocabulary (`brownout._lab.verdict`, `brownout._lab.system_checks`),
+with thresholds from the file."""
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _NAME = re.compile(r"[A-Za-z0-9_.:-]+")
@@ -200,6 +198,8 @@ class Invariant:
     steps: tuple[str, ...] = ()
     """Step labels it applies to (empty: the check's default steps)."""
     traffic_class: str | None = None
+    options: Mapping[str, Any] | None = None
+    """A whole-system check's other keys (`brownout._lab.system_checks`)."""
 
 
 @dataclass(frozen=True)
@@ -518,11 +518,16 @@ def _steps(r: _Reader, endpoints: set[str], plan: PlanSpec) -> list[StepSpec]:
     return out
 
 
-def _invariant(r: _Reader, classes: set[str], labels: set[str]) -> Invariant:
-    r.known("check", "min", "max", "steps", "class")
+def _invariant(
+    r: _Reader, classes: set[str], labels: set[str], endpoints: frozenset[str] = frozenset()
+) -> Invariant:
     check = r.string("check")
     if check not in INVARIANT_CHECKS:
         raise r.error("check", f"unknown check {check!r} (known: {', '.join(INVARIANT_CHECKS)})")
+    if check in SYSTEM_CHECKS:
+        # A system check's class may name one endpoint (the demo declares no classes).
+        return _system_invariant(r, check, classes | endpoints, labels)
+    r.known("check", "min", "max", "steps", "class")
     bound = "max" if check in ("success_p99", "refusals", "server_agrees") else "min"
     other = "min" if bound == "max" else "max"
     if other in r.table:
@@ -543,6 +548,21 @@ def _invariant(r: _Reader, classes: set[str], labels: set[str]) -> Invariant:
     elif traffic_class is not None:
         raise r.error("class", f"only class_goodput takes a class, not {check}")
     return Invariant(check, threshold, steps, traffic_class)
+
+
+def _system_invariant(r: _Reader, check: str, classes: set[str], labels: set[str]) -> Invariant:
+    r.known("check", "steps", *system_keys(check))
+    threshold, options = parse_system_invariant(check, r.table, r.error, labels)
+    steps = r.strings("steps")
+    for label in steps:
+        if label not in labels:
+            raise r.error("steps", f"no step is labelled {label!r} (labels: {sorted(labels)})")
+    traffic_class = r.optional_string("class")
+    if check == "priority_goodput_stable" and traffic_class is None:
+        raise r.error("class", f"{check} needs class = NAME")
+    if traffic_class is not None and traffic_class not in classes:
+        raise r.error("class", f"no traffic class or endpoint is named {traffic_class!r}")
+    return Invariant(check, threshold, steps, traffic_class, options)
 
 
 def parse_scenario(
@@ -653,7 +673,9 @@ def parse_scenario(
     for i, label in enumerate(labels):
         if label in labels[:i]:
             raise r.error("steps", f"two steps are labelled {label!r}: give each a label")
-    invariants = tuple(_invariant(t, class_names, set(labels)) for t in r.tables("invariants"))
+    invariants = tuple(
+        _invariant(t, class_names, set(labels), frozenset(names)) for t in r.tables("invariants")
+    )
 
     demo = DemoSpec()
     if "demo" in r.table:

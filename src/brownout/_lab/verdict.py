@@ -35,20 +35,28 @@ brownout applies no payment twice and leaves no unknown outcome unreconciled. In
 scenario (opt-in, on PostgreSQL: `brownout._lab.database`), no query outlives its caller's
 deadline on the server, the pool wait stays within its bound, goodput recovers after the
 slowdown, and brownout serves at least what the unprotected front serves while it lasts.
+
+The whole-system invariants a scenario file declares (`brownout._lab.system_checks`: queue,
+retries, a class's goodput, the herd at the dependency) are judged on the demo's brownout
+configurations and on a user's target alike.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from .database import database_checks
 from .payments import payments_checks
+from .scenarios import DEMO_FILES, demo_file
 from .server_view import compare_step
+from .system_checks import system_checks
 
 __all__ = [
     "Check",
     "backlog_checks",
     "backlog_targets",
+    "demo_system_checks",
     "evaluate",
     "judged_runs",
     "scenario_checks",
@@ -159,8 +167,23 @@ def evaluate(lab: dict[str, Any]) -> list[Check]:
     """Every invariant check of a lab result; the lab fails if any has ``passed`` false."""
     if lab.get("scenario_file"):  # its own invariants, not the demo's
         return scenario_checks(lab)
-    checks = _http_checks(lab) if lab.get("calibration") else []
+    checks = _http_checks(lab) + demo_system_checks(lab) if lab.get("calibration") else []
     return checks + backlog_checks(lab) + payments_checks(lab) + database_checks(lab)
+
+
+def demo_system_checks(lab: dict[str, Any]) -> list[Check]:
+    """The whole-system invariants the demo's scenario files declare, on the judged runs;
+    the dependency's capacity is the demo backend's (slots / service time)."""
+    settings = lab["settings"]
+    slots, latency = settings.get("backend_concurrency"), settings.get("backend_latency")
+    capacity = float(slots) / float(latency) if slots and latency else None
+    out: list[Check] = []
+    for run in judged_runs(lab):
+        if run["scenario"] not in DEMO_FILES:
+            continue
+        invariants = [asdict(i) for i in demo_file(run["scenario"]).invariants]
+        out += system_checks(invariants, [run], lambda c: [c] if c else [], capacity)
+    return out
 
 
 def _http_checks(lab: dict[str, Any]) -> list[Check]:
@@ -591,7 +614,13 @@ def scenario_checks(lab: dict[str, Any]) -> list[Check]:
                     )
                 elif kind == "server_agrees":
                     checks += _agreement_checks(run, step, limit)
-    return checks
+
+    def class_members(name: str | None) -> list[str]:
+        # A class's endpoints, or the one endpoint a system check may name instead.
+        named = [n for n, e in endpoints.items() if name is not None and e["class"] == name]
+        return named or ([name] if name in endpoints else [])
+
+    return checks + system_checks(spec["invariants"], lab["runs"], class_members)
 
 
 def _agreement_checks(run: dict[str, Any], step: dict[str, Any], limit: float) -> list[Check]:

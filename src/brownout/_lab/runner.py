@@ -112,11 +112,11 @@ CONFIGURATIONS: dict[str, Configuration] = {
 
 @dataclass(frozen=True)
 class LabSettings:
-    """Timing of a run. The defaults fit a 2-core machine in under five minutes."""
+    """Timing of a run: by default each step's steady state lasts 5 s (step less settle)."""
 
     deadline: float = 1.0
     """Client deadline per request, seconds."""
-    step_seconds: float = 3.0
+    step_seconds: float = 6.0
     settle_seconds: float = 1.0
     """Seconds at the start of each step excluded from steady-state figures."""
     warmup_seconds: float = 1.5

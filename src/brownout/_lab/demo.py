@@ -60,6 +60,8 @@ ARRIVAL_BIN = 0.1
 """Seconds per bin of the backend's arrival counts (bins are ``time.monotonic()`` slices,
 the same clock the generator's process uses, so the runner can align them to its steps)."""
 MAX_ARRIVAL_BINS = 3000
+ARRIVAL_READ = 0.01
+"""Seconds between reads of a proxy's request counter (`_count_proxy_arrivals`)."""
 
 
 class Backend:
@@ -511,16 +513,18 @@ async def _serve_behind_proxy(
 
 
 async def _count_proxy_arrivals(proxy: Any, backend: Backend) -> None:
-    """Add the requests ``proxy`` received in each `ARRIVAL_BIN` to ``backend``'s arrivals,
-    read at each bin's end (its public counters: no hook in the proxy's request path)."""
+    """Add the requests ``proxy`` received to ``backend``'s arrivals, read from its public
+    counters every `ARRIVAL_READ` seconds (no hook in the proxy's request path); the count
+    goes to the bin of the middle of the interval read, so a busy loop's late wake-up moves
+    it by about half the late time, not by a whole interval."""
     seen = proxy.stats().requests
+    last = time.monotonic()
     while True:
+        await asyncio.sleep(ARRIVAL_READ)
         now = time.monotonic()
-        key = int(now / ARRIVAL_BIN)
-        await asyncio.sleep((key + 1) * ARRIVAL_BIN - now)
         count = proxy.stats().requests
-        backend.count_arrivals(key, count - seen)
-        seen = count
+        backend.count_arrivals(int((last + now) / 2 / ARRIVAL_BIN), count - seen)
+        seen, last = count, now
 
 
 if __name__ == "__main__":

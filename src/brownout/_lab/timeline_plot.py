@@ -83,6 +83,11 @@ def _offered(bins: list[dict[str, Any]], width: float) -> list[float]:
     return [sum(b.get(k, 0) for k in ("ok", "refused", "expired", "failed")) / width for b in bins]
 
 
+def _edges(values: list[float]) -> list[float]:
+    """``values`` with its last repeated: a post-step line drawn to the end of its last bin."""
+    return values + values[-1:]
+
+
 def _step_ticks(steps: list[dict[str, Any]]) -> tuple[list[float], list[str]]:
     """A tick in the middle of each step: its load, and its name when that says more."""
     positions, labels = [], []
@@ -123,19 +128,22 @@ def timeline_figure(
     """One scenario's runs over time, three panels sharing the schedule: requests/s (offered,
     goodput, at the dependency), 2xx latency p50/p99, refusals/s by reason. ``host_bound``
     tells whether a step was host-bound (shaded)."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
     fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
     offered_drawn = False
     shaded: set[str] = set()
     for run in runs:
         width = run["bin_seconds"]
         bins = run["timeline"][:-1]  # the last bin is cut short by the end of the plan
-        xs = [i * width for i in range(len(bins))]
+        # One edge more than bins: the last bin is drawn to its end, not as a point.
+        xs = [i * width for i in range(len(bins) + 1)] if bins else []
         name = titles.get(run["configuration"], run["configuration"])
         if not offered_drawn and bins:
             for ax in (top, bottom):
                 ax.step(
                     xs,
-                    _offered(bins, width),
+                    _edges(_offered(bins, width)),
                     where="post",
                     color="0.55",
                     linewidth=2.2,
@@ -143,13 +151,13 @@ def timeline_figure(
                     label="offered",
                 )
             offered_drawn = True
-        (line,) = top.step(xs, [b["ok"] / width for b in bins], where="post", label=name)
+        (line,) = top.step(xs, _edges([b["ok"] / width for b in bins]), where="post", label=name)
         colour = line.get_color()
         dep = run.get("dependency_timeline")
         if dep:
             top.step(
                 xs,
-                dep[: len(xs)],
+                _edges(dep[: len(bins)]),
                 where="post",
                 linestyle=":",
                 color=colour,
@@ -160,7 +168,7 @@ def timeline_figure(
             if any(v is not None for v in values):
                 middle.step(
                     xs,
-                    [float("nan") if v is None else v for v in values],
+                    _edges([float("nan") if v is None else v for v in values]),
                     where="post",
                     linestyle=style,
                     color=colour,
@@ -170,7 +178,7 @@ def timeline_figure(
         for i, reason in enumerate(reasons):
             bottom.step(
                 xs,
-                [b.get("reasons", {}).get(reason, 0) / width for b in bins],
+                _edges([b.get("reasons", {}).get(reason, 0) / width for b in bins]),
                 where="post",
                 linestyle=("-", "--", ":", "-.")[i % 4],
                 color=colour,
@@ -202,10 +210,15 @@ def timeline_figure(
     top.set_ylabel("requests/s")
     top.set_title(f"{sc['title']}: over time (by scheduled send time)", fontsize=10)
     middle.set_yscale("log")
+    middle.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    middle.yaxis.set_major_formatter(ScalarFormatter())
+    middle.yaxis.set_minor_formatter(NullFormatter())
     middle.set_ylabel("2xx latency (ms, log)")
     bottom.set_ylabel("refusals/s by reason")
     bottom.set_ylim(bottom=0)
-    if runs:
+    if runs and runs[0]["steps"]:
+        last = runs[0]["steps"][-1]
+        bottom.set_xlim(0, float(last["start"]) + float(last["duration"]))
         positions, labels = _step_ticks(runs[0]["steps"])
         load_axis(bottom, positions, labels, "offered load (multiple of capacity), step by step")
     seconds = top.secondary_xaxis("top")

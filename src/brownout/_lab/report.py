@@ -32,7 +32,14 @@ from .payments import (
     payments_rows,
 )
 from .payments import payments_runs as _payments_runs
-from .timeline_plot import declutter_ticks, legend_outside, load_axis, load_label, plot_timeline
+from .timeline_plot import (
+    declutter_ticks,
+    legend_outside,
+    load_axis,
+    load_label,
+    log_ms_axis,
+    plot_timeline,
+)
 from .verdict import Check, evaluate, step_host_bound, targets
 
 __all__ = [
@@ -479,7 +486,7 @@ def _plot(lab: dict[str, Any], out: Path) -> list[str]:
     capacity = float(lab["calibration"]["capacity"])
     ramp = [r for r in lab["runs"] if r["scenario"] == "ramp"]
     if ramp:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9.5, 4.5))
         top = max(s["steady"]["offered_per_s"] for r in ramp for s in r["steps"])
         ax.plot([0, top], [0, top], color="0.85", linestyle=":", label="offered")
         ax.axhline(capacity, color="0.6", linestyle="--", label="capacity")
@@ -500,7 +507,7 @@ def _plot(lab: dict[str, Any], out: Path) -> list[str]:
         plt.close(fig)
         written.append("goodput.png")
 
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9.5, 4.5))
         for run in ramp:
             pts = [
                 (s["steady"]["offered_per_s"], s["steady"]["success_p50_ms"], s)
@@ -529,6 +536,7 @@ def _plot(lab: dict[str, Any], out: Path) -> list[str]:
         )
         ax.set_xscale("log")
         ax.set_yscale("log")
+        log_ms_axis(ax)
         _ramp_load_axis(ax, ramp, capacity)
         ax.set_ylabel("success latency (ms, log)")
         ax.set_title("Success latency vs offered load (refusals excluded)")

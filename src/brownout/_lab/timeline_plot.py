@@ -19,6 +19,7 @@ __all__ = [
     "legend_outside",
     "load_axis",
     "load_label",
+    "log_ms_axis",
     "plot_timeline",
     "tick_overlaps",
     "timeline_figure",
@@ -79,6 +80,15 @@ def load_axis(ax: Any, positions: Sequence[float], labels: Sequence[str], title:
     ax.set_xlabel(title)
 
 
+def log_ms_axis(ax: Any) -> None:
+    """A log y axis of milliseconds ticked 20, 50, 100, 200 ... in plain numbers."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def _offered(bins: list[dict[str, Any]], width: float) -> list[float]:
     return [sum(b.get(k, 0) for k in ("ok", "refused", "expired", "failed")) / width for b in bins]
 
@@ -128,8 +138,6 @@ def timeline_figure(
     """One scenario's runs over time, three panels sharing the schedule: requests/s (offered,
     goodput, at the dependency), 2xx latency p50/p99, refusals/s by reason. ``host_bound``
     tells whether a step was host-bound (shaded)."""
-    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
-
     fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
     offered_drawn = False
     shaded: set[str] = set()
@@ -210,9 +218,7 @@ def timeline_figure(
     top.set_ylabel("requests/s")
     top.set_title(f"{sc['title']}: over time (by scheduled send time)", fontsize=10)
     middle.set_yscale("log")
-    middle.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    middle.yaxis.set_major_formatter(ScalarFormatter())
-    middle.yaxis.set_minor_formatter(NullFormatter())
+    log_ms_axis(middle)
     middle.set_ylabel("2xx latency (ms, log)")
     bottom.set_ylabel("refusals/s by reason")
     bottom.set_ylim(bottom=0)

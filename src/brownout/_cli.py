@@ -195,7 +195,7 @@ def _lab_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentPa
         "--step",
         type=_seconds_up_to(3600.0),
         help="seconds per step, at least 3x the deadline and at most 3600 "
-        "(default: 3, or 1.5 with --quick)",
+        "(default: 6, or 1.5 with --quick)",
     )
     p.add_argument(
         "--poisson", action="store_true", help="Poisson arrivals (default: constant rate)"

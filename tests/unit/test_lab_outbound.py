@@ -39,6 +39,7 @@ from brownout._lab.verdict import evaluate, targets
 
 DEMO = Target("127.0.0.1", 1, "")
 BACKEND = ("127.0.0.1", 2)
+PROXY = ("127.0.0.1", 3)
 
 
 def test_outbound_scenarios_are_opt_in_and_need_the_demo() -> None:
@@ -59,18 +60,26 @@ def test_client_behaviour_becomes_generator_retries() -> None:
     assert {c.name: c.path for c in plan.classes}["recommendations"] == "/api/recommendations"
 
 
-def test_failures_are_part_of_every_dependency_change() -> None:
+def test_network_faults_are_set_on_the_proxy_and_cleared_by_every_change() -> None:
     settings = LabSettings()
-    plan = plan_for(SCENARIOS["outage"], settings, 400.0, DEMO, BACKEND)
-    bodies = [s.actions[0].body if s.actions else None for s in plan.steps]
+    plan = plan_for(SCENARIOS["outage"], settings, 400.0, DEMO, BACKEND, proxy=PROXY)
+    calls = [[(a.port, a.path, a.body) for a in s.actions] for s in plan.steps]
     shape = {"latency": settings.backend_latency, "concurrency": settings.backend_concurrency}
-    assert bodies == [
-        None,
-        None,
-        {**shape, "down": True},
-        shape,  # the backend clears what a change omits
+    assert calls == [
+        [],
+        [],
+        [(2, "/admin", shape), (3, "/faults", {"reset_rate": 1.0})],
+        [(2, "/admin", shape), (3, "/faults", {})],  # a setting replaces the previous whole
     ]
-    assert DependencyChange(error_rate=0.3).body(0.02, 8)["error_rate"] == 0.3
+    assert DependencyChange(error_rate=0.3).faults() == {"error_rate": 0.3}
+    assert "error_rate" not in DependencyChange(error_rate=0.3).body(0.02, 8)
+    assert SCENARIOS["outage"].proxied and SCENARIOS["partial-errors"].proxied
+    assert not SCENARIOS["slow-dependency"].proxied and not SCENARIOS["capacity-loss"].proxied
+
+
+def test_network_faults_without_the_proxy_are_refused() -> None:
+    with pytest.raises(ValueError, match="proxy"):
+        plan_for(SCENARIOS["partial-errors"], LabSettings(), 400.0, DEMO, BACKEND)
 
 
 # -- the demo backend's knobs -------------------------------------------------------------------
@@ -96,25 +105,21 @@ async def _get(app: Backend, path: str, body: dict[str, Any] | None = None) -> t
     return sent[0]["status"], sent[1]["body"]
 
 
-async def test_backend_errors_outage_and_arrival_counts() -> None:
-    backend = Backend(concurrency=2, latency=0.0, seed=7)
-    assert (await _get(backend, "/work"))[0] == 200
-    await _get(backend, "/admin", {"latency": 0.0, "concurrency": 2, "error_rate": 0.3})
-    statuses = [(await _get(backend, "/work"))[0] for _ in range(400)]
-    failed = statuses.count(503)
-    assert 80 <= failed <= 160  # 30% of 400, seeded
-    await _get(backend, "/admin", {"latency": 0.0, "concurrency": 2, "down": True})
-    assert {(await _get(backend, "/work"))[0] for _ in range(20)} == {503}
-    await _get(backend, "/admin", {"latency": 0.0, "concurrency": 2})
-    assert {(await _get(backend, "/work"))[0] for _ in range(20)} == {200}
+async def test_backend_counts_arrivals_per_bin() -> None:
+    backend = Backend(concurrency=2, latency=0.0)
+    for _ in range(20):
+        assert (await _get(backend, "/work"))[0] == 200
     stats = json.loads((await _get(backend, "/admin/stats"))[1])
-    assert stats["failed"] == failed + 20
-    assert stats["served"] == 1 + 400 - failed + 20
-    assert stats["error_rate"] == 0.0 and stats["down"] is False
-    # every request that reached /work is in the per-bin arrivals, failures included
-    assert sum(n for _, n in stats["arrivals"]) == 441
+    assert stats["served"] == 20
+    assert sum(n for _, n in stats["arrivals"]) == 20
     now_bin = int(time.monotonic() / ARRIVAL_BIN)
     assert all(now_bin - 50 <= k <= now_bin for k, _ in stats["arrivals"])
+    # behind a proxy the arrivals are the proxy's, counted by the caller
+    backend.counts_arrivals = False
+    await _get(backend, "/work")
+    backend.count_arrivals(now_bin + 1, 5)
+    stats = json.loads((await _get(backend, "/admin/stats"))[1])
+    assert sum(n for _, n in stats["arrivals"]) == 25
 
 
 def test_latency_signal_has_hysteresis() -> None:

@@ -35,6 +35,16 @@ def test_plans_start_with_a_warm_up_and_scale_loads_by_capacity() -> None:
     }
 
 
+def test_default_steps_have_steady_windows_of_five_seconds_and_quick_stays_short() -> None:
+    demo = Target("127.0.0.1", 1234, "")
+    for name, scenario in SCENARIOS.items():
+        plan = plan_for(scenario, LabSettings(), 400.0, demo, ("127.0.0.1", 2), proxy=("", 3))
+        steady = [s.duration - s.settle for s in plan.steps if s.measured]
+        assert min(steady) >= 5.0, name
+    quick = LabSettings.quick()
+    assert quick.step_seconds - quick.settle_seconds <= 1.0
+
+
 def test_dependency_changes_become_admin_calls_on_the_demo_backend() -> None:
     settings = LabSettings()
     plan = plan_for(

@@ -3,9 +3,12 @@
 - **backend** (the dependency): ``GET /work`` holds one of ``concurrency`` slots for ``latency``
   seconds (8 x 40 ms by default: about 200 requests/s); beyond that, requests queue, unbounded,
   like most real dependencies. ``POST /admin`` changes latency and concurrency mid-run (the
-  slow-dependency and capacity-loss scenarios), a share of errors (partial errors) or takes
-  it down (outage); ``GET /admin/stats`` reports what it did, including the requests that
-  reached it per 100 ms (retry amplification, thundering herds).
+  slow-dependency and capacity-loss scenarios: the dependency's own capacity);
+  ``GET /admin/stats`` reports what it did, including the requests that reached it per 100 ms
+  (retry amplification, thundering herds). With ``--proxy`` the same process also serves
+  `brownout proxy` (`brownout._lab.proxy.FaultProxy`, http mode) in front of it: the front
+  calls the proxy, and the network's faults (error responses in partial errors, resets in the
+  outage) are set on the proxy's control endpoint; the arrivals are then counted at the proxy.
 - **front** (the service under test): ``GET /api/interactive`` and ``GET /api/batch`` call the
   backend through a pooled aiohttp client, passing the remaining budget with
   `brownout.wire.outbound_headers`; ``GET /healthz`` answers directly. The same handler
@@ -30,7 +33,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import socket
 import sys
 import threading
@@ -58,38 +60,35 @@ ARRIVAL_BIN = 0.1
 """Seconds per bin of the backend's arrival counts (bins are ``time.monotonic()`` slices,
 the same clock the generator's process uses, so the runner can align them to its steps)."""
 MAX_ARRIVAL_BINS = 3000
+ARRIVAL_READ = 0.01
+"""Seconds between reads of a proxy's request counter (`_count_proxy_arrivals`)."""
 
 
 class Backend:
     """A raw ASGI dependency with ``concurrency`` slots of ``latency`` seconds each.
 
-    Failure knobs (``POST /admin``): ``error_rate`` answers that share of requests 503 at
-    once (partial errors); ``down: true`` takes it out (every request answered 503 at once,
-    as a service behind a load balancer with no healthy instance).
-    Every request that reaches ``/work`` is counted per `ARRIVAL_BIN` (attempts reaching the
-    dependency, including the ones it fails).
+    Every request that reaches ``/work`` is counted per `ARRIVAL_BIN`, unless
+    ``counts_arrivals`` is off because a proxy in front of it counts them (`count_arrivals`).
+    Failures other than its own slowness are the proxy's (``--proxy``).
     """
 
-    def __init__(
-        self, concurrency: int = 8, latency: float = 0.040, *, seed: int | None = None
-    ) -> None:
+    def __init__(self, concurrency: int = 8, latency: float = 0.040) -> None:
         self.concurrency = concurrency
         self.latency = latency
-        self.error_rate = 0.0
-        self.down = False
-        self._rng = random.Random(seed)
+        self.counts_arrivals = True
         self.active = 0
         self.waiters: deque[asyncio.Future[None]] = deque()
         self.served = 0
-        self.failed = 0
         self.max_waiting = 0
         self.with_budget = 0
         self.arrivals: dict[int, int] = {}
 
-    def _arrived(self) -> None:
-        key = int(time.monotonic() / ARRIVAL_BIN)
+    def count_arrivals(self, key: int, n: int = 1) -> None:
+        """``n`` more attempts in bin ``key`` (``int(time.monotonic() / ARRIVAL_BIN)``)."""
+        if n <= 0:
+            return
         arrivals = self.arrivals
-        arrivals[key] = arrivals.get(key, 0) + 1
+        arrivals[key] = arrivals.get(key, 0) + n
         if len(arrivals) > MAX_ARRIVAL_BINS:
             del arrivals[next(iter(arrivals))]  # oldest first: dicts keep insertion order
 
@@ -125,13 +124,10 @@ class Backend:
             return
         path = scope["path"]
         if path == "/work":
-            self._arrived()
+            if self.counts_arrivals:
+                self.count_arrivals(int(time.monotonic() / ARRIVAL_BIN))
             if any(k == b"brownout-budget-ms" for k, _ in scope["headers"]):
                 self.with_budget += 1
-            if self.down or (self.error_rate and self._rng.random() < self.error_rate):
-                self.failed += 1
-                await _reply(send, 503, b"unavailable", b"text/plain")
-                return
             await self._acquire()
             try:
                 await asyncio.sleep(self.latency)
@@ -152,9 +148,6 @@ class Backend:
             if "concurrency" in change:
                 self.concurrency = max(1, int(change["concurrency"]))
                 self._wake()
-            # Failures are part of every change: a change that does not name them clears them.
-            self.error_rate = min(1.0, max(0.0, float(change.get("error_rate", 0.0))))
-            self.down = bool(change.get("down", False))
             await _reply(send, 200, json.dumps(self.stats()).encode(), b"application/json")
         elif path == "/admin/stats":
             await _reply(send, 200, json.dumps(self.stats()).encode(), b"application/json")
@@ -169,10 +162,7 @@ class Backend:
             "waiting": len(self.waiters),
             "max_waiting": self.max_waiting,
             "served": self.served,
-            "failed": self.failed,
             "with_budget": self.with_budget,
-            "error_rate": self.error_rate,
-            "down": self.down,
             "arrival_bin": ARRIVAL_BIN,
             "arrivals": sorted(self.arrivals.items()),
         }
@@ -446,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         "--metrics", action="store_true", help="serve brownout's metrics at /metrics (front)"
     )
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when it is gone")
+    parser.add_argument("--proxy", action="store_true", help="backend: brownout proxy in front")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the proxy's fault draws")
     args = parser.parse_args(argv)
     if args.parent_pid is not None:
         _exit_with_parent(args.parent_pid)
@@ -468,8 +460,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
+    backend: Backend | None = None
     if args.role == "backend":
-        app: Any = Backend(args.concurrency, args.latency)
+        backend = Backend(args.concurrency, args.latency)
+        app: Any = backend
         lifespan: Literal["on", "off"] = "off"
     else:
         app = create_front(args.backend_url, args.mode, args.drill)
@@ -491,8 +485,53 @@ def main(argv: list[str] | None = None) -> int:
         backlog=4096,
         limit_concurrency=args.limit_concurrency,
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+    if backend is not None and args.proxy:
+        from .process import new_event_loop
+
+        loop = new_event_loop()
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(_serve_behind_proxy(server, sock, backend, args.seed))
+        return 0
+    server.run(sockets=[sock])
     return 0
+
+
+async def _serve_behind_proxy(
+    server: Any, sock: socket.socket, backend: Backend, seed: int
+) -> None:
+    """Serve ``backend`` with `brownout proxy` in front of it on this process's loop; prints
+    ``PROXY <port> <control port>`` once the proxy listens."""
+    from .proxy import FaultProxy
+
+    upstream = ("127.0.0.1", sock.getsockname()[1])
+    proxy = FaultProxy(upstream, mode="http", control=("127.0.0.1", 0), seed=seed)
+    await proxy.start()
+    assert proxy.control_address is not None
+    print(f"PROXY {proxy.address[1]} {proxy.control_address[1]}", flush=True)
+    # The attempts on their way to the dependency, the ones the proxy fails included.
+    backend.counts_arrivals = False
+    counting = asyncio.create_task(_count_proxy_arrivals(proxy, backend))
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        counting.cancel()
+        await proxy.close()
+
+
+async def _count_proxy_arrivals(proxy: Any, backend: Backend) -> None:
+    """Add the requests ``proxy`` received to ``backend``'s arrivals, read from its public
+    counters every `ARRIVAL_READ` seconds (no hook in the proxy's request path); the count
+    goes to the bin of the middle of the interval read, so a busy loop's late wake-up moves
+    it by about half the late time, not by a whole interval."""
+    seen = proxy.stats().requests
+    last = time.monotonic()
+    while True:
+        await asyncio.sleep(ARRIVAL_READ)
+        now = time.monotonic()
+        count = proxy.stats().requests
+        backend.count_arrivals(int((last + now) / 2 / ARRIVAL_BIN), count - seen)
+        seen, last = count, now
 
 
 if __name__ == "__main__":

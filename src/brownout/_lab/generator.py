@@ -185,11 +185,14 @@ class StepResult:
 
 @dataclass
 class PlanResult:
-    """The steps of a plan, plus a timeline of outcomes per ``bin_seconds`` of schedule."""
+    """The steps of a plan, plus a timeline of outcomes per ``bin_seconds`` of schedule: per
+    bin the counts ``ok``, ``refused``, ``expired`` and ``failed``, the 2xx latency
+    percentiles ``p50_ms`` and ``p99_ms`` (None without one) and ``reasons`` (refusals by
+    reason)."""
 
     steps: list[StepResult]
     bin_seconds: float
-    timeline: list[dict[str, int]]
+    timeline: list[dict[str, Any]]
     connections_opened: int
     unresolved: int = 0
     """Requests still without an outcome when the generator gave up waiting (should be 0)."""
@@ -382,7 +385,9 @@ class _Pool:
         self.conns: set[_Conn] = set()
         self.connecting: set[asyncio.Task[None]] = set()
         self.drained: asyncio.Event | None = None
-        self.timeline: list[dict[str, int]] = []
+        self.timeline: list[dict[str, Any]] = []
+        self.bin_latency: dict[int, list[float]] = {}
+        self.bin_reasons: dict[int, dict[str, int]] = {}
         self._reasons: dict[bytes, str] = {}
 
     # submitting
@@ -471,6 +476,8 @@ class _Pool:
                 req.whole.success_latency.append(latency)
                 if req.steady is not None:
                     req.steady.success_latency.append(latency)
+                if req.bin >= 0:
+                    self.bin_latency.setdefault(req.bin, []).append(latency)
                 if degraded and outcome == "ok":
                     req.whole.degraded_ok += 1
                     if req.steady is not None:
@@ -482,6 +489,9 @@ class _Pool:
                     if tally is not None:
                         tally.refusal_latency.append(latency)
                         tally.shed_reasons[reason] = tally.shed_reasons.get(reason, 0) + 1
+                if req.bin >= 0:
+                    reasons = self.bin_reasons.setdefault(req.bin, {})
+                    reasons[reason] = reasons.get(reason, 0) + 1
             elif status == 504:
                 outcome = "r504"
             else:
@@ -560,6 +570,15 @@ class _Pool:
         # last failure of a run would signal "drained" with its retry still to come.
         if self.outstanding == 0 and self.drained is not None:
             self.drained.set()
+
+    def detail_timeline(self) -> None:
+        """Add each bin's 2xx latency percentiles and refusals by reason to the timeline."""
+        for index, slot in enumerate(self.timeline):
+            latencies = self.bin_latency.get(index, [])
+            for name, q in (("p50_ms", 0.50), ("p99_ms", 0.99)):
+                value = percentile(latencies, q)
+                slot[name] = None if value is None else round(value * 1000, 2)
+            slot["reasons"] = dict(sorted(self.bin_reasons.get(index, {}).items()))
 
     def on_lost(self, conn: _Conn) -> None:
         if conn not in self.conns:
@@ -809,6 +828,7 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
             await asyncio.wait_for(pool.drained.wait(), longest + chain + 2.0)
     unresolved = pool.outstanding
     await pool.close_all()
+    pool.detail_timeline()
     return PlanResult(results, bin_width, pool.timeline, pool.opened, unresolved, origin)
 
 

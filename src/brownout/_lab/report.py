@@ -34,6 +34,14 @@ from .payments import (
 from .payments import payments_runs as _payments_runs
 from .server_view import SERVER_COLUMNS, server_notes, server_rows
 from .system_checks import NOT_MEASURED
+from .timeline_plot import (
+    declutter_ticks,
+    legend_outside,
+    load_axis,
+    load_label,
+    log_ms_axis,
+    plot_timeline,
+)
 from .verdict import Check, evaluate, step_host_bound, targets
 
 __all__ = [
@@ -494,7 +502,7 @@ def _plot(lab: dict[str, Any], out: Path) -> list[str]:
     capacity = float(lab["calibration"]["capacity"])
     ramp = [r for r in lab["runs"] if r["scenario"] == "ramp"]
     if ramp:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9.5, 4.5))
         top = max(s["steady"]["offered_per_s"] for r in ramp for s in r["steps"])
         ax.plot([0, top], [0, top], color="0.85", linestyle=":", label="offered")
         ax.axhline(capacity, color="0.6", linestyle="--", label="capacity")
@@ -504,17 +512,18 @@ def _plot(lab: dict[str, Any], out: Path) -> list[str]:
             ax.plot(xs, ys, marker="o", label=titles.get(run["configuration"]))
         _mark_host_bound(ax, ramp, "goodput_per_s")
         ax.set_xscale("log")
-        ax.set_xlabel("offered load (requests/s, log)")
+        _ramp_load_axis(ax, ramp, capacity)
         ax.set_ylabel("goodput (2xx within deadline, requests/s)")
         ax.set_ylim(0, capacity * 1.3)
         ax.set_title("Goodput vs offered load")
-        ax.legend(fontsize=8)
+        legend_outside(ax, fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / "goodput.png", dpi=110)
+        declutter_ticks(fig, ax)
+        fig.savefig(out / "goodput.png", dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append("goodput.png")
 
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9.5, 4.5))
         for run in ramp:
             pts = [
                 (s["steady"]["offered_per_s"], s["steady"]["success_p50_ms"], s)
@@ -543,71 +552,37 @@ def _plot(lab: dict[str, Any], out: Path) -> list[str]:
         )
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("offered load (requests/s, log)")
+        log_ms_axis(ax)
+        _ramp_load_axis(ax, ramp, capacity)
         ax.set_ylabel("success latency (ms, log)")
         ax.set_title("Success latency vs offered load (refusals excluded)")
-        ax.legend(fontsize=7, loc="upper left")
+        legend_outside(ax)
         fig.tight_layout()
-        fig.savefig(out / "latency.png", dpi=110)
+        declutter_ticks(fig, ax)
+        fig.savefig(out / "latency.png", dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append("latency.png")
 
+    deadline_ms = float(lab["settings"]["deadline"]) * 1000
     for sc in _scenarios(lab):
-        if sc["name"] == "ramp":
+        runs = [r for r in lab["runs"] if r["scenario"] == sc["name"] and "timeline" in r]
+        if not runs:
             continue
-        runs = [r for r in lab["runs"] if r["scenario"] == sc["name"]]
-        fig, ax = plt.subplots(figsize=(9, 4))
-        for run in runs:
-            width = run["bin_seconds"]
-            bins = run["timeline"][:-1]  # the last bin is cut short by the end of the plan
-            xs = [i * width for i in range(len(bins))]
-            ys = [b["ok"] / width for b in bins]
-            (line,) = ax.step(xs, ys, where="post", label=titles.get(run["configuration"]))
-            dep = run.get("dependency_timeline")
-            if dep:
-                ax.step(
-                    xs,
-                    dep[: len(xs)],
-                    where="post",
-                    linestyle=":",
-                    color=line.get_color(),
-                    label=f"{titles.get(run['configuration'])}: at dependency",
-                )
-        ax.axhline(capacity, color="0.6", linestyle="--", label="capacity")
-        if runs:
-            for step in runs[0]["steps"]:
-                ax.axvline(step["start"], color="0.85", linewidth=0.8)
-                ax.text(step["start"], capacity * 1.22, step["label"], fontsize=7)
-        marked = 0
-        for run in runs:
-            for step in run["steps"]:
-                if step_host_bound(step):
-                    # Says which run's step, as the steps of all runs share one time axis.
-                    marked += 1
-                    ax.text(
-                        step["start"],
-                        capacity * (1.15 - 0.07 * marked),
-                        f"host-bound: {titles.get(run['configuration'])}",
-                        fontsize=6,
-                        color="red",
-                    )
-        top = max((v for r in runs for v in r.get("dependency_timeline", [])), default=0.0)
-        ax.set_ylim(0, max(capacity * 1.3, top * 1.05))
-        ax.set_xlabel("seconds since the plan started")
-        dotted = any(r.get("dependency_timeline") for r in runs)
-        ax.set_ylabel(
-            "requests/s (solid: goodput, dotted: at dependency)"
-            if dotted
-            else "goodput (requests/s)"
+        written.append(
+            plot_timeline(sc, runs, titles, capacity, deadline_ms, out, plt, step_host_bound)
         )
-        ax.set_title(f"{sc['title']}: goodput over time (by scheduled send time)")
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-        fig.tight_layout()
-        name = f"timeline-{sc['name']}.png"
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        written.append(name)
     return written
+
+
+def _ramp_load_axis(ax: Any, ramp: list[dict[str, Any]], capacity: float) -> None:
+    """The ramp's x axis (offered requests/s, log) ticked at each step's load multiple."""
+    loads = sorted({float(s["load"]) for r in ramp for s in r["steps"]})
+    load_axis(
+        ax,
+        [load * capacity for load in loads],
+        [load_label(load) for load in loads],
+        f"offered load (multiple of capacity {capacity:.0f} requests/s, log)",
+    )
 
 
 def _plot_backlog(lab: dict[str, Any], out: Path, plt: Any) -> str:
@@ -719,7 +694,12 @@ goodput >= 99% of offered; in the priority mix, interactive goodput >= 99% of in
 demand (S3). Reported as targets, not enforced: brownout-adaptive at 10x >= 97% of capacity,
 success p50 <= 1.5x and p99 <= 3x the dependency's service time; health checks under the
 10x flood all answered, p99 <= 50 ms. `lab-report/` gets the plots, the raw
-JSON, an HTML page and this Markdown.
+JSON, an HTML page and this Markdown. The plots: goodput and success latency against offered
+load on the ramp, and per scenario a timeline in three panels over its schedule: requests/s
+(offered, goodput, at the dependency), 2xx latency p50 and p99, refusals/s by reason (with
+the offered load again); the x axes are in multiples of capacity, the legends beside the
+data. In the default run a step lasts 6 s and the first 1 s of each is left out of the
+figures, so every steady state is 5 s (`--quick`: 1.5 s and 0.5 s).
 
 **For CI**: beside `report.json`, `junit.xml` holds one test suite per configuration and
 scenario, one test case per invariant check (a failed check is a failure carrying its
@@ -748,8 +728,8 @@ by processes outside the lab; it is measured again once, and a check on it that 
 reported HOST-BOUND, not PASS, and fails the lab. The generator's own CPU is shown, not
 judged: with sends under half a millisecond apart it spins between them, reading ~100%.
 
-**Outbound and degraded scenarios** (opt-in, about 12 s per configuration each, so the
-default run stays under five minutes; figures from such a run: [lab-outbound.md](lab-outbound.md)):
+**Outbound and degraded scenarios** (opt-in, about 20 s per configuration each, so the
+default run stays shorter; figures from such a run: [lab-outbound.md](lab-outbound.md)):
 
 ```console
 $ brownout lab --scenarios retry-storm,partial-errors,outage,degraded
@@ -761,16 +741,19 @@ retries naively (3 attempts, no budget), the protected front through brownout's
 `BrownoutClientMiddleware` and one `Dependency` (3 attempts under a 20% `RetryBudget`, a
 `CircuitBreaker` with jittered opening and 3 half-open probes; giving up answers 503 with
 `brownout-retry: never`). The demo dependency counts every request that reaches it per
-100 ms, so each of these scenarios gets a second table: attempts at the dependency per
+100 ms (behind the proxy, below: every request the proxy received, the ones it failed
+included), so each of these scenarios gets a second table: attempts at the dependency per
 second, amplification (attempts per original request), the busiest one-second window, client
 retries (sent by the generator as new scheduled sends, counted apart from the originals) and
 degraded goodput.
 
 - **retry storm**: 2x capacity; clients retry each failure 3 times (0.1/0.2/0.4 s), first
   naively, then with a 10% retry budget, full jitter and the do-not-retry marker honoured;
-- **partial errors**: 0.5x; the dependency answers 30% of requests 503;
-- **outage and recovery**: 0.5x from naive retrying clients; the dependency answers
-  everything 503 for one step, then returns: the peak second after it returns vs steady;
+- **partial errors**: 0.5x; `brownout proxy` in front of the dependency answers 30% of
+  requests 503;
+- **outage and recovery**: 0.5x from naive retrying clients; the proxy resets every
+  request's connection for one step, then lets them through: the peak second after it
+  returns vs steady;
 - **degraded**: like the slow dependency, on `/api/recommendations`; protected, the declared
   mode `recommendations` (entered when the dependency's latency average passes 2.5x its
   baseline, left below 1.5x, held at least 1 s) serves them from a `StaleCache`; responses
@@ -780,6 +763,17 @@ degraded goodput.
   speed says nothing about the dependency, and taken as its no-load latency it would make the
   normal latency read as queueing once the mode left (the step after recovery shows the
   limit holding).
+
+**Faults through `brownout proxy`**: in partial errors and outage the front calls the
+dependency through `brownout proxy` (the same `FaultProxy` as the command, http mode, run in
+the dependency's process and event loop), and each step sets its faults on the proxy's
+control endpoint: errors at a rate and resets are the network's, not the dependency's, so
+they are injected where a network or a load balancer would inject them. The slow dependency
+and capacity loss stay in the dependency: they model its own capacity (service time x4: each
+of its 8 slots is held 4x longer, so it serves a quarter; half of its slots gone), which
+added latency at a proxy does not reproduce (a delayed request holds no slot of the
+dependency, so no queue forms there: T2 is about that queue). Scenarios without network
+faults run without the proxy, so their figures do not pay for its hop.
 
 **Backlog after an outage** (`backlog`, opt-in, about 85 s; needs Redis 7 at
 `--redis`, default `redis://127.0.0.1:6379/0`, and says so when it does not answer; figures

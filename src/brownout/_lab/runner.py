@@ -114,11 +114,11 @@ CONFIGURATIONS: dict[str, Configuration] = {
 
 @dataclass(frozen=True)
 class LabSettings:
-    """Timing of a run. The defaults fit a 2-core machine in under five minutes."""
+    """Timing of a run: by default each step's steady state lasts 5 s (step less settle)."""
 
     deadline: float = 1.0
     """Client deadline per request, seconds."""
-    step_seconds: float = 3.0
+    step_seconds: float = 6.0
     settle_seconds: float = 1.0
     """Seconds at the start of each step excluded from steady-state figures."""
     warmup_seconds: float = 1.5
@@ -190,11 +190,16 @@ def plan_for(
     target: Target,
     backend: tuple[str, int] | None,
     classes: tuple[TrafficClass, ...] = (),
+    proxy: tuple[str, int] | None = None,
 ) -> LoadPlan:
     """The generator's plan for ``scenario``: a warm-up, then each phase at its load.
 
     ``classes``: a scenario file's endpoints (default: `classes_for` ``target``); the warm-up
-    then offers the first phase's mix rather than the demo's interactive route."""
+    then offers the first phase's mix rather than the demo's interactive route.
+    ``backend``: the demo backend's admin address; ``proxy``: the control endpoint of the
+    `brownout proxy` in front of it, where each phase's network faults are set."""
+    if backend is not None and proxy is None and scenario.proxied:
+        raise ValueError(f"{scenario.name}: its network faults need the proxy's control address")
     warmup = LoadStep(
         "warm-up",
         0.5 * capacity,
@@ -209,6 +214,9 @@ def plan_for(
         if phase.dependency is not None and backend is not None:
             body = phase.dependency.body(settings.backend_latency, settings.backend_concurrency)
             actions = (AdminCall(backend[0], backend[1], "/admin", dict(body)),)
+            if proxy is not None:
+                faults = dict(phase.dependency.faults())
+                actions += (AdminCall(proxy[0], proxy[1], "/faults", faults),)
         client = phase.client
         budget = client.get("budget")
         return LoadStep(
@@ -339,13 +347,20 @@ def add_dependency_figures(run: dict[str, Any], backend: dict[str, Any]) -> None
     ]
 
 
-def _backend_stats(url: str) -> dict[str, Any]:
+def _backend_stats(url: str, path: str = "/admin/stats") -> dict[str, Any]:
     try:
-        with urllib.request.urlopen(url + "/admin/stats", timeout=2) as r:
+        with urllib.request.urlopen(url + path, timeout=2) as r:
             stats: dict[str, Any] = json.loads(r.read())
             return stats
     except (OSError, ValueError):
         return {}
+
+
+def _proxy_stats(control: tuple[str, int]) -> dict[str, Any]:
+    """What the proxy in front of the demo's dependency did (requests, faults injected)."""
+    stats = _backend_stats(f"http://{control[0]}:{control[1]}", "/stats")
+    keep = ("requests", "connections", "upstream_failures", "faults_injected")
+    return {k: stats[k] for k in keep if k in stats}
 
 
 def cpu_layout() -> tuple[list[int], list[int], list[int]]:
@@ -428,6 +443,7 @@ def _measure(bench: _Bench, config: Configuration, scenario: Scenario) -> dict[s
                     drill=settings.drill,
                     sync=config.sync,
                     metrics=settings.server_view and config.brownout and not config.sync,
+                    proxy=scenario.proxied,
                 )
             )
             watch = [("front", demo.front.serving_pid), ("dependency", demo.backend.proc.pid)]
@@ -440,7 +456,9 @@ def _measure(bench: _Bench, config: Configuration, scenario: Scenario) -> dict[s
                 on_front_core.append("hog")
             front = Target("127.0.0.1", demo.front.port, "")
             backend = ("127.0.0.1", demo.backend.port)
-            plan = plan_for(scenario, settings, bench.capacity, front, backend)
+            plan = plan_for(
+                scenario, settings, bench.capacity, front, backend, proxy=demo.proxy_control
+            )
             # The core's busy share means one core: with several front cores it is not read.
             core = bench.front_cpus[0] if len(bench.front_cpus) == 1 else None
             plan = replace(plan, watch=tuple(watch), watch_core=core)
@@ -449,6 +467,8 @@ def _measure(bench: _Bench, config: Configuration, scenario: Scenario) -> dict[s
             with server.running() if server is not None else contextlib.nullcontext():
                 result = _execute(bench, config, scenario, plan, server)
             backend_stats = _backend_stats(demo.backend.url)
+            if demo.proxy_control is not None:
+                backend_stats["proxy"] = _proxy_stats(demo.proxy_control)
     run: dict[str, Any] = {"configuration": config.name, "scenario": scenario.name}
     run |= summarize_plan(result, scenario, on_front_core)
     run["on_front_core"] = on_front_core

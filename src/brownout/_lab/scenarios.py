@@ -11,7 +11,7 @@ failure 3 times; add ``"budget": 0.1`` for brownout-style clients (a `RetryBudge
 and the do-not-retry marker honoured).
 
 The outbound scenarios (retry storm, partial errors, outage and recovery) and the degraded
-scenario are opt-in (``--scenarios``), so the default run stays under five minutes.
+scenario are opt-in (``--scenarios``): each would lengthen the default run.
 """
 
 from __future__ import annotations
@@ -43,26 +43,40 @@ INTERACTIVE = (("interactive", 1.0),)
 
 @dataclass(frozen=True)
 class DependencyChange:
-    """Change the demo dependency when a phase starts, relative to its original shape."""
+    """Change the demo dependency when a phase starts, relative to its original shape.
+
+    ``latency_factor`` and ``concurrency_factor`` change the dependency itself (its service
+    time and its slots: its capacity); ``error_rate`` and ``down`` are the network's, injected
+    by `brownout proxy` between the front and the dependency (`faults`)."""
 
     latency_factor: float = 1.0
     concurrency_factor: float = 1.0
     error_rate: float = 0.0
-    """Share of requests the dependency answers 503 at once."""
+    """Share of requests the proxy answers 503 at once."""
     down: bool = False
-    """The dependency answers every request 503 (an outage)."""
+    """The proxy resets every request's connection (an outage)."""
 
     def body(self, base_latency: float, base_concurrency: int) -> dict[str, float | int]:
-        # A change describes the whole state: failures not named are cleared by the backend.
-        body: dict[str, float | int] = {
+        """The backend's ``POST /admin`` body: its whole shape, so omissions restore it."""
+        return {
             "latency": base_latency * self.latency_factor,
             "concurrency": max(1, round(base_concurrency * self.concurrency_factor)),
         }
+
+    def faults(self) -> dict[str, float]:
+        """The proxy's ``PUT /faults`` body (a `brownout._lab.faults.Faults`): a setting
+        replaces the previous one whole, so a change that names no fault clears them."""
+        faults: dict[str, float] = {}
         if self.error_rate:
-            body["error_rate"] = self.error_rate
+            faults["error_rate"] = self.error_rate
         if self.down:
-            body["down"] = True
-        return body
+            faults["reset_rate"] = 1.0
+        return faults
+
+    @property
+    def network(self) -> bool:
+        """True when the change needs the proxy."""
+        return bool(self.error_rate or self.down)
 
 
 @dataclass(frozen=True)
@@ -104,6 +118,11 @@ class Scenario:
     def runs_on(self, configuration: str) -> bool:
         """True when this scenario is measured on ``configuration``."""
         return self.configurations is None or configuration in self.configurations
+
+    @property
+    def proxied(self) -> bool:
+        """True when a phase injects network faults: the demo puts the proxy in the path."""
+        return any(p.dependency is not None and p.dependency.network for p in self.phases)
 
 
 SCENARIOS: dict[str, Scenario] = {}

@@ -32,6 +32,8 @@ class ServerProcess:
     proc: subprocess.Popen[bytes]
     worker_pid: int | None = None
     """gunicorn's worker, forked by ``proc`` (its master): the process that serves."""
+    proxy: tuple[int, int] | None = None
+    """A backend's `brownout proxy` in front of it (``--proxy``): (port, control port)."""
 
     @property
     def url(self) -> str:
@@ -78,6 +80,13 @@ def spawn_server(args: list[str]) -> ServerProcess:
             server.stop()
             raise RuntimeError(f"demo server {args[0]} started no worker (said {worker!r})")
         server.worker_pid = int(worker.split()[1])
+    if "--proxy" in args:
+        said = proc.stdout.readline().decode().strip()
+        if not said.startswith("PROXY "):
+            server.stop()
+            raise RuntimeError(f"demo server {args[0]} started no proxy (said {said!r})")
+        port, control = said.split()[1:3]
+        server.proxy = (int(port), int(control))
     return server
 
 
@@ -111,6 +120,12 @@ class DemoSystem:
     backend: ServerProcess
     front: ServerProcess
 
+    @property
+    def proxy_control(self) -> tuple[str, int] | None:
+        """The control endpoint of the proxy between front and backend (None: no proxy)."""
+        proxy = self.backend.proxy
+        return ("127.0.0.1", proxy[1]) if proxy is not None else None
+
     def stop(self) -> None:
         self.front.stop()
         self.backend.stop()
@@ -128,6 +143,7 @@ def start_demo(
     drill: str | None = None,
     sync: bool = False,
     metrics: bool = False,
+    proxy: bool = False,
 ) -> Iterator[DemoSystem]:
     """A fresh backend + front in ``mode``; both stopped on exit. ``concurrency`` and
     ``latency`` shape the dependency (the lab passes `LabSettings`' ``backend_*``).
@@ -135,6 +151,7 @@ def start_demo(
     ``drill`` forces that declared degraded mode on in the front (protected modes only).
     ``sync``: the front is the Flask one under gunicorn (`brownout._lab.sync_front`).
     ``metrics``: the (async) front serves brownout's metrics at ``/metrics``.
+    ``proxy``: the front calls the dependency through `brownout proxy` (`DemoSystem.proxy_control`).
     """
 
     def cpus(c: list[int] | None) -> list[str]:
@@ -148,6 +165,7 @@ def start_demo(
             "--latency",
             str(latency),
             *cpus(backend_cpus),
+            *(["--proxy"] if proxy else []),
         ]
     )
     front: ServerProcess | None = None
@@ -161,7 +179,7 @@ def start_demo(
             [
                 "sync-front" if sync else "front",
                 "--backend-url",
-                backend.url,
+                f"http://127.0.0.1:{backend.proxy[0]}" if backend.proxy else backend.url,
                 "--mode",
                 mode,
                 *extra,

@@ -302,3 +302,78 @@ def test_a_uuid_param_is_fresh_on_every_send_even_with_the_same_seed() -> None:
     first = [template.render(random.Random(7), "h", ()) for _ in range(50)]
     again = [template.render(random.Random(7), "h", ()) for _ in range(50)]
     assert len(set(first) | set(again)) == 100
+
+
+PROXIED = """
+version = 1
+name = "proxied"
+[proxies.inventory]
+control = "127.0.0.1:7002"
+[proxies.cache]
+control = "http://127.0.0.1:7004"
+[[endpoints]]
+name = "home"
+path = "/"
+[[steps]]
+label = "calm"
+load = 1.0
+[[steps]]
+label = "slow"
+load = 1.0
+faults.inventory = { latency = 0.2, jitter = 0.05 }
+[[steps]]
+label = "lossy"
+load = 1.0
+faults.cache = { loss_rate = 0.1 }
+"""
+
+
+def test_each_step_sets_every_declared_proxy_and_clears_the_ones_it_does_not_name() -> None:
+    from brownout._lab.runner import LabSettings, plan_for
+    from brownout._lab.scenarios import from_file
+
+    sf = parse_scenario(PROXIED, env={})
+    assert [(x.name, x.host, x.port) for x in sf.proxies] == [
+        ("inventory", "127.0.0.1", 7002),
+        ("cache", "127.0.0.1", 7004),
+    ]
+    plan = plan_for(from_file(sf), LabSettings(), 100.0, Target("127.0.0.1", 8000, "/"), None)
+    calls = {s.label: {(a.port, a.path): a.body for a in s.actions} for s in plan.steps}
+    assert calls["warm-up"] == {(7002, "/faults"): {}, (7004, "/faults"): {}}
+    assert calls["calm"] == {(7002, "/faults"): {}, (7004, "/faults"): {}}
+    slow = calls["slow"][(7002, "/faults")]
+    assert slow["latency"] == 0.2 and slow["jitter"] == 0.05
+    assert calls["slow"][(7004, "/faults")] == {}
+    assert calls["lossy"][(7002, "/faults")] == {}
+    assert calls["lossy"][(7004, "/faults")]["loss_rate"] == 0.1
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (("faults.inventory", "faults.db"), "steps[1].faults.db"),
+        (("latency = 0.2", "latnecy = 0.2"), "latnecy"),
+        (("latency = 0.2", "latency = -1"), "latency"),
+        (('control = "127.0.0.1:7002"', 'control = "127.0.0.1"'), "proxies.inventory.control"),
+        (('control = "127.0.0.1:7002"', 'control = "ftp://h:1"'), "proxies.inventory.control"),
+    ],
+)
+def test_a_bad_proxy_or_fault_names_its_field(change: tuple[str, str], field: str) -> None:
+    with pytest.raises(ScenarioFileError) as err:
+        parse_scenario(PROXIED.replace(*change), "bad.toml", env={})
+    assert field in str(err.value)
+
+
+def test_a_step_whose_faults_could_not_be_set_fails_the_run() -> None:
+    lab = {
+        "calibration": {"capacity": 100},
+        "scenario_file": {"endpoints": [], "invariants": []},
+        "runs": [
+            {"configuration": "target", "scenario": "s", "steps": [
+                {"label": "slow", "failed_actions": ["127.0.0.1:7002/faults: unreachable"],
+                 "valid": True, "host_bound": []},
+            ]},
+        ],
+    }  # fmt: skip
+    (check,) = scenario_checks(lab)
+    assert not check["passed"] and "7002/faults: unreachable" in check["check"]

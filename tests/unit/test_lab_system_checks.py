@@ -142,7 +142,6 @@ brownout_queue_oldest_age_seconds{bulkhead="api"} 0.25
 brownout_retries_total{cause="timeout",source="db"} 4.0
 brownout_retries_total{cause="error",source="db"} 1.0
 brownout_requests_offered_total 100
-garbage line
 """
 
 
@@ -154,6 +153,8 @@ def test_the_queue_gauges_and_retries_come_from_the_metrics_text() -> None:
     assert retries_counter(samples) == 5.0
     assert queue_gauges({"brownout_requests_offered_total": 1.0}) is None
     assert retries_counter({}) is None
+    with pytest.raises(ValueError):  # a scrape of such a page reads as none
+        parse_metrics(METRICS + "garbage line\n")
 
 
 # -- the checks on virtual runs -------------------------------------------------------------

@@ -168,6 +168,8 @@ class StepResult:
     """Retries a budgeted client did not send (budget empty or ``brownout-retry: never``)."""
     cpu: tuple[CpuSample, CpuSample] | None = None
     """CPU counters when the steady state started and when the step ended (measured steps)."""
+    failed_actions: list[str] = field(default_factory=list)
+    """The step's admin calls that were not answered 2xx ("host:port/path: status")."""
 
     @property
     def steady_seconds(self) -> float:
@@ -711,8 +713,13 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
     origin = clock()
     bin_width = plan.bin_seconds
     for index, step in enumerate(plan.steps):
+        failed = []
         for action in step.actions:
-            await admin_call(action)
+            status = await admin_call(action)
+            if not 200 <= status < 300:
+                failed.append(
+                    f"{action.host}:{action.port}{action.path}: {status or 'unreachable'}"
+                )
         names = [name for name, weight in step.mix if weight > 0]
         weights = [weight for _, weight in step.mix if weight > 0]
         total = sum(weights)
@@ -733,6 +740,7 @@ async def run_plan(plan: LoadPlan, progress: ProgressFn | None = None) -> PlanRe
             clock() - origin,
             whole,
             steady,
+            failed_actions=failed,
         )
         results.append(result)
         retries = (

@@ -30,7 +30,7 @@ from .hostcpu import cpu_shares, host_bound
 from .knee import KneeStep, find_knee
 from .process import GeneratorProcess, usable_cpus
 from .protect import FIXED_LIMIT
-from .scenario_file import BaseUrl, ScenarioFile
+from .scenario_file import BaseUrl, ProxySpec, ScenarioFile
 from .scenarios import SCENARIOS, Phase, Scenario, from_file
 from .server_view import ServerWatch, add_server_view, resolve_metrics_url
 from .servers import start_demo
@@ -207,6 +207,7 @@ def plan_for(
         scenario.phases[0].mix if classes else (("interactive", 1.0),),
         measured=False,
         arrivals=settings.arrivals,
+        actions=_proxy_calls(scenario, None),
     )
 
     def step(phase: Phase) -> LoadStep:
@@ -217,6 +218,7 @@ def plan_for(
             if proxy is not None:
                 faults = dict(phase.dependency.faults())
                 actions += (AdminCall(proxy[0], proxy[1], "/faults", faults),)
+        actions += _proxy_calls(scenario, phase)
         client = phase.client
         budget = client.get("budget")
         return LoadStep(
@@ -243,6 +245,43 @@ def plan_for(
         tls=target.tls,
         tls_verify=target.tls_verify,
         host_header=target.host_header,
+    )
+
+
+class ProxyUnreachable(RuntimeError):
+    """A proxy the scenario file declares does not answer on its control endpoint."""
+
+
+def clear_proxies(
+    proxies: Sequence[ProxySpec], stage: Callable[[str], None], *, strict: bool = True
+) -> None:
+    """Set every declared proxy to no fault (``PUT /faults {}``): before a run, which also
+    checks each answers (`ProxyUnreachable` when ``strict``), and after it."""
+    for x in proxies:
+        request = urllib.request.Request(
+            x.control + "/faults", data=b"{}", method="PUT",
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=2) as r:
+                r.read()
+        except (OSError, ValueError) as e:
+            if strict:
+                raise ProxyUnreachable(
+                    f"proxy {x.name!r}: its control endpoint {x.control} did not answer"
+                    f" ({e}); start it with `brownout proxy ... --control {x.host}:{x.port}`"
+                ) from None
+            stage(f"proxy {x.name!r}: could not clear its faults after the run ({e})")
+            continue
+        stage(f"proxy {x.name!r} ({x.control}): no fault")
+
+
+def _proxy_calls(scenario: Scenario, phase: Phase | None) -> tuple[AdminCall, ...]:
+    """Set every proxy a scenario file declares to ``phase``'s faults (None: no fault)."""
+    faults = phase.faults if phase is not None else {}
+    return tuple(
+        AdminCall(host, port, "/faults", dict(faults.get(name, {})))
+        for name, host, port in scenario.proxies
     )
 
 
@@ -276,6 +315,7 @@ def summarize_step(
         "whole": whole.summary(step.duration),
         "retries": step.retries_steady.summary(seconds),
         "retries_withheld": step.retries_withheld,
+        "failed_actions": step.failed_actions,
     }
 
 
@@ -671,7 +711,9 @@ def run_scenario_file(
     weighted = [e for e in sf.endpoints if e.weight > 0]
     deadline_ms = max(sf.deadline(e) for e in weighted) * 1000
     gen_cpus, front_cpus, backend_cpus = cpu_layout()
-    with GeneratorProcess(gen_cpus) as gen:
+    clear_proxies(sf.proxies, stage)  # before the knee too: it is measured without faults
+    with contextlib.ExitStack() as cleanup, GeneratorProcess(gen_cpus) as gen:
+        cleanup.callback(clear_proxies, sf.proxies, stage, strict=False)
 
         def measure(rate: float) -> tuple[float, float, float | None]:
             step = LoadStep(

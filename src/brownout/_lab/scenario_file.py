@@ -18,13 +18,14 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from .._priority import parse_priority
+from .faults import Faults, FaultsError
 from .system_checks import SYSTEM_CHECKS, parse_system_invariant, system_keys
 from .templates import Param, RequestTemplate, placeholders
 
@@ -37,6 +38,7 @@ __all__ = [
     "Endpoint",
     "Invariant",
     "PlanSpec",
+    "ProxySpec",
     "ScenarioFile",
     "ScenarioFileError",
     "ServerSpec",
@@ -156,6 +158,8 @@ class StepSpec:
     budget: float | None = None
     dependency: Mapping[str, Any] | None = None
     """The embedded demo only: a `brownout._lab.scenarios.DependencyChange`'s fields."""
+    faults: tuple[tuple[str, Mapping[str, Any]], ...] = ()
+    """The faults each declared proxy injects during this step (a proxy not named: none)."""
 
 
 @dataclass(frozen=True)
@@ -224,6 +228,20 @@ class ServerSpec:
 
 
 @dataclass(frozen=True)
+class ProxySpec:
+    """A `brownout proxy` between the service and one of its dependencies, driven by the
+    steps' ``faults`` through its control endpoint (``--control``)."""
+
+    name: str
+    host: str
+    port: int
+
+    @property
+    def control(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
 class ScenarioFile:
     """A loaded scenario file."""
 
@@ -241,6 +259,7 @@ class ScenarioFile:
     tls_verify: bool = True
     source: str = "<string>"
     server: ServerSpec = ServerSpec()
+    proxies: tuple[ProxySpec, ...] = ()
 
     def traffic_class(self, endpoint: Endpoint) -> TrafficClassSpec:
         """The class of ``endpoint`` (a class with no priority and no deadline if none)."""
@@ -460,10 +479,27 @@ def _endpoint(r: _Reader, env: Mapping[str, str], classes: set[str]) -> Endpoint
     )
 
 
-def _steps(r: _Reader, endpoints: set[str], plan: PlanSpec) -> list[StepSpec]:
+def _faults(r: _Reader, proxies: Set[str]) -> tuple[tuple[str, Mapping[str, Any]], ...]:
+    f = r.sub("faults")
+    out = []
+    for name in f.table:
+        if name not in proxies:
+            raise f.error(name, f"no [proxies.{name}] is declared (declared: {sorted(proxies)})")
+        setting = f.sub(name)
+        try:
+            faults = Faults.from_mapping(setting.table)
+        except FaultsError as e:
+            raise setting.error("", str(e)) from None
+        out.append((name, faults.as_dict()))
+    return tuple(out)
+
+
+def _steps(
+    r: _Reader, endpoints: set[str], plan: PlanSpec, proxies: Set[str] = frozenset()
+) -> list[StepSpec]:
     r.known(
         "label", "load", "loads", "seconds", "steps", "mix",
-        "retries", "backoff", "budget", "dependency",
+        "retries", "backoff", "budget", "dependency", "faults",
     )  # fmt: skip
     if ("load" in r.table) == ("loads" in r.table):
         raise r.error("load", "give load = X (one step) or loads = [X, ...] (a ramp)")
@@ -501,6 +537,7 @@ def _steps(r: _Reader, endpoints: set[str], plan: PlanSpec) -> list[StepSpec]:
         "backoff": r.number("backoff", 0.1),
         "budget": budget,
         "dependency": dependency,
+        "faults": _faults(r, proxies) if "faults" in r.table else (),
     }
     if "load" in r.table:
         load = r.number("load")
@@ -578,6 +615,7 @@ def parse_scenario(
     r.known(
         "version", "name", "title", "description", "base_url", "tls_verify",
         "plan", "capacity", "classes", "endpoints", "steps", "invariants", "demo", "server",
+        "proxies",
     )  # fmt: skip
     version = r.integer("version", 0)
     if version != FORMAT_VERSION:
@@ -666,7 +704,9 @@ def parse_scenario(
     if not any(e.weight > 0 for e in endpoints):
         raise r.error("endpoints", "at least one endpoint needs a weight > 0")
 
-    steps = [s for t in r.tables("steps") for s in _steps(t, set(names), plan)]
+    proxies = _proxies(r, env) if "proxies" in r.table else ()
+    proxy_names = {x.name for x in proxies}
+    steps = [s for t in r.tables("steps") for s in _steps(t, set(names), plan, proxy_names)]
     if not steps:
         raise r.error("steps", "declare at least one [[steps]]")
     labels = [s.label for s in steps]
@@ -714,7 +754,35 @@ def parse_scenario(
         r.boolean("tls_verify", True),
         source,
         server,
+        proxies,
     )
+
+
+def _proxies(r: _Reader, env: Mapping[str, str]) -> tuple[ProxySpec, ...]:
+    t = r.sub("proxies")
+    out = []
+    for name in t.table:
+        if not _NAME.fullmatch(name):
+            raise t.error(name, "letters, digits and . _ : - only")
+        x = t.sub(name)
+        x.known("control")
+        control = _substitute(x.string("control"), env, x, "control")
+        parts = urlsplit(control if "//" in control else f"http://{control}")
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if (
+            parts.scheme != "http"
+            or not parts.hostname
+            or port is None
+            or parts.path not in ("", "/")
+        ):
+            raise x.error(
+                "control", "must be HOST:PORT or http://HOST:PORT (the proxy's --control)"
+            )
+        out.append(ProxySpec(name, parts.hostname, port))
+    return tuple(out)
 
 
 def load_scenario(path: str | Path, env: Mapping[str, str] | None = None) -> ScenarioFile:

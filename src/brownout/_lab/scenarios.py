@@ -95,6 +95,8 @@ class Phase:
     client: Mapping[str, Any] = field(default_factory=dict)
     """Client behaviour: ``retries`` (per failed request), ``backoff`` (seconds before the
     first retry, doubling), ``budget`` (a retry-budget ratio: brownout-style clients)."""
+    faults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """A scenario file's faults per declared proxy (`Scenario.proxies`) for this phase."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,9 @@ class Scenario:
     """A CPU hog shares the front's core for the whole run (`brownout._lab.hog`)."""
     configurations: tuple[str, ...] | None = None
     """The configurations it runs on (None: every one asked for)."""
+    proxies: tuple[tuple[str, str, int], ...] = ()
+    """A scenario file's proxies as (name, host, port) of their control endpoints: every
+    phase sets each one's faults (none where the phase names none)."""
 
     def runs_on(self, configuration: str) -> bool:
         """True when this scenario is measured on ``configuration``."""
@@ -144,7 +149,17 @@ def from_file(sf: ScenarioFile) -> Scenario:
             if st.budget is not None:
                 client["budget"] = st.budget
         dependency = None if st.dependency is None else DependencyChange(**st.dependency)
-        phases.append(Phase(st.label, st.load, st.mix or sf.mix, st.steps, dependency, client))
+        phases.append(
+            Phase(
+                st.label,
+                st.load,
+                st.mix or sf.mix,
+                st.steps,
+                dependency,
+                client,
+                {name: dict(f) for name, f in st.faults},
+            )
+        )
     return Scenario(
         sf.name,
         sf.title,
@@ -154,6 +169,7 @@ def from_file(sf: ScenarioFile) -> Scenario:
         outbound=sf.demo.outbound,
         hog=sf.demo.hog,
         configurations=sf.demo.configurations,
+        proxies=tuple((x.name, x.host, x.port) for x in sf.proxies),
     )
 
 

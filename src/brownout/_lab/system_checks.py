@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from . import server_view
+
 __all__ = [
     "HERD_BIN_SECONDS",
     "NOT_MEASURED",
@@ -148,22 +150,13 @@ def system_keys(check: str) -> tuple[str, ...]:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text as ``{series: value}`` (series: the name with its labels, as written);
-    comments and lines it cannot read are skipped."""
+    """Prometheus text as ``{series: value}`` (series: the name with its labels, as
+    ``name{key="value",...}``), read by the server view's strict parser
+    (`brownout._lab.server_view.parse_metrics`: a malformed page is a `ValueError`)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        head, close, tail = line.rpartition("}")
-        series, _, rest = (head + close, "", tail) if close else line.partition(" ")
-        words = rest.split()
-        if not words:
-            continue
-        try:
-            out[series.strip()] = float(words[0])
-        except ValueError:
-            continue
+    for sample in server_view.parse_metrics(text):
+        labels = ",".join(f'{k}="{v}"' for k, v in sample.labels)
+        out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
 
 

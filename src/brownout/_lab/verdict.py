@@ -530,6 +530,13 @@ def scenario_checks(lab: dict[str, Any]) -> list[Check]:
     endpoints = {e["name"]: e for e in spec["endpoints"]}
     checks: list[Check] = []
     for run in lab["runs"]:
+        for step in run["steps"]:
+            failed = step.get("failed_actions") or []
+            if failed:
+                # The step ran without the faults it declares: what it measured is not it.
+                checks.append(
+                    _check(run, step, f"faults set ({'; '.join(failed)})", 0, 0, False, "")
+                )
         for inv in spec["invariants"]:
             kind, limit, labels = inv["check"], float(inv["threshold"]), inv["steps"]
             for step in run["steps"]:

@@ -85,16 +85,18 @@ def cmd_test(extra: list[str]) -> int:
 
 def _pytest_steps(extra: list[str]) -> list[list[str]]:
     """The whole suite: unit tests on every core (virtual time, no shared servers); the
-    integration tests on two workers, a file to a worker and the PostgreSQL tests on one
-    (tests/integration/conftest.py; their margins allow a shared host); then the end-to-end
-    lab runs one at a time (each pins the lab's processes to cores). Arguments given run
-    one plain pytest."""
+    integration tests on two workers, a file to a worker (their margins allow a shared
+    host), except those marked ``postgres`` (tests/integration/conftest.py), which run one
+    at a time after them; then the end-to-end lab runs one at a time (each pins the lab's
+    processes to cores). Arguments given run one plain pytest."""
     pytest = [str(PY), "-m", "pytest", "-q"]
     if extra:
         return [[*pytest, *extra]]
+    integration = [*pytest, "--durations=10", "tests/integration", "-m"]
     return [
         [*pytest, "-n", "auto", "tests/unit"],
-        [*pytest, "-n", "2", "--dist", "loadgroup", "--durations=15", "tests/integration"],
+        [*integration, "not postgres", "-n", "2", "--dist", "loadfile"],
+        [*integration, "postgres"],
         [*pytest, "--durations=5", "tests/e2e"],
     ]
 

@@ -1,8 +1,8 @@
-"""How the integration tests share the two workers of ``dev.py test``.
-
-Each file runs on one worker (its module-scoped servers, queues and keys stay its own), and
-every test that touches PostgreSQL runs on the same worker, one after another: several of
-them count or terminate backends in ``pg_stat_activity``, which a neighbour would disturb.
+"""How ``dev.py test`` shares the integration tests between workers: every test that
+touches PostgreSQL is marked ``postgres`` and runs in a serial pass of its own (several
+count or terminate backends in ``pg_stat_activity``, which a neighbour would disturb); the
+others run on two workers, a file to a worker (``--dist loadfile``), so a file's servers,
+queues and keys stay its own.
 """
 
 from __future__ import annotations
@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        group = "postgres" if "postgres_server" in item.fixturenames else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "postgres: talks to PostgreSQL; run without neighbours")
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if "postgres_server" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.postgres)

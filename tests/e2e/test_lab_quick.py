@@ -92,11 +92,12 @@ def test_quick_lab_produces_a_consistent_report(tmp_path: Path) -> None:
             r for r in lab["runs"] if (r["configuration"], r["scenario"]) == (config, "ramp")
         )
         top = max(ramp["steps"], key=lambda s: s["load"])
-        if config == "sync-brownout" and top["cpu"]["front"] >= 0.9:
+        if config == "sync-brownout" and max(top["cpu"]["front"], top["cpu"]["core"]) >= 0.9:
             # One gthread worker on one core: at 10x its refusals alone can fill the core
-            # (gunicorn parses every request before brownout sees it). The sync figure is 4x;
-            # at 10x it must still serve, and the run prints what the core allowed.
-            print(f"sync-brownout at {top['label']}: front CPU {top['cpu']['front']}")
+            # (gunicorn parses every request before brownout sees it), or fill what other
+            # processes leave of it. The sync figure is 4x; at 10x it must still serve, and
+            # the run prints what the core allowed.
+            print(f"sync-brownout at {top['label']}: CPU {top['cpu']}")
             assert top["steady"]["goodput_per_s"] > 0.25 * capacity, top["steady"]
             top = next(s for s in ramp["steps"] if s["load"] == 4.0)
         goodput = top["steady"]["goodput_per_s"]

@@ -50,10 +50,11 @@ def test_the_example_file_loads() -> None:
     assert sf.base_url is not None and sf.base_url.port == 8000
 
 
-def test_the_docs_show_the_example_file_verbatim() -> None:
+@pytest.mark.parametrize("example", [EXAMPLE, ROOT / "examples" / "lab_shop" / "scenario.toml"])
+def test_the_docs_show_the_example_file_verbatim(example: Path) -> None:
     page = (ROOT / "docs" / "lab.md").read_text()
     blocks = re.findall(r"```toml\n(.*?)```", page, re.S)
-    assert EXAMPLE.read_text() in blocks
+    assert example.read_text() in blocks
 
 
 def test_the_requests_carry_class_priority_deadline_and_drawn_values() -> None:

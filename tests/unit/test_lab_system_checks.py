@@ -61,6 +61,7 @@ metrics = "http://127.0.0.1:9/metrics"
 check = "retry_budget"
 max = 0.1
 min_per_second = 2
+window = 2
 [[invariants]]
 check = "priority_goodput_stable"
 min = 0.9
@@ -88,7 +89,7 @@ def test_the_system_checks_are_invariant_kinds_with_their_keys() -> None:
     by = {i.check: i for i in sf.invariants}
     assert by["queue_bounded"].threshold == 50
     assert by["queue_bounded"].options == {"max_age": 0.5, "metrics": "http://127.0.0.1:9/metrics"}
-    assert by["retry_budget"].options == {"min_per_second": 2.0}
+    assert by["retry_budget"].options == {"min_per_second": 2.0, "window": 2.0}
     assert by["priority_goodput_stable"].traffic_class == "checkout"
     assert by["priority_goodput_stable"].options == {"baseline": "base"}
     assert by["no_thundering_herd"].steps == ("fault", "after")
@@ -247,6 +248,13 @@ def test_retry_budget_counts_client_and_server_retries() -> None:
     assert "client + server" in checks[1]["check"]
     unmeasured = _run({**_step("base", 0.0), "retries": {}})
     assert _checks("retry_budget", unmeasured)[0]["status"] == NOT_MEASURED
+    # Without a window, RetryBudget's 10 s: its floor may all go in one short step.
+    (default,) = [i for i in _invariants() if i["check"] == "retry_budget"]
+    default = {**default, "options": {"min_per_second": 2.0}}
+    (check,) = system_checks(
+        [default], [_run(_step("base", 0.0, offered=200, retries=24))], _members
+    )
+    assert check["limit"] == 0.1 * 200 + 2.0 * 10
 
 
 def test_priority_goodput_against_the_baseline_step() -> None:

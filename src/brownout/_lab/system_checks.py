@@ -81,7 +81,7 @@ class _Kind:
 
 SYSTEM_CHECKS: dict[str, _Kind] = {
     "queue_bounded": _Kind("max", False, ("max_age",), ("metrics",)),
-    "retry_budget": _Kind("max", False, ("min_per_second",), ("metrics",)),
+    "retry_budget": _Kind("max", False, ("min_per_second", "window"), ("metrics",)),
     "priority_goodput_stable": _Kind("min", True),
     "no_thundering_herd": _Kind("max", False, ("capacity",), ("proxy",)),
     "late_success_reconciled": _Kind("max", False, (), ("source",), default=0.0),
@@ -377,6 +377,8 @@ def _retries(inv: Mapping[str, Any], run: Mapping[str, Any]) -> list[Check]:
     options = inv.get("options") or {}
     ratio = float(inv["threshold"])
     floor = float(options.get("min_per_second", 1.0))
+    # A budget lets its floor's whole window (RetryBudget's default: 10 s) go at once.
+    window = float(options.get("window", 10.0))
     out = []
     for step in _chosen(inv, run):
         originals = int(step["steady"]["offered"])
@@ -390,7 +392,7 @@ def _retries(inv: Mapping[str, Any], run: Mapping[str, Any]) -> list[Check]:
             continue
         retries = int(client.get("offered", 0)) + int(server or 0)
         seconds = float(step.get("steady_seconds") or 0.0)
-        limit = round(ratio * originals + floor * seconds, 1)
+        limit = round(ratio * originals + floor * max(seconds, window), 1)
         whose = "client + server" if server is not None else "client"
         name = f"retries ({whose}) <= {ratio:g} x originals + {floor:g}/s"
         out.append(_result(run, step, name, retries, limit, retries <= limit, "retries"))

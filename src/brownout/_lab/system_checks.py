@@ -423,7 +423,7 @@ def _priority(inv: Mapping[str, Any], run: Mapping[str, Any], members: list[str]
             note = "no baseline goodput" if goodput is not None else "class not offered"
             out.append(_result(run, step, name, goodput, 0.0, None, "req/s", note))
             continue
-        limit = round(share * base, 1)
+        limit, goodput = round(share * base, 1), round(goodput, 1)
         out.append(_result(run, step, name, goodput, limit, goodput >= limit, "req/s"))
     return out
 

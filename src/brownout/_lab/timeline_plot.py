@@ -57,7 +57,14 @@ def tick_overlaps(fig: Any, ax: Any) -> int:
 
 
 def declutter_ticks(fig: Any, ax: Any) -> None:
-    """Rotate ``ax``'s x tick labels when they overlap; if they still do, keep every other."""
+    """When ``ax``'s x tick labels overlap: a word a line in a smaller font, then rotated,
+    then every other one kept, until they do not."""
+    if not tick_overlaps(fig, ax):
+        return
+    for label in ax.get_xticklabels():
+        label.set_text(label.get_text().replace(" ", "\n"))
+        label.set_fontsize(7)
+    ax.set_xticks(ax.get_xticks(), [t.get_text() for t in ax.get_xticklabels()], fontsize=7)
     if not tick_overlaps(fig, ax):
         return
     for label in ax.get_xticklabels():
@@ -184,13 +191,15 @@ def timeline_figure(
                 )
         reasons = sorted({r for b in bins for r in b.get("reasons", {})})
         for i, reason in enumerate(reasons):
+            # One run: a colour per reason; several: the run's colour, a style per reason.
+            alone = len(runs) == 1
             bottom.step(
                 xs,
                 _edges([b.get("reasons", {}).get(reason, 0) / width for b in bins]),
                 where="post",
-                linestyle=("-", "--", ":", "-.")[i % 4],
-                color=colour,
-                label=f"{name}: {reason}",
+                linestyle="-" if alone else ("-", "--", ":", "-.")[i % 4],
+                color=f"C{(i + 1) % 10}" if alone else colour,
+                label=reason if alone else f"{name}: {reason}",
             )
         for step in run["steps"]:
             if host_bound(step):

@@ -122,6 +122,10 @@ def test_the_server_sees_the_declared_mix(tmp_path: Path, monkeypatch: Any) -> N
         status = lab_main(["--scenario", str(scenario), "--target", url, "--out", str(out)])
     lab = json.loads((out / "report.json").read_text())
     assert status in (0, 1), status  # 1: an invariant failed on a busy host; judged below
+    # The report describes the user's run, not the embedded demo.
+    report = (out / "report.md").read_text()
+    assert "A run of the scenario file" in report and "The demo system" not in report
+    assert "(declared in the scenario file)" in report and "service time" not in report
     counts = Counter(r["endpoint"] for r in seen)
     n = sum(counts.values())
     # Warm-up 0.5 s at 50/s, then 2 s at 50, 100 and 150/s: about 625 requests, once per

@@ -363,6 +363,13 @@ _CAPACITY_SOURCES = {
 }
 
 
+def _service_time(cal: dict[str, Any]) -> str:
+    """The demo dependency's service time, when calibration measured one."""
+    if cal.get("source", "calibration") != "calibration":
+        return ""
+    return f"service time {cal['service_time'] * 1000:.1f} ms, "
+
+
 def print_tables(lab: dict[str, Any], console: Any) -> None:
     """Print one rich table per scenario, then the verdict."""
     from rich.table import Table
@@ -372,8 +379,7 @@ def print_tables(lab: dict[str, Any], console: Any) -> None:
         console.print(
             f"[bold]capacity[/] {cal['capacity']:.0f} req/s "
             f"({_CAPACITY_SOURCES[cal.get('source', 'calibration')]}), "
-            f"service time {cal['service_time'] * 1000:.1f} ms, "
-            f"client deadline {lab['settings']['deadline'] * 1000:.0f} ms"
+            f"{_service_time(cal)}client deadline {lab['settings']['deadline'] * 1000:.0f} ms"
         )
     if _backlog_runs(lab):
         table = Table(title=f"{BACKLOG_TITLE}: {backlog_description(lab)}", title_justify="left")
@@ -868,7 +874,17 @@ def markdown(
     out = ["# The overload lab", ""]
     if header:
         out += [f"- **{label}**: {value}" for label, value in environment_lines(lab)] + [""]
-    out += [*PREAMBLE.splitlines(), ""]
+    sf = lab.get("scenario_file")
+    if sf is not None:
+        # A user's service: the demo's description would be wrong here.
+        out += [
+            f"A run of the scenario file `{sf['source']}` against {sf['base_url']}: "
+            "open-loop load in steps, latency from each request's scheduled send time, every "
+            "request counted into one outcome; the checks are the file's invariants.",
+            "",
+        ]
+    else:
+        out += [*PREAMBLE.splitlines(), ""]
     if command:
         out += ["## This run", "", "Produced by:", "", "```console", f"$ {command}", "```", ""]
     if _backlog_runs(lab):
@@ -885,10 +901,16 @@ def markdown(
         out += [f"![timeline-database.png]({image_prefix}timeline-database.png)", ""]
     if not cal:
         return "\n".join([*out, "## Verdict", "", *_verdict_lines(lab), ""])
-    out += [
+    source = cal.get("source", "calibration")
+    measured = (
         f"Measured capacity: **{cal['capacity']:.0f} requests/s** (closed loop, concurrency "
         f"doubled until throughput stopped growing); dependency service time "
-        f"{cal['service_time'] * 1000:.1f} ms; client deadline {st['deadline'] * 1000:.0f} ms; "
+        f"{cal['service_time'] * 1000:.1f} ms"
+        if source == "calibration"
+        else f"Capacity: **{cal['capacity']:.0f} requests/s** ({_CAPACITY_SOURCES[source]})"
+    )
+    out += [
+        f"{measured}; client deadline {st['deadline'] * 1000:.0f} ms; "
         f"steps of {st['step_seconds']:g} s, the first {st['settle_seconds']:g} s of each left "
         f"out of the figures; {st['arrivals']} arrivals.",
         "",
@@ -949,9 +971,9 @@ def _html(lab: dict[str, Any], images: list[str]) -> str:
     cal = lab["calibration"]
     if cal:
         parts.append(
-            f"<p>Capacity {cal['capacity']:.0f} req/s, service time "
-            f"{cal['service_time'] * 1000:.1f} ms, deadline "
-            f"{lab['settings']['deadline'] * 1000:.0f} ms.</p>"
+            f"<p>Capacity {cal['capacity']:.0f} req/s "
+            f"({_CAPACITY_SOURCES[cal.get('source', 'calibration')]}), {_service_time(cal)}"
+            f"deadline {lab['settings']['deadline'] * 1000:.0f} ms.</p>"
         )
     if _backlog_runs(lab):
         parts.append(f"<h2>{BACKLOG_TITLE}</h2><p>{html.escape(backlog_description(lab))}</p>")

@@ -443,9 +443,8 @@ def _compare(
     """Print the steps that regressed against ``old`` and write compare.md beside the report."""
     if old is None or path is None:
         return
-    from rich.table import Table
-
     from ._lab.compare import COMPARE_COLUMNS, compare_markdown, compare_reports, compare_rows
+    from ._lab.report import rich_table
 
     deltas = compare_reports(old, lab)
     (out / "compare.md").write_text(compare_markdown(deltas, path))
@@ -453,12 +452,7 @@ def _compare(
     if not rows:
         console.print(f"compared with {path}: no step regressed ({len(deltas)} steps)")
         return
-    table = Table(title=f"regressed against {path}", title_justify="left")
-    for col in COMPARE_COLUMNS:
-        table.add_column(col, overflow="fold")
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
+    console.print(rich_table(f"regressed against {path}", COMPARE_COLUMNS, rows))
     console.print(f"compare: {out / 'compare.md'}")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import json
 import shutil
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ __all__ = [
     "host_cell",
     "markdown",
     "outbound_rows",
+    "rich_table",
     "scenario_rows",
     "write_markdown",
     "write_report",
@@ -370,10 +372,20 @@ def _service_time(cal: dict[str, Any]) -> str:
     return f"service time {cal['service_time'] * 1000:.1f} ms, "
 
 
-def print_tables(lab: dict[str, Any], console: Any) -> None:
-    """Print one rich table per scenario, then the verdict."""
+def rich_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> Any:
+    """A console table with folding columns, as every lab table is printed."""
     from rich.table import Table
 
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def print_tables(lab: dict[str, Any], console: Any) -> None:
+    """Print one rich table per scenario, then the verdict."""
     cal = lab["calibration"]
     if cal:
         console.print(
@@ -382,47 +394,22 @@ def print_tables(lab: dict[str, Any], console: Any) -> None:
             f"{_service_time(cal)}client deadline {lab['settings']['deadline'] * 1000:.0f} ms"
         )
     if _backlog_runs(lab):
-        table = Table(title=f"{BACKLOG_TITLE}: {backlog_description(lab)}", title_justify="left")
-        for col in BACKLOG_COLUMNS:
-            table.add_column(col, overflow="fold")
-        for row in backlog_rows(lab):
-            table.add_row(*row)
-        console.print(table)
+        title = f"{BACKLOG_TITLE}: {backlog_description(lab)}"
+        console.print(rich_table(title, BACKLOG_COLUMNS, backlog_rows(lab)))
     if _payments_runs(lab):
-        table = Table(title=f"{PAYMENTS_TITLE}: {payments_description(lab)}", title_justify="left")
-        for col in PAYMENTS_COLUMNS:
-            table.add_column(col, overflow="fold")
-        for row in payments_rows(lab):
-            table.add_row(*row)
-        console.print(table)
+        title = f"{PAYMENTS_TITLE}: {payments_description(lab)}"
+        console.print(rich_table(title, PAYMENTS_COLUMNS, payments_rows(lab)))
     if database_runs(lab):
-        table = Table(title=f"{DATABASE_TITLE}: {database_description(lab)}", title_justify="left")
-        for col in DATABASE_COLUMNS:
-            table.add_column(col, overflow="fold")
-        for row in database_rows(lab):
-            table.add_row(*row)
-        console.print(table)
+        title = f"{DATABASE_TITLE}: {database_description(lab)}"
+        console.print(rich_table(title, DATABASE_COLUMNS, database_rows(lab)))
     for sc in _scenarios(lab):
-        table = Table(title=f"{sc['title']}: {sc['description']}", title_justify="left")
-        for col in COLUMNS:
-            table.add_column(col, overflow="fold")
-        for row in scenario_rows(lab, sc["name"]):
-            table.add_row(*row)
-        console.print(table)
+        title = f"{sc['title']}: {sc['description']}"
+        console.print(rich_table(title, COLUMNS, scenario_rows(lab, sc["name"])))
         if sc.get("outbound"):
-            extra = Table(title=f"{sc['title']}: at the dependency", title_justify="left")
-            for col in OUTBOUND_COLUMNS:
-                extra.add_column(col, overflow="fold")
-            for row in outbound_rows(lab, sc["name"]):
-                extra.add_row(*row)
-            console.print(extra)
+            title = f"{sc['title']}: at the dependency"
+            console.print(rich_table(title, OUTBOUND_COLUMNS, outbound_rows(lab, sc["name"])))
         if rows := server_rows(lab, sc["name"]):
-            view = Table(title=f"{sc['title']}: {SERVER_TITLE}", title_justify="left")
-            for col in SERVER_COLUMNS:
-                view.add_column(col, overflow="fold")
-            for row in rows:
-                view.add_row(*row)
-            console.print(view)
+            console.print(rich_table(f"{sc['title']}: {SERVER_TITLE}", SERVER_COLUMNS, rows))
     for note in server_notes(lab):
         console.print(f"[yellow]server's view:[/] {note}", highlight=False)
     checks = evaluate(lab)

